@@ -1,0 +1,74 @@
+# ecxfer build and test entry points. `make test` and `make run` are the two
+# commands a fresh Debian 12 machine (as root) needs.
+
+GO        ?= go
+PKGS      ?= ./...
+FUZZTIME  ?= 3s
+LONGFUZZ  ?= 2m
+DEBS      := libucx-dev ucx-utils pkg-config iproute2 python3-msgpack
+SOAK      ?= 60s
+BENCHTIME ?= 1s
+
+.PHONY: all deps build test vet fmt-check cgo-guard fuzz-seed fuzz run bench soak clean
+
+all: build
+
+# Install the Debian packages ecxfer needs, only those that are missing.
+deps:
+	@missing=""; for p in $(DEBS); do \
+		dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -z "$$missing" ]; then echo "deps: all present ($(DEBS))"; exit 0; fi; \
+	if [ "$$(id -u)" != 0 ]; then \
+		echo "deps: missing Debian packages:$$missing"; \
+		echo "deps: run 'make deps' as root, or: sudo apt-get install -y$$missing"; exit 1; \
+	fi; \
+	echo "deps: installing$$missing"; \
+	export DEBIAN_FRONTEND=noninteractive; \
+	apt-get update -qq && apt-get install -y -qq --no-install-recommends $$missing
+
+build: deps
+	$(GO) build $(PKGS)
+
+fmt-check:
+	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
+	if [ -n "$$out" ]; then echo "gofmt needed on:"; echo "$$out"; exit 1; fi
+
+vet:
+	$(GO) vet $(PKGS)
+
+# Only the engine packages under nixl/ may use cgo.
+cgo-guard:
+	@bad=$$(grep -rl --include='*.go' -E '^import "C"|^[[:space:]]*"C"$$' . | grep -v '^\./nixl/' || true); \
+	if [ -n "$$bad" ]; then echo "cgo outside nixl/:"; echo "$$bad"; exit 1; fi; \
+	echo "cgo-guard: ok"
+
+# Run every fuzz target briefly (its seed corpus plus $(FUZZTIME) of fuzzing).
+define run-fuzz
+	@set -e; for f in $$(grep -rl --include='*_test.go' '^func Fuzz' . | sort); do \
+		dir=$$(dirname $$f); \
+		for t in $$(sed -n 's/^func \(Fuzz[A-Za-z0-9_]*\)(.*/\1/p' $$f); do \
+			echo "fuzz: $$dir $$t ($(1))"; \
+			$(GO) test -run '^$$' -fuzz "^$$t\$$" -fuzztime $(1) $$dir > .fuzz.log 2>&1 || { cat .fuzz.log; rm -f .fuzz.log; exit 1; }; \
+		done; \
+	done; rm -f .fuzz.log; echo "fuzz: ok"
+endef
+
+fuzz-seed:
+	$(call run-fuzz,$(FUZZTIME))
+
+fuzz:
+	$(call run-fuzz,$(LONGFUZZ))
+
+test: deps fmt-check cgo-guard vet
+	$(GO) test -race -count=1 -timeout 20m $(PKGS)
+	@$(MAKE) --no-print-directory fuzz-seed
+
+run: deps
+	$(GO) test -run '^$$' -bench . -benchtime $(BENCHTIME) ./ring ./descriptors
+
+bench: deps
+	$(GO) test -run '^$$' -bench . -benchmem -count 5 $(PKGS)
+
+clean:
+	$(GO) clean -testcache
