@@ -47,24 +47,31 @@ func ValidateIndices(local, remote List, localIdx, remoteIdx []int) error {
 // MergeRuns validates the index lists (as ValidateIndices) and appends to
 // dst[:0] one Range per maximal run in which both the local and the remote
 // descriptors are contiguous in memory: pair i+1 extends the current range
-// when its local address starts where the range's local end is and its
-// remote address starts where the range's remote end is. Given a dst with
-// enough capacity it allocates nothing on success.
+// when its local address starts where the range's local end is, its remote
+// address starts where the range's remote end is, both descriptors are on
+// the same device as the previous pair's, and neither end nor the merged
+// length wraps around uint64. Given a dst with enough capacity it allocates
+// nothing on success.
 func MergeRuns(dst []Range, local, remote List, localIdx, remoteIdx []int) ([]Range, error) {
 	if err := ValidateIndices(local, remote, localIdx, remoteIdx); err != nil {
 		return dst[:0], err
 	}
 	dst = dst[:0]
+	var prevLocalDev, prevRemoteDev uint64
 	for i, li := range localIdx {
 		l, r := local[li], remote[remoteIdx[i]]
-		if n := len(dst); n > 0 {
+		if n := len(dst); n > 0 && l.DevID == prevLocalDev && r.DevID == prevRemoteDev {
 			last := &dst[n-1]
-			if last.Local+last.Len == l.Addr && last.Remote+last.Len == r.Addr && last.Len+l.Len >= last.Len {
+			localEnd, remoteEnd := last.Local+last.Len, last.Remote+last.Len
+			if localEnd == l.Addr && remoteEnd == r.Addr &&
+				localEnd >= last.Local && remoteEnd >= last.Remote &&
+				last.Len+l.Len >= last.Len {
 				last.Len += l.Len
 				continue
 			}
 		}
 		dst = append(dst, Range{Local: l.Addr, Remote: r.Addr, Len: l.Len})
+		prevLocalDev, prevRemoteDev = l.DevID, r.DevID
 	}
 	return dst, nil
 }
