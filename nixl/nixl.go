@@ -94,7 +94,8 @@ type Agent interface {
 	// LoadRemoteMetadata decodes and loads a peer's metadata and returns its
 	// name. Loading identical metadata again returns the same name.
 	// Different metadata under a loaded name fails with ErrNotAllowed until
-	// the old one is invalidated. Malformed metadata fails with
+	// the old one is invalidated; that error is returned together with the
+	// name, so the caller knows which peer to invalidate. Malformed metadata fails with
 	// ErrInvalidParam; it never crashes.
 	LoadRemoteMetadata(md []byte) (string, error)
 	// InvalidateRemoteMetadata forgets a peer: its prepared lists become
