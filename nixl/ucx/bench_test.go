@@ -1,0 +1,95 @@
+package ucx
+
+import (
+	"math/rand"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/ecxfer/ecxfer/nixl"
+)
+
+// The benchmarks drive one agent directly from the benchmark goroutine (no
+// reactor) against a producer process that owns UCX-allocated memory: the
+// floor a reactor is measured against. UCX_TLS is passed through.
+
+// spinXfer posts id and spins Progress/PollCompletions until it completes.
+func spinXfer(b *testing.B, a *Agent, id nixl.XferID, comp []nixl.Completion) {
+	if err := a.PostXfer(id); err != nil {
+		b.Fatal(err)
+	}
+	for {
+		if _, err := a.Progress(); err != nil {
+			b.Fatal(err)
+		}
+		n := a.PollCompletions(comp)
+		for _, c := range comp[:n] {
+			if c.ID == id {
+				if c.Err != nil {
+					b.Fatal(c.Err)
+				}
+				return
+			}
+		}
+	}
+}
+
+func p50(d []time.Duration) time.Duration {
+	slices.Sort(d)
+	return d[len(d)/2]
+}
+
+func BenchmarkRead8KiB(b *testing.B) {
+	const block, blocks = 8192, 64
+	ch := startChild(b, childOpts{name: "prod", seed: 1, block: block, blocks: blocks, alloc: true, quiet: true})
+	c := newConsumer(b, Config{Name: "cons"}, blocks, block)
+	c.connect(b, ch)
+	id, err := c.a.MakeXfer(nixl.Read, c.local, []int{0}, c.remote, []int{5}, nil)
+	require.NoError(b, err)
+	comp := make([]nixl.Completion, 16)
+	for i := 0; i < 100; i++ { // warm up: connection, page faults
+		spinXfer(b, c.a, id, comp)
+	}
+	lat := make([]time.Duration, 0, b.N)
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		t0 := time.Now()
+		spinXfer(b, c.a, id, comp)
+		lat = append(lat, time.Since(t0))
+	}
+	b.StopTimer()
+	b.ReportMetric(float64(p50(lat).Nanoseconds())/1e3, "p50_us")
+	b.SetBytes(block)
+	c.verify(b, 1, []int{0}, []int{5})
+}
+
+func BenchmarkRead880Scattered(b *testing.B) {
+	const block, blocks, n = 5120, 1024, 880
+	ch := startChild(b, childOpts{name: "prod", seed: 2, block: block, blocks: blocks, alloc: true, quiet: true})
+	c := newConsumer(b, Config{Name: "cons"}, blocks, block)
+	c.connect(b, ch)
+	rng := rand.New(rand.NewSource(1))
+	remote := rng.Perm(blocks)[:n]
+	local := rng.Perm(blocks)[:n]
+	id, err := c.a.MakeXfer(nixl.Read, c.local, local, c.remote, remote, []byte("image done"))
+	require.NoError(b, err)
+	comp := make([]nixl.Completion, 16)
+	for i := 0; i < 10; i++ {
+		spinXfer(b, c.a, id, comp)
+	}
+	lat := make([]time.Duration, 0, b.N)
+	b.ResetTimer()
+	start := time.Now()
+	for i := 0; i < b.N; i++ {
+		t0 := time.Now()
+		spinXfer(b, c.a, id, comp)
+		lat = append(lat, time.Since(t0))
+	}
+	el := time.Since(start)
+	b.StopTimer()
+	b.ReportMetric(float64(n*block)*float64(b.N)/el.Seconds()/1e9, "GB/s")
+	b.ReportMetric(float64(p50(lat).Nanoseconds())/1e3, "p50_us")
+	c.verify(b, 2, local, remote)
+}

@@ -1,0 +1,100 @@
+// Package ucx is ecxfer's transfer engine: a nixl.Agent over UCX's UCP
+// layer (UCX >= 1.13, cgo, `pkg-config ucx`). A consumer READs blocks from
+// a producer's registered memory with one-sided gets and, once the data has
+// landed, the producer is told by an active message.
+//
+// # Shape
+//
+// One UCP context (RMA, AM, WAKEUP), one worker in single-thread mode: the
+// Agent is driven by one goroutine. UCX is tuned only through its own
+// environment variables (UCX_TLS, UCX_NET_DEVICES, ...), which this package
+// never sets.
+//
+// PostXfer posts every get (or put) of a request with one cgo call, from a
+// C array of merged ranges built by MakeXfer. UCX completion callbacks are C
+// functions that only count down a per-request C struct; when the last
+// operation of a request has called back (for a WRITE, the endpoint flush
+// that follows the puts), the request goes on a C ready list. Progress (one
+// cgo call) drives the worker until idle and walks that list: a request with
+// a notification sends it then (ucp_am_send_nbx, eager, header = our name),
+// strictly after its data landed; the others move to a C completion queue
+// that PollCompletions/XferStatus drain with one cgo call. A request
+// completes (Err nil) when its data has landed and its notification's send
+// has completed locally. UCX never calls into Go and no cgo.Handle exists.
+//
+// A get has landed when it calls back, so a READ needs no flush. When all
+// gets complete inside ucp_get_nbx (UCX-allocated memory over shared memory
+// is a plain copy), the notification goes out inside PostXfer.
+//
+// Received notifications are copied, inside the AM handler, into a C queue
+// that GetNotifs drains. Senders force eager protocol and notifications are
+// limited to Config.MaxNotif (64 KiB by default; MakeXfer and SendNotif
+// refuse larger ones with ErrInvalidParam), so the handler never sees
+// rendezvous data.
+//
+// # Memory
+//
+// RegisterMem maps caller memory (outside the Go heap). AllocMem uses
+// UCP_MEM_MAP_ALLOCATE and touches every page: on this project's hosts, gets
+// from UCX-allocated memory over shared memory are truly one-sided (the
+// producer need not progress), while gets from caller memory are emulated
+// with active messages and only complete while the owner progresses.
+// Emulated gets are not bounds-checked by the target, so PrepDlist checks
+// every remote descriptor against the regions the peer advertised, and each
+// range is split where it would cross from one region (rkey) into the next.
+//
+// # Metadata
+//
+// A versioned msgpack blob: [magic, version, body, xxhash64(body)], the body
+// holding name, host identity (kernel boot id, network- and pid-namespace
+// inodes), pid and process start time, UCX version, worker address and
+// regions [addr, len, packed rkey]. Decoding is strict and bounded and pure
+// Go; magic, version and checksum are checked first, then every kind and
+// length, region overlap, the UCX major version and the worker address
+// format nibble. Only bytes of a blob that passed all of this reach UCX,
+// whose address and rkey parsers take no length and trust their input: a
+// blob crafted with a valid checksum can still feed UCX bad bytes. Metadata
+// must come from peers of the same deployment.
+//
+// # Error handling mode and liveness
+//
+// UCX 1.13's error-handling mode decides both speed and what we learn about
+// a dead peer:
+//
+//   - Same host (boot id and both namespaces match): UCP_ERR_HANDLING_MODE_NONE,
+//     the default of ErrModeAuto. Shared-memory transports are allowed, but
+//     UCX never reports a dead peer: gets to a killed peer's registered
+//     memory hang forever and gets to its UCX-allocated memory keep
+//     "succeeding" on the leftover segment. Liveness therefore comes from a
+//     pidfd (pidfd_open on the advertised pid, checked against the process
+//     start time so a recycled pid is not mistaken for the peer). The pidfd
+//     is in the EventFD epoll set, polled by Arm before every sleep and by
+//     Progress every LivenessPoll (10 ms).
+//   - Other hosts: UCP_ERR_HANDLING_MODE_PEER. UCX keepalive detects the
+//     death, fails outstanding operations (UCS_ERR_ENDPOINT_TIMEOUT, ...)
+//     and calls the endpoint error callback, which queues the peer in C for
+//     Progress to handle.
+//   - ErrModePeer forces PEER for every peer. Its cost: in UCX 1.13 PEER
+//     cannot use shared memory, so same-host peers go over tcp, roughly 8x
+//     slower. ErrModeNone forces NONE: remote deaths go unnoticed.
+//
+// When a peer dies, every in-flight request to it completes with
+// ErrRemoteDisconnect at once, its C requests are orphaned (freed by C when
+// their last UCX operation calls back, never reported), and its endpoint is
+// closed with UCP_EP_CLOSE_FLAG_FORCE, then its rkeys destroyed. Emulated
+// gets to a dead peer in NONE mode may never call back; their C structs and
+// UCX requests are released when the worker is destroyed at Close (UCX then
+// warns about unreturned requests).
+//
+// InvalidateRemoteMetadata ends in-flight requests with ErrRemoteDisconnect
+// and closes the endpoint: forced when the peer is dead or in PEER mode,
+// flushed otherwise (a forced close in NONE mode may upset a live peer's
+// transports), with the rkeys destroyed once the close completes. Close
+// forces every close, waits at most 250 ms for them, and destroys the
+// worker and context.
+//
+// ReleaseXfer of an in-flight request calls ucp_request_cancel on its
+// outstanding operations (in UCX 1.13 this does not stop RMA already under
+// way: those gets may still land) and orphans it: no notification is sent
+// and nothing is reported.
+package ucx

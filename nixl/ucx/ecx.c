@@ -1,0 +1,784 @@
+/*
+ * See ecx.h. Single-threaded: the worker is created in UCS_THREAD_MODE_SINGLE
+ * and every function here runs on the goroutine that drives the Agent, so
+ * no locking. UCX callbacks run inside ucp_worker_progress (or inside a
+ * forced endpoint close) and only update C state.
+ */
+#include "ecx.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+/* Space reserved by UCX in front of every request we get back: the index of
+ * the operation inside its post, so a callback can clear its slot. */
+typedef struct ecx_ureq {
+    uint32_t idx;
+} ecx_ureq_t;
+
+enum { PH_DATA = 0, PH_AM = 1 };
+
+struct ecx_post {
+    ecx_post_t *live_next;
+    ecx_post_t *live_prev;
+    ecx_post_t *q_next; /* ready list or completion queue */
+    ecx_ctx_t *ctx;
+    uint64_t id;
+    ucp_ep_h ep;
+    uint32_t outstanding; /* UCX operations that have not called back */
+    uint32_t nreqs;       /* slots in reqs: ops, then one for flush/AM */
+    int32_t status;       /* first failure */
+    uint8_t phase;
+    uint8_t orphaned; /* cancelled: never reported, freed when quiet */
+    uint8_t silent;   /* fire-and-forget notification: never reported */
+    uint8_t queued;   /* on the completion queue */
+    uint32_t notif_len;
+    char *notif;
+    void *reqs[]; /* outstanding UCX requests (NULL once called back) */
+};
+
+struct ecx_close {
+    ecx_close_t *next;
+    void *req;
+    ecx_ep_arg_t *arg; /* freed once the close completed */
+    ucp_rkey_h *rkeys; /* destroyed once the close completed */
+    uint32_t nrkeys;
+};
+
+static void rkeys_free(ucp_rkey_h *rkeys, uint32_t n)
+{
+    uint32_t i;
+    if (rkeys == NULL) {
+        return;
+    }
+    for (i = 0; i < n; i++) {
+        if (rkeys[i] != NULL) {
+            ucp_rkey_destroy(rkeys[i]);
+        }
+    }
+    free(rkeys);
+}
+
+static void post_free(ecx_post_t *p)
+{
+    ecx_ctx_t *c = p->ctx;
+    if (p->live_prev != NULL) {
+        p->live_prev->live_next = p->live_next;
+    } else {
+        c->live = p->live_next;
+    }
+    if (p->live_next != NULL) {
+        p->live_next->live_prev = p->live_prev;
+    }
+    c->nlive--;
+    free(p);
+}
+
+static void ready_push(ecx_post_t *p)
+{
+    ecx_ctx_t *c = p->ctx;
+    p->q_next = NULL;
+    if (c->ready_tail != NULL) {
+        c->ready_tail->q_next = p;
+    } else {
+        c->ready_head = p;
+    }
+    c->ready_tail = p;
+}
+
+static void comp_push(ecx_post_t *p)
+{
+    ecx_ctx_t *c = p->ctx;
+    p->q_next = NULL;
+    p->queued = 1;
+    if (c->comp_tail != NULL) {
+        c->comp_tail->q_next = p;
+    } else {
+        c->comp_head = p;
+    }
+    c->comp_tail = p;
+}
+
+static void op_cb(void *request, ucs_status_t status, void *user_data)
+{
+    ecx_post_t *p = user_data;
+    ecx_ureq_t *u = request;
+    if (u->idx < p->nreqs) {
+        p->reqs[u->idx] = NULL;
+    }
+    if (status != UCS_OK && p->status == UCS_OK) {
+        p->status = status;
+    }
+    ucp_request_free(request);
+    if (--p->outstanding == 0) {
+        ready_push(p);
+    }
+}
+
+/* Tracks a UCX status pointer returned by an nbx call: NULL means done,
+ * an error pointer is recorded, a request is remembered in slot idx. */
+static void track(ecx_post_t *p, ucs_status_ptr_t sp, uint32_t idx)
+{
+    if (sp == NULL) {
+        return;
+    }
+    if (UCS_PTR_IS_ERR(sp)) {
+        if (p->status == UCS_OK) {
+            p->status = UCS_PTR_STATUS(sp);
+        }
+        return;
+    }
+    ((ecx_ureq_t *)sp)->idx = idx;
+    p->reqs[idx] = sp;
+    p->outstanding++;
+}
+
+static ucp_request_param_t op_param(ecx_post_t *p)
+{
+    ucp_request_param_t prm;
+    memset(&prm, 0, sizeof(prm));
+    prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    prm.cb.send = op_cb;
+    prm.user_data = p;
+    return prm;
+}
+
+static void send_am(ecx_post_t *p)
+{
+    ecx_ctx_t *c = p->ctx;
+    ucp_request_param_t prm = op_param(p);
+    ucs_status_ptr_t sp;
+    prm.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+    /* Eager only: the receiver copies the message inside its handler and
+     * never has to fetch rendezvous data. Notifications are size-limited
+     * on the Go side. */
+    prm.flags = UCP_AM_SEND_FLAG_EAGER;
+    p->phase = PH_AM;
+    sp = ucp_am_send_nbx(p->ep, ECX_AM_NOTIF, c->name, c->name_len, p->notif,
+                         p->notif_len, &prm);
+    track(p, sp, p->nreqs - 1);
+}
+
+/* Moves a post whose UCX operations have all called back one step on. */
+static void advance(ecx_post_t *p)
+{
+    if (p->orphaned) {
+        post_free(p);
+        return;
+    }
+    if (p->phase == PH_DATA && p->status == UCS_OK && p->notif_len > 0) {
+        send_am(p);
+        if (p->outstanding > 0) {
+            return;
+        }
+    }
+    if (p->silent) {
+        post_free(p);
+        return;
+    }
+    comp_push(p);
+}
+
+static ucs_status_t am_cb(void *arg, const void *header, size_t header_length,
+                          void *data, size_t length,
+                          const ucp_am_recv_param_t *param)
+{
+    ecx_ctx_t *c = arg;
+    ecx_notif_t *n;
+    if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
+        /* Senders force eager; a rendezvous message is not ours. */
+        c->notif_dropped++;
+        return UCS_OK;
+    }
+    if (header_length > UINT32_MAX || length > UINT32_MAX) {
+        c->notif_dropped++;
+        return UCS_OK;
+    }
+    n = malloc(sizeof(*n) + header_length + length);
+    if (n == NULL) {
+        c->notif_dropped++;
+        return UCS_OK;
+    }
+    n->next = NULL;
+    n->hlen = (uint32_t)header_length;
+    n->plen = (uint32_t)length;
+    if (header_length > 0) {
+        memcpy(n->data, header, header_length);
+    }
+    if (length > 0) {
+        memcpy(n->data + header_length, data, length);
+    }
+    if (c->notif_tail != NULL) {
+        c->notif_tail->next = n;
+    } else {
+        c->notif_head = n;
+    }
+    c->notif_tail = n;
+    return UCS_OK;
+}
+
+struct ecx_ep_arg {
+    ecx_ctx_t *ctx;
+    uint64_t peer;
+};
+
+static void ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
+{
+    ecx_ep_arg_t *a = arg;
+    ecx_ctx_t *c = a->ctx;
+    ecx_peer_err_t *e;
+    (void)ep;
+    e = malloc(sizeof(*e));
+    if (e == NULL) {
+        return;
+    }
+    e->next = NULL;
+    e->peer = a->peer;
+    e->status = status;
+    e->pad = 0;
+    if (c->err_tail != NULL) {
+        c->err_tail->next = e;
+    } else {
+        c->err_head = e;
+    }
+    c->err_tail = e;
+}
+
+int ecx_create(const char *name, uint32_t name_len, ecx_ctx_t **out)
+{
+    ucp_params_t params;
+    ucp_worker_params_t wp;
+    ucp_am_handler_param_t ap;
+    ucp_config_t *cfg = NULL;
+    ucs_status_t st;
+    ecx_ctx_t *c;
+
+    c = calloc(1, sizeof(*c));
+    if (c == NULL) {
+        return UCS_ERR_NO_MEMORY;
+    }
+    c->efd = -1;
+    c->name = malloc(name_len + 1);
+    if (c->name == NULL) {
+        free(c);
+        return UCS_ERR_NO_MEMORY;
+    }
+    memcpy(c->name, name, name_len);
+    c->name[name_len] = 0;
+    c->name_len = name_len;
+
+    /* UCX reads its own UCX_* environment variables here. */
+    st = ucp_config_read(NULL, NULL, &cfg);
+    if (st != UCS_OK) {
+        goto err;
+    }
+    memset(&params, 0, sizeof(params));
+    params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_REQUEST_SIZE |
+                        UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+    params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+    params.request_size = sizeof(ecx_ureq_t);
+    params.mt_workers_shared = 0;
+    st = ucp_init(&params, cfg, &c->context);
+    ucp_config_release(cfg);
+    if (st != UCS_OK) {
+        goto err;
+    }
+
+    memset(&wp, 0, sizeof(wp));
+    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+    st = ucp_worker_create(c->context, &wp, &c->worker);
+    if (st != UCS_OK) {
+        goto err_ctx;
+    }
+    st = ucp_worker_get_efd(c->worker, &c->efd);
+    if (st != UCS_OK) {
+        goto err_worker;
+    }
+
+    memset(&ap, 0, sizeof(ap));
+    ap.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
+                    UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    ap.id = ECX_AM_NOTIF;
+    ap.flags = UCP_AM_FLAG_WHOLE_MSG;
+    ap.cb = am_cb;
+    ap.arg = c;
+    st = ucp_worker_set_am_recv_handler(c->worker, &ap);
+    if (st != UCS_OK) {
+        goto err_worker;
+    }
+    *out = c;
+    return UCS_OK;
+
+err_worker:
+    ucp_worker_destroy(c->worker);
+err_ctx:
+    ucp_cleanup(c->context);
+err:
+    free(c->name);
+    free(c);
+    return st;
+}
+
+uint32_t ecx_closing(ecx_ctx_t *c)
+{
+    uint32_t n = 0;
+    ecx_close_t *k;
+    for (k = c->closing; k != NULL; k = k->next) {
+        n++;
+    }
+    return n;
+}
+
+static uint32_t reap_closes(ecx_ctx_t *c)
+{
+    ecx_close_t **pp = &c->closing, *k;
+    uint32_t n = 0;
+    while ((k = *pp) != NULL) {
+        if (ucp_request_check_status(k->req) != UCS_INPROGRESS) {
+            ucp_request_free(k->req);
+            *pp = k->next;
+            rkeys_free(k->rkeys, k->nrkeys);
+            free(k->arg);
+            free(k);
+            n++;
+        } else {
+            pp = &k->next;
+        }
+    }
+    return n;
+}
+
+void ecx_destroy(ecx_ctx_t *c)
+{
+    ecx_close_t *k;
+    ecx_post_t *p;
+    ecx_notif_t *n;
+    ecx_peer_err_t *e;
+
+    /* Closes still pending (peers that never answered) are abandoned; the
+     * worker owns their requests. */
+    /* Closes that never completed (a peer that stopped answering) are
+     * abandoned: their requests are released to the worker, and rkeys go
+     * before the worker that owns their memory. */
+    for (k = c->closing; k != NULL; k = k->next) {
+        ucp_request_free(k->req);
+        rkeys_free(k->rkeys, k->nrkeys);
+        k->rkeys = NULL;
+    }
+    ucp_worker_destroy(c->worker);
+    while ((k = c->closing) != NULL) {
+        c->closing = k->next;
+        free(k->arg);
+        free(k);
+    }
+    ucp_cleanup(c->context);
+    /* Posts whose operations never called back (a dead peer's emulated
+     * gets) die with the worker. */
+    while ((p = c->live) != NULL) {
+        c->live = p->live_next;
+        free(p);
+    }
+    while ((n = c->notif_head) != NULL) {
+        c->notif_head = n->next;
+        free(n);
+    }
+    while ((e = c->err_head) != NULL) {
+        c->err_head = e->next;
+        free(e);
+    }
+    free(c->name);
+    free(c);
+}
+
+int64_t ecx_worker_address(ecx_ctx_t *c, void *buf, size_t cap)
+{
+    ucp_address_t *a;
+    size_t len;
+    ucs_status_t st = ucp_worker_get_address(c->worker, &a, &len);
+    if (st != UCS_OK) {
+        return st;
+    }
+    if (len > cap) {
+        ucp_worker_release_address(c->worker, a);
+        return UCS_ERR_BUFFER_TOO_SMALL;
+    }
+    memcpy(buf, a, len);
+    ucp_worker_release_address(c->worker, a);
+    return (int64_t)len;
+}
+
+int ecx_mem_page_touch(void *addr, size_t len)
+{
+    long pg = sysconf(_SC_PAGESIZE);
+    volatile char *b = addr;
+    size_t i;
+    if (pg <= 0) {
+        pg = 4096;
+    }
+    for (i = 0; i < len; i += (size_t)pg) {
+        b[i] = b[i];
+    }
+    if (len > 0) {
+        b[len - 1] = b[len - 1];
+    }
+    return 0;
+}
+
+int ecx_mem_map(ecx_ctx_t *c, void *addr, size_t len, int allocate,
+                ucp_mem_h *memh_out, void **addr_out)
+{
+    ucp_mem_map_params_t mp;
+    ucp_mem_attr_t attr;
+    ucs_status_t st;
+    memset(&mp, 0, sizeof(mp));
+    mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                    UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+    mp.address = allocate ? NULL : addr;
+    mp.length = len;
+    mp.flags = allocate ? UCP_MEM_MAP_ALLOCATE : 0;
+    st = ucp_mem_map(c->context, &mp, memh_out);
+    if (st != UCS_OK) {
+        return st;
+    }
+    memset(&attr, 0, sizeof(attr));
+    attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
+    st = ucp_mem_query(*memh_out, &attr);
+    if (st != UCS_OK) {
+        ucp_mem_unmap(c->context, *memh_out);
+        return st;
+    }
+    if (attr.length < len) {
+        ucp_mem_unmap(c->context, *memh_out);
+        return UCS_ERR_NO_MEMORY;
+    }
+    *addr_out = attr.address;
+    if (allocate) {
+        /* The first remote touch of a page costs a fault; take it now. */
+        ecx_mem_page_touch(attr.address, len);
+    }
+    return UCS_OK;
+}
+
+int ecx_mem_unmap(ecx_ctx_t *c, ucp_mem_h memh)
+{
+    return ucp_mem_unmap(c->context, memh);
+}
+
+int64_t ecx_rkey_pack(ecx_ctx_t *c, ucp_mem_h memh, void *buf, size_t cap)
+{
+    void *rb;
+    size_t len;
+    ucs_status_t st = ucp_rkey_pack(c->context, memh, &rb, &len);
+    if (st != UCS_OK) {
+        return st;
+    }
+    if (len > cap) {
+        ucp_rkey_buffer_release(rb);
+        return UCS_ERR_BUFFER_TOO_SMALL;
+    }
+    memcpy(buf, rb, len);
+    ucp_rkey_buffer_release(rb);
+    return (int64_t)len;
+}
+
+int ecx_ep_create(ecx_ctx_t *c, const void *addr, int peer_mode, uint64_t peer,
+                  ucp_ep_h *out, ecx_ep_arg_t **arg_out)
+{
+    ucp_ep_params_t ep;
+    ucs_status_t st;
+    ecx_ep_arg_t *a = NULL;
+    memset(&ep, 0, sizeof(ep));
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+    ep.address = addr;
+    if (peer_mode) {
+        a = calloc(1, sizeof(*a));
+        if (a == NULL) {
+            return UCS_ERR_NO_MEMORY;
+        }
+        a->ctx = c;
+        a->peer = peer;
+        ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+        ep.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
+        ep.err_handler.cb = ep_err_cb;
+        ep.err_handler.arg = a;
+    } else {
+        ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+    }
+    st = ucp_ep_create(c->worker, &ep, out);
+    if (st != UCS_OK) {
+        free(a);
+        return st;
+    }
+    *arg_out = a;
+    return UCS_OK;
+}
+
+void ecx_ep_close_rkeys(ecx_ctx_t *c, ucp_ep_h ep, ecx_ep_arg_t *arg, int force,
+                        ucp_rkey_h *rkeys, uint32_t n)
+{
+    ucp_request_param_t prm;
+    ucs_status_ptr_t sp;
+    ecx_close_t *k;
+    memset(&prm, 0, sizeof(prm));
+    if (force) {
+        prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+        prm.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    }
+    sp = ucp_ep_close_nbx(ep, &prm);
+    if (force) {
+        /* A forced close completed every outstanding operation (cancelled)
+         * before returning: nothing can use the rkeys any more. */
+        rkeys_free(rkeys, n);
+        rkeys = NULL;
+    }
+    if (sp == NULL || UCS_PTR_IS_ERR(sp)) {
+        rkeys_free(rkeys, n);
+        free(arg);
+        return;
+    }
+    k = malloc(sizeof(*k));
+    if (k == NULL) {
+        /* Cannot track it: UCX releases the request when it completes;
+         * the rkeys and arg are abandoned rather than freed too early. */
+        ucp_request_free(sp);
+        return;
+    }
+    k->req = sp;
+    k->arg = arg;
+    k->rkeys = rkeys;
+    k->nrkeys = n;
+    k->next = c->closing;
+    c->closing = k;
+}
+
+void ecx_ep_close(ecx_ctx_t *c, ucp_ep_h ep, ecx_ep_arg_t *arg, int force)
+{
+    ecx_ep_close_rkeys(c, ep, arg, force, NULL, 0);
+}
+
+void ecx_version(uint32_t *major, uint32_t *minor)
+{
+    unsigned ma, mi, rel;
+    ucp_get_version(&ma, &mi, &rel);
+    *major = ma;
+    *minor = mi;
+}
+
+int ecx_rkey_unpack(ucp_ep_h ep, const void *buf, ucp_rkey_h *out)
+{
+    return ucp_ep_rkey_unpack(ep, buf, out);
+}
+
+void ecx_rkey_destroy(ucp_rkey_h rkey)
+{
+    ucp_rkey_destroy(rkey);
+}
+
+int ecx_post(ecx_ctx_t *c, uint64_t id, ucp_ep_h ep, int op,
+             const ecx_range_t *r, uint32_t n, ucp_rkey_h *rkeys,
+             const void *notif, uint32_t notif_len, ecx_post_t **out)
+{
+    ecx_post_t *p;
+    ucp_request_param_t prm;
+    ucs_status_ptr_t sp;
+    uint32_t i, nreqs = n + 1;
+
+    p = malloc(sizeof(*p) + (size_t)nreqs * sizeof(void *) + notif_len);
+    if (p == NULL) {
+        return UCS_ERR_NO_MEMORY;
+    }
+    memset(p, 0, sizeof(*p) + (size_t)nreqs * sizeof(void *));
+    p->ctx = c;
+    p->id = id;
+    p->ep = ep;
+    p->nreqs = nreqs;
+    p->status = UCS_OK;
+    p->phase = PH_DATA;
+    p->notif = (char *)&p->reqs[nreqs];
+    p->notif_len = notif_len;
+    if (notif_len > 0) {
+        memcpy(p->notif, notif, notif_len);
+    }
+    p->live_next = c->live;
+    if (c->live != NULL) {
+        c->live->live_prev = p;
+    }
+    c->live = p;
+    c->nlive++;
+
+    prm = op_param(p);
+    for (i = 0; i < n && p->status == UCS_OK; i++) {
+        if (op == ECX_OP_READ) {
+            sp = ucp_get_nbx(ep, (void *)(uintptr_t)r[i].local, r[i].len,
+                             r[i].remote, rkeys[r[i].rkey], &prm);
+        } else {
+            sp = ucp_put_nbx(ep, (const void *)(uintptr_t)r[i].local, r[i].len,
+                             r[i].remote, rkeys[r[i].rkey], &prm);
+        }
+        track(p, sp, i);
+    }
+    /* A get has landed when it calls back. A put has only left the local
+     * buffer: the flush makes it remote-complete. */
+    if (op == ECX_OP_WRITE && p->status == UCS_OK) {
+        sp = ucp_ep_flush_nbx(ep, &prm);
+        track(p, sp, n);
+    }
+    *out = p;
+    if (p->outstanding == 0) {
+        advance(p);
+    }
+    return UCS_OK;
+}
+
+void ecx_post_cancel(ecx_ctx_t *c, ecx_post_t *p)
+{
+    uint32_t i;
+    p->orphaned = 1;
+    if (p->queued || p->outstanding == 0) {
+        /* Queued: freed by ecx_drain. Quiet: on the ready list, freed by
+         * advance. */
+        return;
+    }
+    for (i = 0; i < p->nreqs; i++) {
+        if (p->reqs[i] != NULL) {
+            ucp_request_cancel(c->worker, p->reqs[i]);
+        }
+    }
+}
+
+int ecx_send_notif(ecx_ctx_t *c, ucp_ep_h ep, const void *msg, uint32_t len)
+{
+    ecx_post_t *p;
+    int st;
+    p = calloc(1, sizeof(*p) + sizeof(void *) + len);
+    if (p == NULL) {
+        return UCS_ERR_NO_MEMORY;
+    }
+    p->ctx = c;
+    p->ep = ep;
+    p->nreqs = 1;
+    p->silent = 1;
+    p->status = UCS_OK;
+    p->notif = (char *)&p->reqs[1];
+    p->notif_len = len;
+    if (len > 0) {
+        memcpy(p->notif, msg, len);
+    }
+    p->live_next = c->live;
+    if (c->live != NULL) {
+        c->live->live_prev = p;
+    }
+    c->live = p;
+    c->nlive++;
+    send_am(p);
+    if (p->outstanding == 0) {
+        st = p->status;
+        post_free(p);
+        return st;
+    }
+    return UCS_OK;
+}
+
+uint32_t ecx_progress(ecx_ctx_t *c)
+{
+    uint32_t events = 0, k, i;
+    ecx_post_t *p;
+    for (i = 0; i < 64; i++) {
+        k = ucp_worker_progress(c->worker);
+        if (k == 0) {
+            break;
+        }
+        events += k;
+    }
+    /* advance may put a post back in flight (its notification), whose
+     * callback lands on the ready list during a later progress call. */
+    while ((p = c->ready_head) != NULL) {
+        c->ready_head = p->q_next;
+        if (c->ready_head == NULL) {
+            c->ready_tail = NULL;
+        }
+        advance(p);
+        events++;
+    }
+    if (c->closing != NULL) {
+        events += reap_closes(c);
+    }
+    return events;
+}
+
+uint32_t ecx_drain(ecx_ctx_t *c, ecx_completion_t *out, uint32_t max)
+{
+    uint32_t n = 0;
+    ecx_post_t *p;
+    while (n < max && (p = c->comp_head) != NULL) {
+        c->comp_head = p->q_next;
+        if (c->comp_head == NULL) {
+            c->comp_tail = NULL;
+        }
+        if (!p->orphaned) {
+            out[n].id = p->id;
+            out[n].status = p->status;
+            out[n].pad = 0;
+            n++;
+        }
+        post_free(p);
+    }
+    return n;
+}
+
+ecx_notif_t *ecx_notif_take(ecx_ctx_t *c)
+{
+    ecx_notif_t *n = c->notif_head;
+    c->notif_head = NULL;
+    c->notif_tail = NULL;
+    return n;
+}
+
+void ecx_notif_free(ecx_notif_t *n)
+{
+    ecx_notif_t *next;
+    for (; n != NULL; n = next) {
+        next = n->next;
+        free(n);
+    }
+}
+
+ecx_peer_err_t *ecx_err_take(ecx_ctx_t *c)
+{
+    ecx_peer_err_t *e = c->err_head;
+    c->err_head = NULL;
+    c->err_tail = NULL;
+    return e;
+}
+
+void ecx_err_free(ecx_peer_err_t *e)
+{
+    ecx_peer_err_t *next;
+    for (; e != NULL; e = next) {
+        next = e->next;
+        free(e);
+    }
+}
+
+int ecx_arm(ecx_ctx_t *c)
+{
+    ucs_status_t st;
+    if (c->ready_head != NULL || c->comp_head != NULL || c->notif_head != NULL ||
+        c->err_head != NULL) {
+        return 0;
+    }
+    st = ucp_worker_arm(c->worker);
+    if (st == UCS_OK) {
+        return 1;
+    }
+    if (st == UCS_ERR_BUSY) {
+        return 0;
+    }
+    return st;
+}
+
+const char *ecx_status_string(int status)
+{
+    return ucs_status_string((ucs_status_t)status);
+}

@@ -1,0 +1,148 @@
+/*
+ * ecx: the C half of ecxfer's UCX engine. Everything UCX calls back into
+ * lives here and only touches C memory: per-post counters, a ready list, a
+ * completion queue, a notification queue and a peer-error queue. Go drains
+ * those queues with one cgo call per loop turn; UCX never calls into Go.
+ */
+#ifndef ECXFER_ECX_H
+#define ECXFER_ECX_H
+
+#include <stdint.h>
+#include <stddef.h>
+#include <ucp/api/ucp.h>
+
+#if !defined(UCP_API_VERSION) || UCP_API_VERSION < UCP_VERSION(1, 13)
+#error "ecxfer needs UCX >= 1.13"
+#endif
+
+#define ECX_OP_READ 0
+#define ECX_OP_WRITE 1
+
+/* Active-message id of notifications. */
+#define ECX_AM_NOTIF 0xEC
+
+/* One merged piece of a transfer. */
+typedef struct ecx_range {
+    uint64_t local;
+    uint64_t remote;
+    uint64_t len;
+    uint32_t rkey; /* index into the peer's rkey array */
+    uint32_t pad;
+} ecx_range_t;
+
+/* One drained completion. */
+typedef struct ecx_completion {
+    uint64_t id;
+    int32_t status; /* ucs_status_t */
+    int32_t pad;
+} ecx_completion_t;
+
+/* One received notification: header (sender name) then payload. */
+typedef struct ecx_notif {
+    struct ecx_notif *next;
+    uint32_t hlen;
+    uint32_t plen;
+    char data[];
+} ecx_notif_t;
+
+/* Where the bytes of a notification start. */
+enum { ECX_NOTIF_DATA_OFF = offsetof(ecx_notif_t, data) };
+
+/* One endpoint error reported by UCX. */
+typedef struct ecx_peer_err {
+    struct ecx_peer_err *next;
+    uint64_t peer;
+    int32_t status;
+    int32_t pad;
+} ecx_peer_err_t;
+
+typedef struct ecx_post ecx_post_t;
+typedef struct ecx_close ecx_close_t;
+typedef struct ecx_ep_arg ecx_ep_arg_t;
+
+typedef struct ecx_ctx {
+    ucp_context_h context;
+    ucp_worker_h worker;
+    int efd;
+
+    char *name; /* AM header of every notification we send */
+    uint32_t name_len;
+
+    ecx_post_t *live;       /* every post not yet freed */
+    ecx_post_t *ready_head; /* posts whose UCX operations all finished */
+    ecx_post_t *ready_tail;
+    ecx_post_t *comp_head;  /* completed posts, for Go */
+    ecx_post_t *comp_tail;
+    ecx_notif_t *notif_head;
+    ecx_notif_t *notif_tail;
+    ecx_peer_err_t *err_head;
+    ecx_peer_err_t *err_tail;
+    ecx_close_t *closing;   /* endpoint closes in progress */
+
+    uint64_t nlive;          /* posts alive */
+    uint64_t notif_dropped;  /* notifications that arrived by rendezvous */
+} ecx_ctx_t;
+
+/* Creation and teardown. */
+int ecx_create(const char *name, uint32_t name_len, ecx_ctx_t **out);
+void ecx_destroy(ecx_ctx_t *c);
+
+/* Worker address, copied into buf (caller gives capacity); returns the
+ * address length or a negative ucs_status_t. */
+int64_t ecx_worker_address(ecx_ctx_t *c, void *buf, size_t cap);
+
+/* Memory. */
+int ecx_mem_map(ecx_ctx_t *c, void *addr, size_t len, int allocate,
+                ucp_mem_h *memh_out, void **addr_out);
+int ecx_mem_unmap(ecx_ctx_t *c, ucp_mem_h memh);
+/* Packs memh's rkey into buf; returns the length or a negative status. */
+int64_t ecx_rkey_pack(ecx_ctx_t *c, ucp_mem_h memh, void *buf, size_t cap);
+
+/* Endpoints. peer is an opaque tag reported back on endpoint errors. */
+int ecx_ep_create(ecx_ctx_t *c, const void *addr, int peer_mode,
+                  uint64_t peer, ucp_ep_h *out, ecx_ep_arg_t **arg_out);
+/* Closes ep (force or flush) and, once the close completed, frees arg.
+ * Completion is tracked internally. */
+void ecx_ep_close(ecx_ctx_t *c, ucp_ep_h ep, ecx_ep_arg_t *arg, int force);
+/* Like ecx_ep_close, and destroys the n rkeys of the malloc'ed array rkeys
+ * (then frees it) once no operation can use them any more: right away for
+ * a forced close, after the flush otherwise. */
+void ecx_ep_close_rkeys(ecx_ctx_t *c, ucp_ep_h ep, ecx_ep_arg_t *arg, int force,
+                        ucp_rkey_h *rkeys, uint32_t n);
+void ecx_version(uint32_t *major, uint32_t *minor);
+int ecx_rkey_unpack(ucp_ep_h ep, const void *buf, ucp_rkey_h *out);
+void ecx_rkey_destroy(ucp_rkey_h rkey);
+
+/* Transfers. Posts every range with one call; *out is the post to cancel
+ * with ecx_post_cancel (valid until drained or cancelled). Returns 0 or a
+ * negative status (then nothing was posted). */
+int ecx_post(ecx_ctx_t *c, uint64_t id, ucp_ep_h ep, int op,
+             const ecx_range_t *r, uint32_t n, ucp_rkey_h *rkeys,
+             const void *notif, uint32_t notif_len, ecx_post_t **out);
+/* Cancels a post: it will not be reported. */
+void ecx_post_cancel(ecx_ctx_t *c, ecx_post_t *p);
+/* Sends a notification outside any transfer (fire and forget). */
+int ecx_send_notif(ecx_ctx_t *c, ucp_ep_h ep, const void *msg, uint32_t len);
+
+/* Progress: drives the worker until idle (bounded), then advances ready
+ * posts and pending endpoint closes. Returns the number of events. */
+uint32_t ecx_progress(ecx_ctx_t *c);
+/* Copies up to max completions out; returns the count. */
+uint32_t ecx_drain(ecx_ctx_t *c, ecx_completion_t *out, uint32_t max);
+/* Detaches the notification list (free with ecx_notif_free). */
+ecx_notif_t *ecx_notif_take(ecx_ctx_t *c);
+void ecx_notif_free(ecx_notif_t *n);
+/* Detaches the endpoint error list (free with ecx_err_free). */
+ecx_peer_err_t *ecx_err_take(ecx_ctx_t *c);
+void ecx_err_free(ecx_peer_err_t *e);
+
+/* Arm: 1 armed, 0 busy (events pending), negative status on error. */
+int ecx_arm(ecx_ctx_t *c);
+
+/* Pending endpoint closes. */
+uint32_t ecx_closing(ecx_ctx_t *c);
+
+const char *ecx_status_string(int status);
+int ecx_mem_page_touch(void *addr, size_t len);
+
+#endif
