@@ -1,0 +1,79 @@
+package affinity
+
+import (
+	"runtime"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+)
+
+func TestParseCPUList(t *testing.T) {
+	cases := []struct {
+		in   string
+		want []int
+		bad  bool
+	}{
+		{"0", []int{0}, false},
+		{"0-3", []int{0, 1, 2, 3}, false},
+		{"0-1,4,6-7", []int{0, 1, 4, 6, 7}, false},
+		{"", nil, false},
+		{"a", nil, true},
+		{"3-1", nil, true},
+		{"-1", nil, true},
+		{"0-999999", nil, true},
+	}
+	for _, c := range cases {
+		got, err := ParseCPUList(c.in)
+		if c.bad {
+			require.Error(t, err, c.in)
+			continue
+		}
+		require.NoError(t, err, c.in)
+		require.Equal(t, len(c.want), len(got), c.in)
+		for i := range c.want {
+			require.Equal(t, c.want[i], got[i])
+		}
+	}
+}
+
+func TestPinThread(t *testing.T) {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	var orig unix.CPUSet
+	require.NoError(t, unix.SchedGetaffinity(0, &orig))
+	defer func() { _ = unix.SchedSetaffinity(0, &orig) }()
+
+	allowed, err := Allowed()
+	require.NoError(t, err)
+	require.NotEmpty(t, allowed)
+	last := allowed[len(allowed)-1]
+	require.NoError(t, PinThread(last))
+	now, err := ThreadCPUs()
+	require.NoError(t, err)
+	require.Equal(t, []int{last}, now)
+
+	require.ErrorIs(t, PinThread(100000), ErrNoCPU)
+	require.ErrorIs(t, PinThread(-1), ErrNoCPU)
+}
+
+func TestNodes(t *testing.T) {
+	c, err := PickCPU(0)
+	require.NoError(t, err)
+	require.GreaterOrEqual(t, c, 0)
+	_, err = NodeCPUs(4000)
+	require.ErrorIs(t, err, ErrNoNode)
+	_, err = PickCPU(-1)
+	require.ErrorIs(t, err, ErrNoNode)
+}
+
+func TestBindMemory(t *testing.T) {
+	buf, err := unix.Mmap(-1, 0, 1<<20, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
+	require.NoError(t, err)
+	defer func() { _ = unix.Munmap(buf) }()
+	require.NoError(t, BindMemory(buf, 0))
+	buf[0], buf[len(buf)-1] = 1, 2 // pages are usable after binding
+	require.ErrorIs(t, BindMemory(buf, 4000), ErrNoNode)
+	require.ErrorIs(t, BindMemory(buf, -1), ErrNoNode)
+	require.NoError(t, BindMemory(nil, 0))
+}
