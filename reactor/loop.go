@@ -1,0 +1,528 @@
+package reactor
+
+import (
+	"errors"
+	"fmt"
+	"runtime"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ecxfer/ecxfer/descriptors"
+	"github.com/ecxfer/ecxfer/internal/affinity"
+	"github.com/ecxfer/ecxfer/nixl"
+)
+
+// run is the reactor thread. It never unlocks its OS thread: when it
+// returns, the runtime retires the thread, so a pinned affinity mask never
+// leaks into the pool of threads other goroutines use.
+func (r *Reactor) run(ready chan<- error) {
+	runtime.LockOSThread()
+	defer close(r.done)
+	if err := r.pin(); err != nil {
+		ready <- err
+		return
+	}
+	ready <- nil
+
+	events := make([]unix.EpollEvent, 4)
+	last := r.now()
+	for !r.stop {
+		if r.turn() {
+			last = r.lastTime
+			continue
+		}
+		idle := time.Duration(r.lastTime - last)
+		switch r.opts.Idle {
+		case IdleSpin:
+			continue
+		case IdleYield:
+			schedYield()
+			continue
+		case IdleHybrid:
+			if idle < r.opts.SpinFor {
+				continue
+			}
+			if idle < r.opts.YieldFor {
+				// An OS-level yield: the thread keeps its P (it is locked
+				// to it anyway), but other threads and processes, such as
+				// the peer's reactor on a small machine, get the core.
+				schedYield()
+				continue
+			}
+		}
+		r.park(events)
+	}
+}
+
+func (r *Reactor) pin() error {
+	switch {
+	case r.opts.PinCPU:
+		return affinity.PinThread(r.opts.CPU)
+	case r.opts.BindNUMA:
+		cpu, err := affinity.PickCPU(r.opts.NUMANode)
+		if err != nil {
+			return err
+		}
+		return affinity.PinThread(cpu)
+	}
+	return nil
+}
+
+// park sleeps until a submission, an engine event or the next deadline.
+// The sleeping flag is raised before the last look at the rings, and
+// submitters push before they look at the flag: with sequentially
+// consistent atomics at least one of the two sees the other, so a
+// submission is never left behind a sleeping reactor.
+func (r *Reactor) park(events []unix.EpollEvent) {
+	r.sleeping.Store(true)
+	defer r.sleeping.Store(false)
+	if r.sub.Len() > 0 || r.cancel.Len() > 0 || r.ctrl.Len() > 0 {
+		return
+	}
+	ok, err := r.agent.Arm()
+	if err != nil || !ok {
+		return
+	}
+	timeout := r.opts.ParkTimeout
+	if r.agent.EventFD() < 0 && timeout > time.Millisecond {
+		timeout = time.Millisecond // the engine cannot wake us
+	}
+	if r.dlLen > 0 {
+		until := time.Duration(r.deadlines[r.dlHead].at - r.now())
+		if until < timeout {
+			timeout = until
+		}
+	}
+	ms := int((timeout + time.Millisecond - 1) / time.Millisecond)
+	if ms < 1 {
+		ms = 1
+	}
+	r.st.parks.Add(1)
+	_, _ = unix.EpollWait(r.epollFD, events, ms)
+	var buf [8]byte
+	_, _ = unix.Read(r.wakeFD, buf[:])
+}
+
+// turn does one bounded round of work and reports whether it found any.
+func (r *Reactor) turn() bool {
+	r.lastTime = r.now()
+	r.st.loops.Add(1)
+	work := false
+
+	if n := r.ctrl.Drain(r.ctrlBuf); n > 0 {
+		work = true
+		for _, op := range r.ctrlBuf[:n] {
+			op.done <- op.fn()
+		}
+		clear(r.ctrlBuf[:n])
+		if r.stop {
+			return true
+		}
+	}
+	if n := r.cancel.Drain(r.batch); n > 0 {
+		work = true
+		for _, h := range r.batch[:n] {
+			r.onCancel(h)
+		}
+	}
+	if n := r.sub.Drain(r.batch); n > 0 {
+		work = true
+		for _, h := range r.batch[:n] {
+			r.submit(h)
+		}
+	}
+	if did, err := r.agent.Progress(); did {
+		work = true
+	} else if err != nil {
+		r.st.engineErrors.Add(1)
+	}
+	completed := 0
+	for {
+		n := r.agent.PollCompletions(r.comps)
+		for _, c := range r.comps[:n] {
+			r.complete(c)
+		}
+		completed += n
+		if n < len(r.comps) {
+			break
+		}
+	}
+	if r.dlLen > 0 {
+		completed += r.expire()
+	}
+	if n := r.agent.GetNotifs(r.notifTmp); n > 0 {
+		work = true
+		r.st.notifsReceived.Add(uint64(n))
+		r.notifMu.Lock()
+		for k, v := range r.notifTmp {
+			r.notifs[k] = append(r.notifs[k], v...)
+		}
+		r.notifMu.Unlock()
+		clear(r.notifTmp)
+	}
+	if completed > 0 {
+		work = true
+		r.broadcast()
+	}
+	return work
+}
+
+func (r *Reactor) broadcast() {
+	if r.waiters.Load() == 0 {
+		return
+	}
+	ch := make(chan struct{})
+	old := r.waitCh.Swap(&ch)
+	close(*old)
+}
+
+// submit posts one drained submission.
+func (r *Reactor) submit(h uint64) {
+	s, w := r.tab.lookup(h)
+	if s == nil {
+		return // released and freed already
+	}
+	if wordState(w) == stCanceling {
+		r.tab.free(s, w)
+		return
+	}
+	s.xfer = 0
+	p := s.peer
+	if code := p.gone.Load(); code != 0 {
+		r.fail(h, s, code)
+		return
+	}
+	loc := r.loc.Load()
+	id, err := r.agent.MakeXfer(nixl.Read, loc.dlist, s.localIdx, p.dlist, s.remoteIdx, s.notif)
+	if err == nil {
+		if err = r.agent.PostXfer(id); err != nil {
+			_ = r.agent.ReleaseXfer(id)
+		}
+	}
+	if err != nil {
+		r.st.engineErrors.Add(1)
+		r.fail(h, s, codeOf(err))
+		return
+	}
+	s.xfer = id
+	s.posted = r.lastTime
+	r.xfers[id] = h
+	r.inflight.Add(1)
+	r.st.posted.Add(1)
+	if t := r.timeout.Load(); t > 0 {
+		if r.dlLen == len(r.deadlines) {
+			r.compactDeadlines()
+		}
+		r.deadlines[(r.dlHead+r.dlLen)%len(r.deadlines)] = deadline{h: h, at: r.lastTime + t}
+		r.dlLen++
+	}
+}
+
+// compactDeadlines drops the entries of transfers that already finished.
+// The ring has a place per table slot and at most one live entry per slot,
+// so after compaction there is always room.
+func (r *Reactor) compactDeadlines() {
+	n := len(r.deadlines)
+	kept := 0
+	for i := 0; i < r.dlLen; i++ {
+		d := r.deadlines[(r.dlHead+i)%n]
+		if s, w := r.tab.lookup(d.h); s != nil && wordState(w) == stProc {
+			r.deadlines[(r.dlHead+kept)%n] = d
+			kept++
+		}
+	}
+	for i := kept; i < r.dlLen; i++ {
+		r.deadlines[(r.dlHead+i)%n] = deadline{}
+	}
+	r.dlLen = kept
+}
+
+func equalDescs(a, b descriptors.List) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+// finish publishes the end of an in-flight transfer whose engine request
+// has already been released. A slot released meanwhile is freed instead.
+func (r *Reactor) finish(h uint64, s *slot, code uint64) {
+	for {
+		w := s.word.Load()
+		if w&r.tab.genMask() != h&r.tab.genMask() {
+			return
+		}
+		switch wordState(w) {
+		case stCanceling:
+			r.tab.free(s, w)
+			return
+		case stProc:
+			nw := w &^ (stateMask | r.tab.mask) // keep the generation
+			if code == codeNone {
+				nw |= stDone
+			} else {
+				nw |= code<<errShift | stErr
+			}
+			if s.word.CompareAndSwap(w, nw) {
+				return
+			}
+		default:
+			return
+		}
+	}
+}
+
+// fail ends a transfer that never reached the engine.
+func (r *Reactor) fail(h uint64, s *slot, code uint64) {
+	r.st.failed.Add(1)
+	r.finish(h, s, code)
+}
+
+func (r *Reactor) complete(c nixl.Completion) {
+	h, ok := r.xfers[c.ID]
+	if !ok {
+		return
+	}
+	delete(r.xfers, c.ID)
+	r.inflight.Add(-1)
+	_ = r.agent.ReleaseXfer(c.ID)
+	s := &r.tab.slots[h&r.tab.mask]
+	if c.Err != nil {
+		r.st.failed.Add(1)
+		r.finish(h, s, codeOf(c.Err))
+		return
+	}
+	r.st.done.Add(1)
+	r.st.bytes.Add(s.bytes)
+	if len(s.notif) > 0 {
+		r.st.notifsSent.Add(1)
+	}
+	r.st.latency.Add(time.Duration(r.lastTime - s.posted))
+	r.finish(h, s, codeNone)
+}
+
+// abort releases an in-flight transfer's engine request and ends it with
+// code.
+func (r *Reactor) abort(h uint64, code uint64) {
+	s := &r.tab.slots[h&r.tab.mask]
+	if _, ok := r.xfers[s.xfer]; !ok || r.xfers[s.xfer] != h {
+		return
+	}
+	delete(r.xfers, s.xfer)
+	r.inflight.Add(-1)
+	_ = r.agent.ReleaseXfer(s.xfer)
+	if code == codeCanceled {
+		r.st.canceled.Add(1)
+	} else {
+		r.st.failed.Add(1)
+	}
+	r.finish(h, s, code)
+}
+
+func (r *Reactor) onCancel(h uint64) {
+	s, w := r.tab.lookup(h)
+	if s == nil || wordState(w) != stCanceling {
+		return
+	}
+	if id := s.xfer; id != 0 {
+		if got, ok := r.xfers[id]; ok && got == h {
+			delete(r.xfers, id)
+			r.inflight.Add(-1)
+			_ = r.agent.ReleaseXfer(id)
+			r.st.canceled.Add(1)
+		}
+	}
+	r.tab.free(s, w)
+}
+
+// expire ends the transfers whose deadline has passed. Deadlines are kept in
+// post order, and every transfer gets the same timeout, so only the head
+// needs looking at.
+func (r *Reactor) expire() int {
+	n := 0
+	for r.dlLen > 0 {
+		d := r.deadlines[r.dlHead]
+		s, w := r.tab.lookup(d.h)
+		live := s != nil && wordState(w) == stProc && s.xfer != 0
+		if live && d.at > r.lastTime {
+			break
+		}
+		r.deadlines[r.dlHead] = deadline{}
+		r.dlHead = (r.dlHead + 1) % len(r.deadlines)
+		r.dlLen--
+		if live {
+			r.abort(d.h, codeTimeout)
+			n++
+		}
+	}
+	return n
+}
+
+// ----------------------------------------------------------------------------
+// Control operations; they run on the reactor thread through do.
+
+// AddPeer loads a peer's metadata and prepares its block list. Loading the
+// same metadata and list again returns the same name. New metadata under a
+// known name replaces the peer: reads of the old one end in
+// ErrRemoteDisconnect.
+func (r *Reactor) AddPeer(md []byte, descs descriptors.List) (string, error) {
+	if r.closing.Load() {
+		return "", ErrClosed
+	}
+	var name string
+	err := r.do(func() error {
+		var err error
+		name, err = r.addPeer(md, descs)
+		return err
+	})
+	return name, err
+}
+
+func (r *Reactor) addPeer(md []byte, descs descriptors.List) (string, error) {
+	name, err := r.agent.LoadRemoteMetadata(md)
+	if errors.Is(err, nixl.ErrNotAllowed) && name != "" {
+		// Changed metadata under a loaded name: the peer restarted.
+		if old := r.Peer(name); old != nil {
+			r.dropPeer(old, codeRemoteDisconnect)
+		} else if ierr := r.agent.InvalidateRemoteMetadata(name); ierr != nil {
+			return "", fmt.Errorf("%w: replacing %q: %v", ErrBadMetadata, name, ierr)
+		}
+		name, err = r.agent.LoadRemoteMetadata(md)
+	}
+	if err != nil {
+		return "", fmt.Errorf("%w: %v", ErrBadMetadata, err)
+	}
+	old := r.Peer(name)
+	if old != nil && equalDescs(descs, old.Descs) {
+		return name, nil
+	}
+	dl, err := r.agent.PrepDlist(name, descs, nixl.DRAM)
+	if err != nil {
+		if old == nil {
+			_ = r.agent.InvalidateRemoteMetadata(name)
+		}
+		return "", fmt.Errorf("%w: %v", ErrBadDescriptor, err)
+	}
+	p := &Peer{Name: name, Descs: descs, md: append([]byte(nil), md...), dlist: dl}
+	if old != nil {
+		// Same agent, a new block list: reads posted against the old list
+		// keep it until they finish, so it is released only when idle.
+		old.gone.Store(codeRemoteDisconnect)
+		r.failPeerReads(old, codeRemoteDisconnect)
+		_ = r.agent.ReleaseDlist(old.dlist)
+	}
+	r.publishPeer(name, p)
+	return name, nil
+}
+
+// RemovePeer cancels the peer's in-flight reads, releases its prepared list
+// and forgets it.
+func (r *Reactor) RemovePeer(name string) error {
+	if r.closing.Load() {
+		return ErrClosed
+	}
+	return r.do(func() error {
+		p := r.Peer(name)
+		if p == nil {
+			return wrapf(ErrUnknownPeer, "%q", name)
+		}
+		r.dropPeer(p, codeCanceled)
+		return nil
+	})
+}
+
+func (r *Reactor) dropPeer(p *Peer, code uint64) {
+	p.gone.Store(code)
+	r.failPeerReads(p, code)
+	_ = r.agent.ReleaseDlist(p.dlist)
+	_ = r.agent.InvalidateRemoteMetadata(p.Name)
+	r.publishPeer(p.Name, nil)
+}
+
+func (r *Reactor) failPeerReads(p *Peer, code uint64) {
+	for _, h := range r.xfers {
+		if r.tab.slots[h&r.tab.mask].peer == p {
+			r.abort(h, code)
+		}
+	}
+}
+
+func (r *Reactor) publishPeer(name string, p *Peer) {
+	cur := *r.peers.Load()
+	next := make(map[string]*Peer, len(cur)+1)
+	for k, v := range cur {
+		next[k] = v
+	}
+	if p == nil {
+		delete(next, name)
+	} else {
+		next[name] = p
+	}
+	r.peers.Store(&next)
+}
+
+// Close stops the reactor: every in-flight transfer is released, every peer
+// dropped, the agent closed, the thread retired. It is idempotent.
+func (r *Reactor) Close() error {
+	if r.closing.Swap(true) {
+		<-r.done
+		return nil
+	}
+	var cerr error
+	err := r.do(func() error {
+		cerr = r.teardown()
+		return nil
+	})
+	<-r.done
+	r.closeFDs()
+	if err != nil && !errors.Is(err, ErrClosed) {
+		return err
+	}
+	return cerr
+}
+
+func (r *Reactor) teardown() error {
+	for {
+		n := r.sub.Drain(r.batch)
+		if n == 0 {
+			break
+		}
+		for _, h := range r.batch[:n] {
+			if s, _ := r.tab.lookup(h); s != nil {
+				r.finish(h, s, codeClosed)
+			}
+		}
+	}
+	for _, h := range r.xfers {
+		r.abort(h, codeClosed)
+	}
+	for _, p := range *r.peers.Load() {
+		p.gone.Store(codeClosed)
+		_ = r.agent.ReleaseDlist(p.dlist)
+		_ = r.agent.InvalidateRemoteMetadata(p.Name)
+	}
+	empty := map[string]*Peer{}
+	r.peers.Store(&empty)
+	if loc := r.loc.Load(); loc != nil {
+		_ = r.agent.ReleaseDlist(loc.dlist)
+	}
+	err := r.agent.Close()
+	// Every handle is void now; the table holds nothing.
+	for i := range r.tab.slots {
+		if r.tab.slots[i].word.Swap(0) != 0 {
+			r.tab.live.Add(-1)
+		}
+	}
+	r.stop = true
+	r.broadcast()
+	return err
+}
+
+// schedYield gives the core to another runnable thread, if there is one.
+func schedYield() { _, _, _ = unix.RawSyscall(unix.SYS_SCHED_YIELD, 0, 0, 0) }

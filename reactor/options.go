@@ -1,0 +1,123 @@
+package reactor
+
+import (
+	"fmt"
+	"time"
+)
+
+// IdleStrategy says what the reactor does when a loop turn found no work.
+type IdleStrategy uint8
+
+const (
+	// IdleHybrid spins for SpinFor after the last work, then yields the
+	// CPU between turns until YieldFor, then parks. The default.
+	IdleHybrid IdleStrategy = iota
+	// IdleSpin never gives the CPU up: the lowest latency, a whole core.
+	IdleSpin
+	// IdleYield yields the CPU between idle turns and never sleeps.
+	IdleYield
+	// IdlePark sleeps on the engine's event fd and the submission eventfd
+	// as soon as a turn finds nothing to do.
+	IdlePark
+)
+
+func (s IdleStrategy) String() string {
+	switch s {
+	case IdleHybrid:
+		return "hybrid"
+	case IdleSpin:
+		return "spin"
+	case IdleYield:
+		return "yield"
+	case IdlePark:
+		return "park"
+	}
+	return fmt.Sprintf("IdleStrategy(%d)", uint8(s))
+}
+
+// ParseIdle parses "hybrid", "spin", "yield" or "park".
+func ParseIdle(s string) (IdleStrategy, error) {
+	for _, v := range []IdleStrategy{IdleHybrid, IdleSpin, IdleYield, IdlePark} {
+		if v.String() == s {
+			return v, nil
+		}
+	}
+	return 0, fmt.Errorf("%w: idle strategy %q (want hybrid, spin, yield or park)", errUnsupportedOption, s)
+}
+
+// Options tune the reactor. The zero value is usable: an unpinned thread,
+// the hybrid idle strategy and the defaults below.
+type Options struct {
+	// PinCPU pins the reactor's OS thread to CPU.
+	PinCPU bool
+	CPU    int
+	// BindNUMA makes the reactor NUMA-aware: without PinCPU it pins the
+	// thread to a CPU of NUMANode, and the transport binds its region's
+	// pages to that node.
+	BindNUMA bool
+	NUMANode int
+
+	// Idle is the idle strategy; SpinFor and YieldFor are its thresholds
+	// (defaults 50µs and 1ms), ParkTimeout the longest sleep (default
+	// 50ms; sleeps are also cut short by the next transfer deadline).
+	Idle        IdleStrategy
+	SpinFor     time.Duration
+	YieldFor    time.Duration
+	ParkTimeout time.Duration
+
+	// BatchSize is the most submissions one loop turn takes (default 64).
+	BatchSize int
+	// SubmitRing is the submission ring's capacity (default 4096).
+	SubmitRing int
+	// Handles is the handle table's capacity: the most transfers that can
+	// be posted and not yet released (default 16384).
+	Handles int
+	// WaitWhenBusy makes Post wait for room instead of returning ErrBusy
+	// when the ring or the table is full.
+	WaitWhenBusy bool
+	// MaxNotif is the longest notification accepted (default 64 KiB).
+	MaxNotif int
+}
+
+func (o Options) withDefaults() (Options, error) {
+	if o.SpinFor == 0 {
+		o.SpinFor = 50 * time.Microsecond
+	}
+	if o.YieldFor == 0 {
+		o.YieldFor = time.Millisecond
+	}
+	if o.ParkTimeout == 0 {
+		o.ParkTimeout = 50 * time.Millisecond
+	}
+	if o.BatchSize == 0 {
+		o.BatchSize = 64
+	}
+	if o.SubmitRing == 0 {
+		o.SubmitRing = 4096
+	}
+	if o.Handles == 0 {
+		o.Handles = 16384
+	}
+	if o.MaxNotif == 0 {
+		o.MaxNotif = 64 << 10
+	}
+	switch {
+	case o.SpinFor < 0 || o.YieldFor < 0 || o.ParkTimeout < 0:
+		return o, fmt.Errorf("%w: negative idle threshold", errUnsupportedOption)
+	case o.Idle > IdlePark:
+		return o, fmt.Errorf("%w: idle strategy %d", errUnsupportedOption, o.Idle)
+	case o.BatchSize < 0 || o.BatchSize > 1<<16:
+		return o, fmt.Errorf("%w: batch size %d (1..65536)", errUnsupportedOption, o.BatchSize)
+	case o.SubmitRing < 0 || o.SubmitRing > 1<<24:
+		return o, fmt.Errorf("%w: submit ring %d (1..2^24)", errUnsupportedOption, o.SubmitRing)
+	case o.Handles < 0 || o.Handles > 1<<24:
+		return o, fmt.Errorf("%w: handle table %d (1..2^24)", errUnsupportedOption, o.Handles)
+	case o.MaxNotif < 0:
+		return o, fmt.Errorf("%w: max notification %d", errUnsupportedOption, o.MaxNotif)
+	case o.PinCPU && o.CPU < 0:
+		return o, fmt.Errorf("%w: CPU %d", errUnsupportedOption, o.CPU)
+	case o.BindNUMA && o.NUMANode < 0:
+		return o, fmt.Errorf("%w: NUMA node %d", errUnsupportedOption, o.NUMANode)
+	}
+	return o, nil
+}

@@ -1,0 +1,438 @@
+package reactor
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ecxfer/ecxfer/descriptors"
+	"github.com/ecxfer/ecxfer/nixl"
+	"github.com/ecxfer/ecxfer/ring"
+)
+
+// State of a transfer as CheckXferState reports it.
+type State uint8
+
+const (
+	// Proc: posted, not finished.
+	Proc State = iota
+	// Done: every byte landed.
+	Done
+	// Err: failed, canceled or timed out.
+	Err
+)
+
+// Peer is a remote agent the reactor can read from. Its fields are fixed
+// once published; gone is set when the peer is removed or replaced.
+type Peer struct {
+	Name  string
+	Descs descriptors.List
+
+	md    []byte
+	dlist nixl.DlistID
+	gone  atomic.Uint64 // 0 while usable; else the error code its reads end with
+}
+
+type local struct {
+	descs descriptors.List
+	dlist nixl.DlistID
+}
+
+type ctrlOp struct {
+	fn   func() error
+	done chan error
+}
+
+type deadline struct {
+	h  uint64
+	at int64
+}
+
+// Reactor owns one nixl.Agent on one locked OS thread and runs the event
+// loop described in the package documentation.
+type Reactor struct {
+	agent nixl.Agent
+	opts  Options
+	tab   *table
+	epoch time.Time
+
+	sub    *ring.MPSC[uint64] // handles of new transfers
+	cancel *ring.MPSC[uint64] // handles released while in flight
+	ctrl   *ring.MPSC[*ctrlOp]
+
+	wakeFD   int
+	epollFD  int
+	sleeping atomic.Bool
+	closing  atomic.Bool
+	done     chan struct{}
+
+	peers    atomic.Pointer[map[string]*Peer]
+	loc      atomic.Pointer[local]
+	timeout  atomic.Int64 // ns; 0 = none
+	inflight atomic.Int64
+
+	notifMu sync.Mutex
+	notifs  map[string][][]byte
+
+	waitCh  atomic.Pointer[chan struct{}]
+	waiters atomic.Int32
+
+	st counters
+
+	// Loop-only state.
+	stop      bool
+	xfers     map[nixl.XferID]uint64
+	deadlines []deadline // ring buffer, ordered by post time
+	dlHead    int
+	dlLen     int
+	batch     []uint64
+	comps     []nixl.Completion
+	ctrlBuf   []*ctrlOp
+	notifTmp  map[string][][]byte
+	lastTime  int64
+}
+
+// Start launches the reactor on agent. From here on the agent is driven only
+// by the reactor's thread: use Do for anything else that must touch it.
+func Start(agent nixl.Agent, opts Options) (*Reactor, error) {
+	o, err := opts.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	r := &Reactor{
+		agent:    agent,
+		opts:     o,
+		tab:      newTable(o.Handles),
+		epoch:    time.Now(),
+		sub:      ring.NewMPSC[uint64](o.SubmitRing),
+		ctrl:     ring.NewMPSC[*ctrlOp](64),
+		done:     make(chan struct{}),
+		notifs:   map[string][][]byte{},
+		xfers:    make(map[nixl.XferID]uint64, 1024),
+		batch:    make([]uint64, o.BatchSize),
+		comps:    make([]nixl.Completion, 256),
+		ctrlBuf:  make([]*ctrlOp, 16),
+		notifTmp: map[string][][]byte{},
+		wakeFD:   -1,
+		epollFD:  -1,
+	}
+	// Every slot can be released in flight at most once before the reactor
+	// frees it, so a cancel ring as large as the table is never full.
+	r.cancel = ring.NewMPSC[uint64](len(r.tab.slots))
+	r.deadlines = make([]deadline, len(r.tab.slots))
+	ch := make(chan struct{})
+	r.waitCh.Store(&ch)
+	empty := map[string]*Peer{}
+	r.peers.Store(&empty)
+	if err := r.openFDs(); err != nil {
+		r.closeFDs()
+		return nil, err
+	}
+	ready := make(chan error, 1)
+	go r.run(ready)
+	if err := <-ready; err != nil {
+		<-r.done
+		r.closeFDs()
+		return nil, err
+	}
+	return r, nil
+}
+
+func (r *Reactor) openFDs() error {
+	var err error
+	if r.wakeFD, err = unix.Eventfd(0, unix.EFD_NONBLOCK|unix.EFD_CLOEXEC); err != nil {
+		return fmt.Errorf("reactor: eventfd: %w", err)
+	}
+	if r.epollFD, err = unix.EpollCreate1(unix.EPOLL_CLOEXEC); err != nil {
+		return fmt.Errorf("reactor: epoll_create1: %w", err)
+	}
+	add := func(fd int) error {
+		ev := unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(fd)}
+		if err := unix.EpollCtl(r.epollFD, unix.EPOLL_CTL_ADD, fd, &ev); err != nil {
+			return fmt.Errorf("reactor: epoll_ctl(%d): %w", fd, err)
+		}
+		return nil
+	}
+	if err := add(r.wakeFD); err != nil {
+		return err
+	}
+	if efd := r.agent.EventFD(); efd >= 0 {
+		return add(efd)
+	}
+	return nil
+}
+
+func (r *Reactor) closeFDs() {
+	if r.epollFD >= 0 {
+		_ = unix.Close(r.epollFD)
+		r.epollFD = -1
+	}
+	if r.wakeFD >= 0 {
+		_ = unix.Close(r.wakeFD)
+		r.wakeFD = -1
+	}
+}
+
+// now is monotonic nanoseconds since Start.
+func (r *Reactor) now() int64 { return int64(time.Since(r.epoch)) }
+
+// wake makes a parked reactor return from epoll_wait.
+func (r *Reactor) wake() {
+	if r.sleeping.Load() {
+		var one = [8]byte{1}
+		_, _ = unix.Write(r.wakeFD, one[:])
+	}
+}
+
+// ----------------------------------------------------------------------------
+// Caller side.
+
+// Do runs fn on the reactor thread and returns its result. fn may use the
+// agent. It returns ErrClosed once the reactor has stopped.
+func (r *Reactor) Do(fn func(a nixl.Agent) error) error {
+	if r.closing.Load() {
+		return ErrClosed
+	}
+	return r.do(func() error { return fn(r.agent) })
+}
+
+func (r *Reactor) do(fn func() error) error {
+	op := &ctrlOp{fn: fn, done: make(chan error, 1)}
+	for !r.ctrl.TryPush(op) {
+		select {
+		case <-r.done:
+			return ErrClosed
+		default:
+			runtime.Gosched()
+		}
+	}
+	r.wakeAlways()
+	select {
+	case err := <-op.done:
+		return err
+	case <-r.done:
+		select {
+		case err := <-op.done:
+			return err
+		default:
+			return ErrClosed
+		}
+	}
+}
+
+func (r *Reactor) wakeAlways() {
+	var one = [8]byte{1}
+	_, _ = unix.Write(r.wakeFD, one[:])
+}
+
+// SetLocal tells the reactor which prepared list describes the local
+// blocks. It must be called, through Do's thread or before any Post.
+func (r *Reactor) SetLocal(descs descriptors.List, dlist nixl.DlistID) {
+	r.loc.Store(&local{descs: descs, dlist: dlist})
+}
+
+// SetTimeout sets the age after which an in-flight transfer ends in
+// ErrTimeout; 0 disables it.
+func (r *Reactor) SetTimeout(d time.Duration) { r.timeout.Store(int64(d)) }
+
+// Post queues a READ of remoteIdx blocks of peer into localIdx blocks and
+// returns its handle. It validates everything first and posts nothing on
+// error. It never waits for data; it waits for room only with
+// Options.WaitWhenBusy.
+func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (uint64, error) {
+	if r.closing.Load() {
+		return 0, ErrClosed
+	}
+	p := (*r.peers.Load())[peer]
+	if p == nil {
+		return 0, wrapf(ErrUnknownPeer, "%q", peer)
+	}
+	loc := r.loc.Load()
+	if loc == nil {
+		return 0, wrapf(ErrClosed, "no local memory registered")
+	}
+	if len(localIdx) == 0 && len(remoteIdx) == 0 {
+		return 0, wrapf(ErrIndexRange, "empty index lists")
+	}
+	if err := descriptors.ValidateIndices(loc.descs, p.Descs, localIdx, remoteIdx); err != nil {
+		switch {
+		case errors.Is(err, descriptors.ErrIndexMismatch):
+			return 0, fmt.Errorf("%w: %v", ErrIndexMismatch, err)
+		case errors.Is(err, descriptors.ErrIndexRange):
+			return 0, fmt.Errorf("%w: %v", ErrIndexRange, err)
+		default:
+			return 0, fmt.Errorf("%w: %v", ErrBadDescriptor, err)
+		}
+	}
+	if len(notif) > r.opts.MaxNotif {
+		return 0, wrapf(ErrBadNotif, "%d bytes (limit %d)", len(notif), r.opts.MaxNotif)
+	}
+
+	h, s := r.claim()
+	if s == nil {
+		return 0, wrapf(ErrBusy, "handle table full (%d slots)", len(r.tab.slots))
+	}
+	s.peer = p
+	s.localIdx = append(s.localIdx[:0], localIdx...)
+	s.remoteIdx = append(s.remoteIdx[:0], remoteIdx...)
+	s.notif = append(s.notif[:0], notif...)
+	var bytes uint64
+	for _, i := range localIdx {
+		bytes += loc.descs[i].Len
+	}
+	s.bytes = bytes
+
+	for !r.sub.TryPush(h) {
+		if !r.opts.WaitWhenBusy || r.closing.Load() {
+			r.tab.free(s, s.word.Load())
+			if r.closing.Load() {
+				return 0, ErrClosed
+			}
+			return 0, wrapf(ErrBusy, "submission ring full (%d)", r.sub.Cap())
+		}
+		r.wakeAlways()
+		runtime.Gosched()
+	}
+	r.wake()
+	if r.closing.Load() {
+		// The loop may be gone; make sure the slot does not linger.
+		select {
+		case <-r.done:
+			r.tab.free(s, s.word.Load())
+			return 0, ErrClosed
+		default:
+		}
+	}
+	return h, nil
+}
+
+func (r *Reactor) claim() (uint64, *slot) {
+	for spins := 0; ; spins++ {
+		h, s := r.tab.claim()
+		if s != nil || !r.opts.WaitWhenBusy || r.closing.Load() {
+			return h, s
+		}
+		r.wakeAlways()
+		if spins < 64 {
+			runtime.Gosched()
+		} else {
+			time.Sleep(50 * time.Microsecond)
+		}
+	}
+}
+
+// State reports a transfer's state with one atomic load.
+func (r *Reactor) State(h uint64) (State, error) {
+	if r.closing.Load() {
+		return Err, ErrClosed
+	}
+	s, w := r.tab.lookup(h)
+	if s == nil {
+		return Err, ErrBadHandle
+	}
+	switch wordState(w) {
+	case stProc:
+		return Proc, nil
+	case stDone:
+		return Done, nil
+	case stErr:
+		return Err, codeErrs[wordCode(w, r.tab.mask)]
+	}
+	return Err, ErrBadHandle // canceling: the handle was released
+}
+
+// Release frees a handle. A finished transfer's slot is freed at once; an
+// in-flight one is canceled by the reactor. A second release of the same
+// handle returns ErrBadHandle.
+func (r *Reactor) Release(h uint64) error {
+	if r.closing.Load() {
+		return ErrClosed
+	}
+	for {
+		s, w := r.tab.lookup(h)
+		if s == nil {
+			return ErrBadHandle
+		}
+		switch wordState(w) {
+		case stDone, stErr:
+			if r.tab.free(s, w) {
+				return nil
+			}
+		case stProc:
+			if s.word.CompareAndSwap(w, w&^stateMask|stCanceling) {
+				if !r.cancel.TryPush(h) {
+					// Cannot happen: the cancel ring has a place per slot.
+					panic("reactor: cancel ring full")
+				}
+				r.wake()
+				return nil
+			}
+		default:
+			return ErrBadHandle
+		}
+	}
+}
+
+// Wait blocks until the transfer leaves Proc or ctx ends, without spinning
+// the caller's CPU for more than a few microseconds.
+func (r *Reactor) Wait(ctx context.Context, h uint64) error {
+	for i := 0; i < 64; i++ {
+		st, err := r.State(h)
+		if st != Proc {
+			return err
+		}
+		runtime.Gosched()
+	}
+	for {
+		ch := *r.waitCh.Load()
+		r.waiters.Add(1)
+		st, err := r.State(h)
+		if st != Proc {
+			r.waiters.Add(-1)
+			return err
+		}
+		select {
+		case <-ch:
+			r.waiters.Add(-1)
+		case <-ctx.Done():
+			r.waiters.Add(-1)
+			return ctx.Err()
+		case <-r.done:
+			r.waiters.Add(-1)
+			return ErrClosed
+		}
+	}
+}
+
+// Notifs hands out the notifications received since the last call. The map
+// is never nil.
+func (r *Reactor) Notifs() map[string][][]byte {
+	r.notifMu.Lock()
+	defer r.notifMu.Unlock()
+	if len(r.notifs) == 0 {
+		return map[string][][]byte{}
+	}
+	out := r.notifs
+	r.notifs = map[string][][]byte{}
+	return out
+}
+
+// Peer returns the published peer of that name, or nil.
+func (r *Reactor) Peer(name string) *Peer { return (*r.peers.Load())[name] }
+
+// Closed reports whether Close has begun.
+func (r *Reactor) Closed() bool { return r.closing.Load() }
+
+// Done is closed when the reactor thread has exited.
+func (r *Reactor) Done() <-chan struct{} { return r.done }
+
+// Agent returns the engine agent. It is for fault injection in tests: only
+// methods its concrete type documents as safe from any goroutine may be
+// called; everything else must go through Do.
+func (r *Reactor) Agent() nixl.Agent { return r.agent }

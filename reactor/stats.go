@@ -1,0 +1,51 @@
+package reactor
+
+import "sync/atomic"
+
+// counters are written by the reactor thread and read by anyone.
+type counters struct {
+	posted, done, failed, canceled atomic.Uint64
+	bytes                          atomic.Uint64
+	notifsSent, notifsReceived     atomic.Uint64
+	engineErrors                   atomic.Uint64
+	loops, parks                   atomic.Uint64
+	latency                        Histogram
+}
+
+// Stats is a snapshot of the reactor's counters, taken without stopping it.
+type Stats struct {
+	ReadsPosted    uint64       // handed to the engine
+	ReadsDone      uint64       // finished with every byte landed
+	ReadsFailed    uint64       // finished in ERR (engine error, disconnect, timeout, close)
+	ReadsCanceled  uint64       // released in flight, or dropped with their peer
+	BytesRead      uint64       // bytes of the reads that finished DONE
+	NotifsSent     uint64       // notifications sent with finished reads
+	NotifsReceived uint64       // notifications received from peers
+	EngineErrors   uint64       // engine calls that failed
+	LiveHandles    int64        // handles not yet released
+	InFlight       int64        // reads the engine is working on
+	Peers          int          // peers currently known
+	LoopTurns      uint64       // event loop turns
+	Parks          uint64       // times the reactor slept
+	Latency        HistSnapshot // post → DONE
+}
+
+// Stats returns the counters.
+func (r *Reactor) Stats() Stats {
+	return Stats{
+		ReadsPosted:    r.st.posted.Load(),
+		ReadsDone:      r.st.done.Load(),
+		ReadsFailed:    r.st.failed.Load(),
+		ReadsCanceled:  r.st.canceled.Load(),
+		BytesRead:      r.st.bytes.Load(),
+		NotifsSent:     r.st.notifsSent.Load(),
+		NotifsReceived: r.st.notifsReceived.Load(),
+		EngineErrors:   r.st.engineErrors.Load(),
+		LiveHandles:    r.tab.live.Load(),
+		InFlight:       r.inflight.Load(),
+		Peers:          len(*r.peers.Load()),
+		LoopTurns:      r.st.loops.Load(),
+		Parks:          r.st.parks.Load(),
+		Latency:        r.st.latency.Snapshot(),
+	}
+}

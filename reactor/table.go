@@ -1,0 +1,154 @@
+package reactor
+
+import (
+	"math/bits"
+	"sync/atomic"
+
+	"github.com/cespare/xxhash/v2"
+	"golang.org/x/sys/cpu"
+
+	"github.com/ecxfer/ecxfer/nixl"
+)
+
+// A handle is (generation, slot): the low slotBits bits name the slot, the
+// rest is a generation drawn from a counter that only grows. A slot's state
+// word holds the generation of the transfer that owns it, in the same bit
+// positions, and the transfer's state and error code in the low bits. One
+// atomic load of the word therefore answers "is this handle still the
+// slot's owner, and what state is it in", with nothing to lock and nothing
+// that can be torn: a released or reused slot carries another generation,
+// so a stale handle never reads another transfer's state.
+//
+// Where a new transfer lands is chosen by open addressing: the home slot is
+// the xxhash of the generation, and a claim probes forward from there for a
+// free word. Hashing spreads concurrent submitters over the table, so they
+// do not all fight over the same cache lines, and the full-width word
+// comparison on every lookup is the guard against a colliding handle.
+
+// Slot states, in the low stateBits of a word.
+const (
+	stFree      = 0 // no owner (the whole word is zero)
+	stProc      = 1 // claimed by a submitter; queued or in flight
+	stDone      = 2 // every byte landed
+	stErr       = 3 // failed; error code in the errcode bits
+	stCanceling = 4 // released while in flight; the reactor frees it
+
+	stateBits   = 3
+	stateMask   = 1<<stateBits - 1
+	errShift    = stateBits
+	minSlotBits = 8 // room for state and error code below the generation
+	probeWindow = 32
+)
+
+// Error codes stored next to the state. They map one to one onto the
+// sentinel errors of this package.
+const (
+	codeNone uint64 = iota
+	codeRemoteDisconnect
+	codeTimeout
+	codeCanceled
+	codeEngine
+	codeUnknownPeer
+	codeClosed
+	numCodes
+)
+
+// slot is one table entry. word is read by any goroutine; the request
+// fields are written by the submitter that claimed the slot before it
+// publishes the handle on the submission ring, and read by the reactor
+// after it drains the handle: the ring's atomic publication orders them.
+type slot struct {
+	word atomic.Uint64
+
+	// request, owned by the submitter until the handle is on the ring,
+	// then by the reactor
+	peer      *Peer
+	localIdx  []int
+	remoteIdx []int
+	notif     []byte
+
+	// reactor-only
+	xfer   nixl.XferID
+	posted int64 // monotonic ns at post
+	bytes  uint64
+	_      cpu.CacheLinePad
+}
+
+// table is the fixed-capacity handle table.
+type table struct {
+	slots    []slot
+	slotBits uint
+	mask     uint64
+	gen      atomic.Uint64 // last generation handed out
+	live     atomic.Int64  // slots not free
+}
+
+func newTable(capacity int) *table {
+	if capacity < 1<<minSlotBits {
+		capacity = 1 << minSlotBits
+	}
+	b := uint(bits.Len(uint(capacity - 1)))
+	n := 1 << b
+	return &table{slots: make([]slot, n), slotBits: b, mask: uint64(n - 1)}
+}
+
+func (t *table) genMask() uint64 { return ^t.mask }
+
+// claim finds a free slot near the generation's hash and takes it in state
+// PROC. It returns the handle and the slot, or 0 when no slot in the probe
+// window is free (the table is too full).
+func (t *table) claim() (uint64, *slot) {
+	g := t.gen.Add(1)
+	// The generation must be non-zero once shifted, so 0 is never a
+	// handle; the counter would need 2^(64-slotBits) claims to wrap.
+	gbits := (g << t.slotBits) & t.genMask()
+	if gbits == 0 {
+		g = t.gen.Add(1)
+		gbits = (g << t.slotBits) & t.genMask()
+	}
+	var kb [8]byte
+	for i := range kb {
+		kb[i] = byte(g >> (8 * i))
+	}
+	home := xxhash.Sum64(kb[:]) & t.mask
+	for i := uint64(0); i < probeWindow; i++ {
+		idx := (home + i) & t.mask
+		s := &t.slots[idx]
+		if s.word.Load() != 0 {
+			continue
+		}
+		if s.word.CompareAndSwap(0, gbits|stProc) {
+			t.live.Add(1)
+			return gbits | idx, s
+		}
+	}
+	return 0, nil
+}
+
+// lookup returns the slot a handle names and the slot's current word, or
+// nil when the handle is malformed or no longer owns the slot.
+func (t *table) lookup(h uint64) (*slot, uint64) {
+	if h == 0 {
+		return nil, 0
+	}
+	s := &t.slots[h&t.mask]
+	w := s.word.Load()
+	if w == 0 || w&t.genMask() != h&t.genMask() {
+		return nil, 0
+	}
+	return s, w
+}
+
+// free returns a slot whose word is exactly w to the free state.
+func (t *table) free(s *slot, w uint64) bool {
+	if s.word.CompareAndSwap(w, 0) {
+		t.live.Add(-1)
+		return true
+	}
+	return false
+}
+
+func wordState(w uint64) uint64 { return w & stateMask }
+func wordCode(w uint64, mask uint64) uint64 {
+	return (w & mask) >> errShift
+}

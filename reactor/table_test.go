@@ -1,0 +1,162 @@
+package reactor
+
+import (
+	"sync"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+func TestTableClaimLookupFree(t *testing.T) {
+	tab := newTable(300)
+	require.Len(t, tab.slots, 512, "capacity rounds up to a power of two")
+	h, s := tab.claim()
+	require.NotNil(t, s)
+	require.NotZero(t, h)
+	got, w := tab.lookup(h)
+	require.Same(t, s, got)
+	require.Equal(t, uint64(stProc), wordState(w))
+	require.Equal(t, int64(1), tab.live.Load())
+
+	// A stale generation on the same slot does not match.
+	stale := h + uint64(len(tab.slots))
+	gs, _ := tab.lookup(stale)
+	require.Nil(t, gs)
+	z, _ := tab.lookup(0)
+	require.Nil(t, z)
+
+	require.True(t, tab.free(s, w))
+	require.False(t, tab.free(s, w), "double free")
+	gone, _ := tab.lookup(h)
+	require.Nil(t, gone)
+	require.Equal(t, int64(0), tab.live.Load())
+}
+
+func TestTableGenerationsNeverRepeat(t *testing.T) {
+	tab := newTable(256)
+	seen := map[uint64]bool{}
+	for i := 0; i < 10000; i++ {
+		h, s := tab.claim()
+		require.NotNil(t, s)
+		require.False(t, seen[h], "handle %x handed out twice", h)
+		seen[h] = true
+		_, w := tab.lookup(h)
+		require.True(t, tab.free(s, w))
+	}
+}
+
+func TestTableFull(t *testing.T) {
+	tab := newTable(256)
+	claimed := 0
+	for i := 0; i < 1000; i++ {
+		if _, s := tab.claim(); s != nil {
+			claimed++
+		}
+	}
+	require.Equal(t, 256, claimed, "every slot can be claimed and no more")
+	h, s := tab.claim()
+	require.Nil(t, s)
+	require.Zero(t, h)
+}
+
+func TestTableConcurrentClaims(t *testing.T) {
+	tab := newTable(1 << 12)
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	seen := map[uint64]bool{}
+	for g := 0; g < 8; g++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			var mine []uint64
+			for i := 0; i < 2000; i++ {
+				h, s := tab.claim()
+				if s == nil {
+					continue
+				}
+				mine = append(mine, h)
+				if i%3 == 0 {
+					_, w := tab.lookup(h)
+					tab.free(s, w)
+					mine = mine[:len(mine)-1]
+				}
+				if len(mine) > 64 {
+					s, w := tab.lookup(mine[0])
+					require.NotNil(t, s)
+					tab.free(s, w)
+					mine = mine[1:]
+				}
+			}
+			mu.Lock()
+			for _, h := range mine {
+				require.False(t, seen[h])
+				seen[h] = true
+			}
+			mu.Unlock()
+		}()
+	}
+	wg.Wait()
+	require.Equal(t, int64(len(seen)), tab.live.Load())
+	for h := range seen {
+		s, w := tab.lookup(h)
+		require.NotNil(t, s, "live handle lost")
+		require.True(t, tab.free(s, w))
+	}
+	require.Equal(t, int64(0), tab.live.Load())
+}
+
+func TestHistogram(t *testing.T) {
+	var h Histogram
+	require.Zero(t, h.Snapshot().Quantile(0.5))
+	for i := 1; i <= 1000; i++ {
+		h.Add(durationNS(int64(i) * 1000)) // 1µs .. 1ms
+	}
+	s := h.Snapshot()
+	require.Equal(t, uint64(1000), s.Count())
+	p50 := int64(s.Quantile(0.5))
+	require.InDelta(t, 500_000, p50, 500_000*0.13, "p50 within a bucket's resolution")
+	p99 := int64(s.Quantile(0.99))
+	require.InDelta(t, 990_000, p99, 990_000*0.13)
+	require.LessOrEqual(t, p50, p99)
+
+	// Bucket bounds are monotonic and every value falls in its bucket.
+	for _, v := range []int64{0, 1, 7, 8, 9, 15, 16, 17, 1000, 1 << 20, 1<<40 - 1, 1 << 50, -5} {
+		i := histIndex(v)
+		require.GreaterOrEqual(t, i, 0)
+		require.Less(t, i, histBuckets)
+		if v >= 0 && v < 1<<40 {
+			require.LessOrEqual(t, histLower(i), v, "value %d", v)
+			if i+1 < histBuckets {
+				require.Greater(t, histLower(i+1), v, "value %d", v)
+			}
+		}
+	}
+}
+
+func TestOptions(t *testing.T) {
+	o, err := Options{}.withDefaults()
+	require.NoError(t, err)
+	require.Equal(t, 64, o.BatchSize)
+	require.Equal(t, IdleHybrid, o.Idle)
+	bad := []Options{
+		{BatchSize: -1},
+		{Handles: 1 << 25},
+		{SubmitRing: -3},
+		{Idle: 9},
+		{SpinFor: -1},
+		{PinCPU: true, CPU: -1},
+		{BindNUMA: true, NUMANode: -2},
+		{MaxNotif: -1},
+	}
+	for i, b := range bad {
+		_, err := b.withDefaults()
+		require.ErrorIs(t, err, errUnsupportedOption, "case %d", i)
+	}
+	for _, s := range []string{"hybrid", "spin", "yield", "park"} {
+		v, err := ParseIdle(s)
+		require.NoError(t, err)
+		require.Equal(t, s, v.String())
+	}
+	_, err = ParseIdle("busy")
+	require.Error(t, err)
+}
