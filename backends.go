@@ -1,0 +1,34 @@
+package ecxfer
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/ecxfer/ecxfer/nixl"
+	"github.com/ecxfer/ecxfer/nixl/loopback"
+	"github.com/ecxfer/ecxfer/nixl/ucx"
+)
+
+// ErrNoBackend reports a backend that is not available in this build or on
+// this machine.
+var ErrNoBackend = errors.New("ecxfer: backend not available")
+
+func newAgent(cfg Config) (nixl.Agent, error) {
+	switch cfg.Backend {
+	case "ucx":
+		a, err := ucx.New(ucx.Config{Name: cfg.AgentName, MaxNotif: cfg.Reactor.MaxNotif})
+		if err != nil {
+			return nil, fmt.Errorf("%w: ucx: %v", ErrEngine, err)
+		}
+		return a, nil
+	case "loopback":
+		a, err := loopback.New(cfg.AgentName)
+		if err != nil {
+			return nil, fmt.Errorf("%w: loopback: %v", ErrConfig, err)
+		}
+		return a, nil
+	case "nixl":
+		return nil, fmt.Errorf("%w: the NIXL library engine is not part of this build", ErrNoBackend)
+	}
+	return nil, fmt.Errorf("%w: unknown backend %q (want ucx, loopback or nixl)", ErrConfig, cfg.Backend)
+}

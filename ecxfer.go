@@ -1,0 +1,329 @@
+package ecxfer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"time"
+	"unsafe"
+
+	"github.com/ecxfer/ecxfer/descriptors"
+	"github.com/ecxfer/ecxfer/internal/affinity"
+	"github.com/ecxfer/ecxfer/nixl"
+	"github.com/ecxfer/ecxfer/reactor"
+)
+
+// Handle names one posted READ. It is opaque; 0 is never valid.
+type Handle uint64
+
+// State is a READ's state as vLLM spells it.
+type State string
+
+// The three states.
+const (
+	StateDone State = "DONE"
+	StateProc State = "PROC"
+	StateErr  State = "ERR"
+)
+
+// The errors of the transport. They work with errors.Is.
+var (
+	ErrUnknownPeer      = reactor.ErrUnknownPeer
+	ErrIndexMismatch    = reactor.ErrIndexMismatch
+	ErrIndexRange       = reactor.ErrIndexRange
+	ErrBadHandle        = reactor.ErrBadHandle
+	ErrBadMetadata      = reactor.ErrBadMetadata
+	ErrBadDescriptor    = reactor.ErrBadDescriptor
+	ErrBadNotif         = reactor.ErrBadNotif
+	ErrClosed           = reactor.ErrClosed
+	ErrBusy             = reactor.ErrBusy
+	ErrRemoteDisconnect = reactor.ErrRemoteDisconnect
+	ErrTimeout          = reactor.ErrTimeout
+	ErrCanceled         = reactor.ErrCanceled
+	ErrEngine           = reactor.ErrEngine
+	// ErrConfig reports a Config that New cannot use.
+	ErrConfig = errors.New("ecxfer: bad config")
+)
+
+// DataTransport is vLLM's EC data-plane transport.
+type DataTransport interface {
+	AgentMetadata() []byte
+	MemDescriptor() []byte
+	AddRemotePeer(metadata, memDescriptor []byte) (agentName string, err error)
+	RemoveRemotePeer(agentName string) error
+	PostRead(localIndices []int, agentName string, remoteIndices []int, notifMsg []byte) (Handle, error)
+	NewNotifs() map[string][][]byte
+	CheckXferState(h Handle) (State, error)
+	ReleaseXferHandle(h Handle) error
+	Deregister() error
+}
+
+// Config describes a transport.
+type Config struct {
+	// AgentName is this agent's name, unique among its peers: 1 to 256
+	// printable ASCII characters.
+	AgentName string
+	// Backend is "ucx" (the default), "loopback" (in-process, for tests)
+	// or "nixl" (the NIXL library).
+	Backend string
+	// BlockSize is the size of one block in bytes; NumBlocks how many
+	// blocks the region holds. Both required.
+	BlockSize int
+	NumBlocks int
+	// Region is optional caller memory of at least BlockSize*NumBlocks
+	// bytes. It must live outside the Go heap (mmap): the engine and remote
+	// peers access it while Go code runs. Nil: the transport allocates the
+	// region through the engine.
+	Region []byte
+	// XferTimeout ends a READ still in flight after this long in ERR
+	// (ErrTimeout). Zero means 20 s; negative disables the timeout.
+	XferTimeout time.Duration
+	// Reactor tunes the event loop: CPU and NUMA pinning, idle strategy,
+	// batch size, ring and table sizes.
+	Reactor reactor.Options
+}
+
+// DefaultXferTimeout is the XferTimeout used when Config leaves it zero.
+const DefaultXferTimeout = 20 * time.Second
+
+// maxRegion bounds BlockSize*NumBlocks (1 TiB).
+const maxRegion = 1 << 40
+
+// Transport is ecxfer's DataTransport: one engine agent owned by a reactor
+// thread. All methods are safe for concurrent use.
+type Transport struct {
+	cfg     Config
+	r       *reactor.Reactor
+	region  atomic.Pointer[[]byte]
+	md      []byte
+	memDesc []byte
+	closed  atomic.Bool
+}
+
+var _ DataTransport = (*Transport)(nil)
+
+// New creates a transport: it starts the engine and the reactor, registers
+// the region and prepares the local block list.
+func New(cfg Config) (*Transport, error) {
+	if cfg.Backend == "" {
+		cfg.Backend = "ucx"
+	}
+	if err := checkConfig(&cfg); err != nil {
+		return nil, err
+	}
+	agent, err := newAgent(cfg)
+	if err != nil {
+		return nil, err
+	}
+	r, err := reactor.Start(agent, cfg.Reactor)
+	if err != nil {
+		_ = agent.Close()
+		if errors.Is(err, affinity.ErrNoCPU) || errors.Is(err, affinity.ErrNoNode) {
+			return nil, fmt.Errorf("%w: %v", ErrConfig, err)
+		}
+		return nil, err
+	}
+	t := &Transport{cfg: cfg, r: r}
+	if err := t.setup(); err != nil {
+		_ = r.Close()
+		return nil, err
+	}
+	if cfg.XferTimeout == 0 {
+		cfg.XferTimeout = DefaultXferTimeout
+	}
+	if cfg.XferTimeout > 0 {
+		r.SetTimeout(cfg.XferTimeout)
+	}
+	t.cfg = cfg
+	return t, nil
+}
+
+func checkConfig(cfg *Config) error {
+	if err := ValidAgentName(cfg.AgentName); err != nil {
+		return err
+	}
+	switch {
+	case cfg.BlockSize <= 0:
+		return fmt.Errorf("%w: BlockSize %d must be positive", ErrConfig, cfg.BlockSize)
+	case cfg.NumBlocks <= 0:
+		return fmt.Errorf("%w: NumBlocks %d must be positive", ErrConfig, cfg.NumBlocks)
+	case uint64(cfg.BlockSize) > maxRegion/uint64(cfg.NumBlocks):
+		return fmt.Errorf("%w: BlockSize*NumBlocks exceeds %d bytes", ErrConfig, uint64(maxRegion))
+	case cfg.Region != nil && len(cfg.Region) < cfg.BlockSize*cfg.NumBlocks:
+		return fmt.Errorf("%w: Region has %d bytes, need %d", ErrConfig, len(cfg.Region), cfg.BlockSize*cfg.NumBlocks)
+	}
+	return nil
+}
+
+// ValidAgentName reports whether name can name an agent: 1 to 256 bytes of
+// printable ASCII without spaces.
+func ValidAgentName(name string) error {
+	if name == "" || len(name) > 256 {
+		return fmt.Errorf("%w: agent name must have 1 to 256 bytes (has %d)", ErrConfig, len(name))
+	}
+	for i := 0; i < len(name); i++ {
+		if c := name[i]; c <= ' ' || c > '~' {
+			return fmt.Errorf("%w: agent name has byte %#x at %d (printable ASCII only)", ErrConfig, c, i)
+		}
+	}
+	return nil
+}
+
+func (t *Transport) setup() error {
+	size := t.cfg.BlockSize * t.cfg.NumBlocks
+	var region []byte
+	err := t.r.Do(func(a nixl.Agent) error {
+		var err error
+		if t.cfg.Region != nil {
+			region = t.cfg.Region[:size:size]
+			_, err = a.RegisterMem(region, nixl.DRAM, 0)
+		} else {
+			_, region, err = a.AllocMem(size, nixl.DRAM, 0)
+		}
+		if err != nil {
+			return fmt.Errorf("ecxfer: registering %d bytes: %w", size, err)
+		}
+		if o := t.cfg.Reactor; o.BindNUMA {
+			if err := affinity.BindMemory(region, o.NUMANode); err != nil {
+				return fmt.Errorf("%w: %v", ErrConfig, err)
+			}
+		}
+		base := uint64(uintptr(unsafe.Pointer(unsafe.SliceData(region))))
+		descs := descriptors.BuildBlockDescs(base, t.cfg.NumBlocks, uint64(t.cfg.BlockSize), 0)
+		dl, err := a.PrepDlist("", descs, nixl.DRAM)
+		if err != nil {
+			return fmt.Errorf("ecxfer: preparing local list: %w", err)
+		}
+		if t.md, err = a.LocalMetadata(); err != nil {
+			return fmt.Errorf("ecxfer: local metadata: %w", err)
+		}
+		if t.memDesc, err = descriptors.Encode(descs); err != nil {
+			return fmt.Errorf("ecxfer: encoding descriptors: %w", err)
+		}
+		t.r.SetLocal(descs, dl)
+		return nil
+	})
+	if err != nil {
+		return err
+	}
+	t.region.Store(&region)
+	return nil
+}
+
+// Region returns the registered block memory (block i at
+// [i*BlockSize, (i+1)*BlockSize)), or nil after Deregister.
+func (t *Transport) Region() []byte {
+	if p := t.region.Load(); p != nil {
+		return *p
+	}
+	return nil
+}
+
+// AgentMetadata returns the serialized agent metadata a peer passes to
+// AddRemotePeer, or nil after Deregister.
+func (t *Transport) AgentMetadata() []byte {
+	if t.closed.Load() {
+		return nil
+	}
+	return append([]byte(nil), t.md...)
+}
+
+// MemDescriptor returns vLLM's msgpack list of [addr, len, dev] per block,
+// or nil after Deregister.
+func (t *Transport) MemDescriptor() []byte {
+	if t.closed.Load() {
+		return nil
+	}
+	return append([]byte(nil), t.memDesc...)
+}
+
+// AddRemotePeer loads a peer's agent metadata and block descriptors and
+// returns its name. The same metadata twice returns the same name; new
+// metadata under a known name replaces the peer (reads of the old one end
+// in ErrRemoteDisconnect).
+func (t *Transport) AddRemotePeer(metadata, memDescriptor []byte) (string, error) {
+	if t.closed.Load() {
+		return "", ErrClosed
+	}
+	descs, err := descriptors.Decode(memDescriptor)
+	if err != nil {
+		return "", fmt.Errorf("%w: %v", ErrBadDescriptor, err)
+	}
+	if len(descs) == 0 {
+		return "", fmt.Errorf("%w: empty descriptor list", ErrBadDescriptor)
+	}
+	if len(metadata) == 0 {
+		return "", fmt.Errorf("%w: empty", ErrBadMetadata)
+	}
+	return t.r.AddPeer(metadata, descs)
+}
+
+// RemoveRemotePeer cancels the peer's in-flight reads (they end in
+// ErrCanceled), releases its prepared list and endpoint, and forgets it.
+func (t *Transport) RemoveRemotePeer(agentName string) error {
+	if t.closed.Load() {
+		return ErrClosed
+	}
+	return t.r.RemovePeer(agentName)
+}
+
+// PostRead queues a READ of the peer's remoteIndices blocks into the
+// localIndices blocks, with notifMsg delivered to the peer once the data
+// has landed (none when empty). It never waits for data. The slices may be
+// reused as soon as it returns.
+func (t *Transport) PostRead(localIndices []int, agentName string, remoteIndices []int, notifMsg []byte) (Handle, error) {
+	h, err := t.r.Post(agentName, localIndices, remoteIndices, notifMsg)
+	return Handle(h), err
+}
+
+// NewNotifs returns the notifications received since the last call, keyed
+// by the sender's agent name. Each is handed out once. Never nil.
+func (t *Transport) NewNotifs() map[string][][]byte {
+	return t.r.Notifs()
+}
+
+// CheckXferState reports a READ's state: (StateProc, nil) in flight,
+// (StateDone, nil) done, (StateErr, err) failed or for a bad handle. It is
+// one atomic load: cheap enough to spin on.
+func (t *Transport) CheckXferState(h Handle) (State, error) {
+	st, err := t.r.State(uint64(h))
+	switch st {
+	case reactor.Proc:
+		return StateProc, nil
+	case reactor.Done:
+		return StateDone, nil
+	}
+	return StateErr, err
+}
+
+// ReleaseXferHandle frees a handle, canceling the READ if it is still in
+// flight. A second release returns ErrBadHandle.
+func (t *Transport) ReleaseXferHandle(h Handle) error {
+	return t.r.Release(uint64(h))
+}
+
+// Wait blocks until the READ leaves PROC or ctx ends. It returns nil for
+// DONE, the READ's error for ERR, ctx's error when ctx ends first.
+func (t *Transport) Wait(ctx context.Context, h Handle) error {
+	return t.r.Wait(ctx, uint64(h))
+}
+
+// Stats is a snapshot of the transport's counters.
+type Stats = reactor.Stats
+
+// Stats returns the counters without stopping the reactor.
+func (t *Transport) Stats() Stats { return t.r.Stats() }
+
+// Deregister tears everything down: handles, lists, peers, memory, the
+// engine and the reactor thread. It is idempotent; afterwards every method
+// returns ErrClosed.
+func (t *Transport) Deregister() error {
+	if t.closed.Swap(true) {
+		<-t.r.Done()
+		return nil
+	}
+	err := t.r.Close()
+	t.region.Store(nil)
+	return err
+}

@@ -1,0 +1,81 @@
+package ctrl
+
+import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"io"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+func TestRoundTrip(t *testing.T) {
+	var buf bytes.Buffer
+	c := New(&buf, &buf)
+	in := Message{Kind: "hello", Name: "p", Metadata: []byte{1, 2}, MemDesc: []byte{0x90},
+		Ints: map[string]int64{"blocks": 880}, Strs: map[string]string{"x": "y"}}
+	require.NoError(t, c.Send(in))
+	require.NoError(t, c.Send(Message{Kind: "bye"}))
+	out, err := c.Recv()
+	require.NoError(t, err)
+	require.Equal(t, in, out)
+	_, err = c.Expect("bye")
+	require.NoError(t, err)
+	_, err = c.Recv()
+	require.ErrorIs(t, err, io.EOF)
+}
+
+func TestHostileFrames(t *testing.T) {
+	huge := make([]byte, 4)
+	binary.BigEndian.PutUint32(huge, MaxFrame+1)
+	short := []byte{0, 0, 0, 10, 0x81}
+	cases := map[string][]byte{
+		"oversized": huge,
+		"truncated": short,
+		"half hdr":  {0, 0},
+		"not map":   append([]byte{0, 0, 0, 1}, 0xc0),
+		"no kind":   append([]byte{0, 0, 0, 1}, 0x80),
+		"garbage":   append([]byte{0, 0, 0, 3}, 0xc1, 0xc1, 0xc1),
+	}
+	for name, b := range cases {
+		c := New(bytes.NewReader(b), io.Discard)
+		_, err := c.Recv()
+		require.ErrorIs(t, err, ErrFrame, name)
+	}
+}
+
+func TestExpectMismatch(t *testing.T) {
+	var buf bytes.Buffer
+	c := New(&buf, &buf)
+	require.NoError(t, c.Send(Message{Kind: "a"}))
+	_, err := c.Expect("b")
+	require.ErrorIs(t, err, ErrFrame)
+	require.NoError(t, c.Send(Message{Kind: "error", Strs: map[string]string{"error": "boom"}}))
+	_, err = c.Expect("b")
+	require.Error(t, err)
+	require.Contains(t, err.Error(), "boom")
+	require.False(t, errors.Is(err, ErrFrame))
+}
+
+func FuzzDecode(f *testing.F) {
+	var buf bytes.Buffer
+	c := New(&buf, &buf)
+	_ = c.Send(Message{Kind: "hello", Name: "n", Metadata: []byte{1}, Ints: map[string]int64{"a": 1}})
+	f.Add(buf.Bytes()[4:])
+	f.Add([]byte{0x80})
+	f.Add([]byte{0x81, 0xa1, 'k', 0xa1, 'x'})
+	f.Fuzz(func(t *testing.T, b []byte) {
+		m, err := Decode(b)
+		if err != nil {
+			require.ErrorIs(t, err, ErrFrame)
+			return
+		}
+		require.NotEmpty(t, m.Kind)
+		var out bytes.Buffer
+		require.NoError(t, New(&out, &out).Send(m))
+		again, err := New(&out, &out).Recv()
+		require.NoError(t, err)
+		require.Equal(t, m.Kind, again.Kind)
+	})
+}

@@ -1,0 +1,307 @@
+package ecxfer
+
+import (
+	"context"
+	"errors"
+	"math/rand"
+	"runtime"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/ecxfer/ecxfer/internal/leakcheck"
+	"github.com/ecxfer/ecxfer/nixl"
+	"github.com/ecxfer/ecxfer/nixl/loopback"
+	"github.com/ecxfer/ecxfer/reactor"
+)
+
+// Tests that need the loopback engine's fault injection, or that measure
+// the reactor alone.
+
+func engine(t *testing.T, tr *Transport) *loopback.Agent {
+	t.Helper()
+	a, ok := tr.r.Agent().(*loopback.Agent)
+	require.True(t, ok)
+	return a
+}
+
+func loopbackPair(t *testing.T, bs, nb int, consOpts ...func(*Config)) (prod, cons *Transport, pname string) {
+	t.Helper()
+	leakcheck.Check(t)
+	e := env{t: t, backend: "loopback"}
+	pname = uniqueName("prod")
+	prod = e.transport(pname, bs, nb)
+	rand.New(rand.NewSource(1)).Read(prod.Region())
+	cons = e.transport(uniqueName("cons"), bs, nb, consOpts...)
+	_, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+	require.NoError(t, err)
+	return prod, cons, pname
+}
+
+func TestIdleStrategies(t *testing.T) {
+	for _, idle := range []reactor.IdleStrategy{reactor.IdleHybrid, reactor.IdleSpin, reactor.IdleYield, reactor.IdlePark} {
+		t.Run(idle.String(), func(t *testing.T) {
+			prod, cons, pname := loopbackPair(t, 1024, 64, func(c *Config) {
+				c.Reactor = reactor.Options{Idle: idle, SpinFor: 20 * time.Microsecond, YieldFor: 100 * time.Microsecond}
+			})
+			for i := 0; i < 50; i++ {
+				if i%10 == 0 {
+					time.Sleep(5 * time.Millisecond) // let the reactor go idle
+				}
+				h, err := cons.PostRead([]int{i}, pname, []int{63 - i}, nil)
+				require.NoError(t, err)
+				st, err := wait(t, cons, h)
+				require.NoError(t, err)
+				require.Equal(t, StateDone, st)
+				require.Equal(t, block(prod, 1024, 63-i), block(cons, 1024, i))
+				require.NoError(t, cons.ReleaseXferHandle(h))
+			}
+			parks := cons.Stats().Parks
+			switch idle {
+			case reactor.IdleSpin, reactor.IdleYield:
+				require.Zero(t, parks, "%s must never sleep", idle)
+			default:
+				require.NotZero(t, parks, "%s never slept through 5ms idle gaps", idle)
+			}
+		})
+	}
+}
+
+func TestParkedProducerDeliversNotifs(t *testing.T) {
+	prod, cons, pname := loopbackPair(t, 512, 8)
+	time.Sleep(20 * time.Millisecond) // both reactors park
+	parks := prod.Stats().Parks
+	require.NotZero(t, parks)
+	h, err := cons.PostRead([]int{0}, pname, []int{1}, []byte("wake up"))
+	require.NoError(t, err)
+	_, err = wait(t, cons, h)
+	require.NoError(t, err)
+	require.NoError(t, cons.ReleaseXferHandle(h))
+	got := notifsUntil(prod, 1, 5*time.Second)
+	require.Equal(t, [][]byte{[]byte("wake up")}, got[cons.cfg.AgentName])
+}
+
+func TestTimeout(t *testing.T) {
+	_, cons, pname := loopbackPair(t, 512, 8, func(c *Config) { c.XferTimeout = 30 * time.Millisecond })
+	engine(t, cons).SetDelay(time.Hour)
+	h, err := cons.PostRead([]int{0}, pname, []int{0}, []byte("never"))
+	require.NoError(t, err)
+	st, _ := cons.CheckXferState(h)
+	require.Equal(t, StateProc, st)
+	start := time.Now()
+	st, err = wait(t, cons, h)
+	require.Equal(t, StateErr, st)
+	require.ErrorIs(t, err, ErrTimeout)
+	require.Less(t, time.Since(start), 5*time.Second)
+	require.NoError(t, cons.ReleaseXferHandle(h))
+	engine(t, cons).SetDelay(0)
+	h, err = cons.PostRead([]int{0}, pname, []int{0}, nil)
+	require.NoError(t, err)
+	_, err = wait(t, cons, h)
+	require.NoError(t, err)
+	require.NoError(t, cons.ReleaseXferHandle(h))
+	require.Equal(t, uint64(1), cons.Stats().ReadsFailed)
+}
+
+func TestEngineFailures(t *testing.T) {
+	cases := []struct {
+		status nixl.Status
+		want   error
+	}{
+		{nixl.ErrBackend, ErrEngine},
+		{nixl.ErrRemoteDisconnect, ErrRemoteDisconnect},
+		{nixl.ErrCanceled, ErrCanceled},
+	}
+	for _, c := range cases {
+		t.Run(c.status.String(), func(t *testing.T) {
+			_, cons, pname := loopbackPair(t, 512, 8)
+			engine(t, cons).FailNext(1, c.status)
+			h, err := cons.PostRead([]int{0}, pname, []int{0}, []byte("x"))
+			require.NoError(t, err)
+			st, err := wait(t, cons, h)
+			require.Equal(t, StateErr, st)
+			require.ErrorIs(t, err, c.want)
+			require.NoError(t, cons.ReleaseXferHandle(h))
+			h, err = cons.PostRead([]int{0}, pname, []int{0}, nil)
+			require.NoError(t, err)
+			_, err = wait(t, cons, h)
+			require.NoError(t, err, "the next read is unaffected")
+			require.NoError(t, cons.ReleaseXferHandle(h))
+		})
+	}
+}
+
+func TestDisconnectedPeer(t *testing.T) {
+	prod, cons, pname := loopbackPair(t, 512, 8)
+	engine(t, cons).SetDelay(20 * time.Millisecond)
+	h, err := cons.PostRead([]int{0}, pname, []int{0}, nil)
+	require.NoError(t, err)
+	engine(t, prod).Kill()
+	st, err := wait(t, cons, h)
+	require.Equal(t, StateErr, st)
+	require.ErrorIs(t, err, ErrRemoteDisconnect)
+	require.NoError(t, cons.ReleaseXferHandle(h))
+}
+
+func TestBusyAndRecovery(t *testing.T) {
+	_, cons, pname := loopbackPair(t, 256, 16, func(c *Config) {
+		c.Reactor = reactor.Options{Handles: 256, SubmitRing: 64}
+	})
+	// Completions are held back long enough to fill the table.
+	engine(t, cons).SetDelay(300 * time.Millisecond)
+	var hs []Handle
+	var busy error
+	for i := 0; i < 10000 && busy == nil; i++ {
+		h, err := cons.PostRead([]int{i % 16}, pname, []int{i % 16}, nil)
+		if err != nil {
+			busy = err
+			break
+		}
+		hs = append(hs, h)
+	}
+	require.ErrorIs(t, busy, ErrBusy)
+	require.GreaterOrEqual(t, len(hs), 64)
+	require.LessOrEqual(t, len(hs), 256)
+	// Load drops: the held completions arrive, every accepted read
+	// finishes, and the transport takes new work.
+	engine(t, cons).SetDelay(0)
+	for _, h := range hs {
+		st, err := wait(t, cons, h)
+		require.NoError(t, err)
+		require.Equal(t, StateDone, st)
+		require.NoError(t, cons.ReleaseXferHandle(h))
+	}
+	h, err := cons.PostRead([]int{0}, pname, []int{0}, nil)
+	require.NoError(t, err)
+	_, err = wait(t, cons, h)
+	require.NoError(t, err)
+	require.NoError(t, cons.ReleaseXferHandle(h))
+	st := cons.Stats()
+	require.Equal(t, st.ReadsPosted, st.ReadsDone)
+}
+
+func TestWaitWhenBusy(t *testing.T) {
+	_, cons, pname := loopbackPair(t, 256, 16, func(c *Config) {
+		c.Reactor = reactor.Options{Handles: 256, SubmitRing: 16, WaitWhenBusy: true}
+	})
+	const workers, each = 8, 200 // 1,600 reads through a 16-entry ring
+	var wg sync.WaitGroup
+	errs := make(chan error, workers)
+	for w := 0; w < workers; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			var mine []Handle
+			for i := 0; i < each; i++ {
+				h, err := cons.PostRead([]int{i % 16}, pname, []int{(i + 1) % 16}, nil)
+				if err != nil {
+					errs <- err
+					return
+				}
+				mine = append(mine, h)
+				if len(mine) == 16 { // hold handles (8 workers x 16 < 256 slots), then let go
+					for _, h := range mine {
+						if err := cons.Wait(context.Background(), h); err != nil {
+							errs <- err
+							return
+						}
+						if err := cons.ReleaseXferHandle(h); err != nil {
+							errs <- err
+							return
+						}
+					}
+					mine = mine[:0]
+				}
+			}
+			for _, h := range mine {
+				if err := cons.Wait(context.Background(), h); err != nil {
+					errs <- err
+				}
+				_ = cons.ReleaseXferHandle(h)
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		require.NoError(t, err)
+	}
+	require.Equal(t, uint64(workers*each), cons.Stats().ReadsDone)
+}
+
+func TestDeregisterWhilePosting(t *testing.T) {
+	leakcheck.Check(t)
+	e := env{t: t, backend: "loopback"}
+	prod := e.transport(uniqueName("p"), 512, 8)
+	cons, err := New(Config{AgentName: uniqueName("c"), Backend: "loopback", BlockSize: 512, NumBlocks: 8})
+	require.NoError(t, err)
+	pname, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+	require.NoError(t, err)
+	var wg sync.WaitGroup
+	for w := 0; w < 8; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				h, err := cons.PostRead([]int{0}, pname, []int{1}, nil)
+				if errors.Is(err, ErrClosed) {
+					return
+				}
+				if errors.Is(err, ErrBusy) {
+					runtime.Gosched()
+					continue
+				}
+				if err != nil {
+					t.Errorf("unexpected error %v", err)
+					return
+				}
+				st, err := cons.CheckXferState(h)
+				if st == StateErr && !errors.Is(err, ErrClosed) && !errors.Is(err, ErrBadHandle) {
+					t.Errorf("unexpected state error %v", err)
+				}
+				_ = cons.ReleaseXferHandle(h)
+			}
+		}()
+	}
+	time.Sleep(20 * time.Millisecond)
+	require.NoError(t, cons.Deregister())
+	wg.Wait()
+}
+
+func TestSteadyStateAllocs(t *testing.T) {
+	if raceEnabled {
+		t.Skip("allocation counts need a build without -race; make test runs this test in one")
+	}
+	// Each table slot keeps the index buffers of the largest request it
+	// carried; a small table is warm after a few thousand reads.
+	_, cons, pname := loopbackPair(t, 5120, 64, func(c *Config) {
+		c.Reactor = reactor.Options{Idle: reactor.IdleSpin, Handles: 256}
+	})
+	local, remote := []int{1, 2, 3, 9}, []int{4, 5, 6, 60}
+	read := func() {
+		h, err := cons.PostRead(local, pname, remote, nil)
+		if err != nil {
+			panic(err)
+		}
+		for {
+			st, err := cons.CheckXferState(h)
+			if err != nil {
+				panic(err)
+			}
+			if st == StateDone {
+				break
+			}
+			runtime.Gosched()
+		}
+		if err := cons.ReleaseXferHandle(h); err != nil {
+			panic(err)
+		}
+	}
+	for i := 0; i < 10000; i++ { // warm up: slot buffers, engine maps
+		read()
+	}
+	allocs := testing.AllocsPerRun(500, read)
+	require.Zero(t, allocs, "PostRead -> DONE -> Release allocates")
+}

@@ -1,0 +1,5 @@
+//go:build !race
+
+package ecxfer
+
+const raceEnabled = false

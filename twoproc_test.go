@@ -1,0 +1,179 @@
+package ecxfer
+
+import (
+	"context"
+	"fmt"
+	"math/rand"
+	"os"
+	"os/exec"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/ecxfer/ecxfer/internal/ctrl"
+	"github.com/ecxfer/ecxfer/internal/leakcheck"
+	"github.com/ecxfer/ecxfer/internal/pattern"
+)
+
+// Two processes: this test binary re-executed as a producer. The producer
+// creates a UCX transport over pattern-filled blocks, sends its metadata on
+// stdout, and then only ever calls NewNotifs, reporting each notification
+// back; everything else its side of a READ needs is the reactor's job.
+
+const roleEnv = "ECXFER_TEST_ROLE"
+
+func TestMain(m *testing.M) {
+	if os.Getenv(roleEnv) == "producer" {
+		os.Exit(runTestProducer())
+	}
+	os.Exit(m.Run())
+}
+
+func envInt(name string) int {
+	v, err := strconv.Atoi(os.Getenv(name))
+	if err != nil {
+		panic(fmt.Sprintf("%s: %v", name, err))
+	}
+	return v
+}
+
+func runTestProducer() int {
+	c := ctrl.New(os.Stdin, os.Stdout)
+	fail := func(err error) int {
+		_ = c.Send(ctrl.Message{Kind: "error", Strs: map[string]string{"error": err.Error()}})
+		return 1
+	}
+	bs, nb, seed := envInt("ECX_BS"), envInt("ECX_NB"), uint64(envInt("ECX_SEED"))
+	cfg := Config{AgentName: os.Getenv("ECX_NAME"), BlockSize: bs, NumBlocks: nb}
+	if os.Getenv("ECX_REGION") == "mmap" {
+		region, err := unix.Mmap(-1, 0, bs*nb, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
+		if err != nil {
+			return fail(err)
+		}
+		cfg.Region = region
+	}
+	tr, err := New(cfg)
+	if err != nil {
+		return fail(err)
+	}
+	defer tr.Deregister()
+	pattern.FillRegion(tr.Region(), seed, bs)
+	if err := c.Send(ctrl.Message{Kind: "hello", Name: cfg.AgentName, Metadata: tr.AgentMetadata(), MemDesc: tr.MemDescriptor()}); err != nil {
+		return fail(err)
+	}
+	// The consumer closes stdin when it is done.
+	eof := make(chan struct{})
+	go func() {
+		buf := make([]byte, 1)
+		for {
+			if _, err := os.Stdin.Read(buf); err != nil {
+				close(eof)
+				return
+			}
+		}
+	}()
+	for {
+		for sender, msgs := range tr.NewNotifs() {
+			for _, m := range msgs {
+				if err := c.Send(ctrl.Message{Kind: "notif", Name: sender, Data: m}); err != nil {
+					return fail(err)
+				}
+			}
+		}
+		select {
+		case <-eof:
+			if err := tr.Deregister(); err != nil {
+				return fail(err)
+			}
+			return 0
+		case <-time.After(time.Millisecond):
+		}
+	}
+}
+
+type producerProc struct {
+	cmd   *exec.Cmd
+	conn  *ctrl.Conn
+	stdin interface{ Close() error }
+	hello ctrl.Message
+}
+
+func startProducer(t *testing.T, name string, bs, nb int, seed uint64, region string, extraEnv ...string) *producerProc {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), roleEnv+"=producer", "ECX_NAME="+name,
+		"ECX_BS="+strconv.Itoa(bs), "ECX_NB="+strconv.Itoa(nb),
+		"ECX_SEED="+strconv.FormatUint(seed, 10), "ECX_REGION="+region)
+	cmd.Env = append(cmd.Env, extraEnv...)
+	cmd.Stderr = os.Stderr
+	stdin, err := cmd.StdinPipe()
+	require.NoError(t, err)
+	stdout, err := cmd.StdoutPipe()
+	require.NoError(t, err)
+	require.NoError(t, cmd.Start())
+	p := &producerProc{cmd: cmd, conn: ctrl.New(stdout, stdin), stdin: stdin}
+	t.Cleanup(func() {
+		_ = stdin.Close()
+		done := make(chan struct{})
+		go func() { _ = cmd.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(10 * time.Second):
+			_ = cmd.Process.Kill()
+			<-done
+		}
+	})
+	p.hello, err = p.conn.Expect("hello")
+	require.NoError(t, err)
+	return p
+}
+
+func TestTwoProcessRead(t *testing.T) {
+	for _, c := range []struct{ name, region, tls string }{
+		{"alloc", "alloc", ""},
+		{"mmap", "mmap", ""},
+		{"tcp", "alloc", "tcp"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			var env []string
+			if c.tls != "" {
+				env = append(env, "UCX_TLS="+c.tls)
+				t.Setenv("UCX_TLS", c.tls)
+			}
+			leakcheck.Check(t)
+			const bs, nb, seed = 5120, 1024, 42
+			pname := uniqueName("xproc-prod")
+			p := startProducer(t, pname, bs, nb, seed, c.region, env...)
+			cons, err := New(Config{AgentName: uniqueName("xproc-cons"), BlockSize: bs, NumBlocks: nb})
+			require.NoError(t, err)
+			defer func() { require.NoError(t, cons.Deregister()) }()
+			got, err := cons.AddRemotePeer(p.hello.Metadata, p.hello.MemDesc)
+			require.NoError(t, err)
+			require.Equal(t, pname, got)
+
+			rng := rand.New(rand.NewSource(seed))
+			remote := rng.Perm(nb)[:880]
+			local := rng.Perm(nb)[:880]
+			msg := []byte("session:hash")
+			h, err := cons.PostRead(local, pname, remote, msg)
+			require.NoError(t, err)
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			require.NoError(t, cons.Wait(ctx, h))
+			for i := range local {
+				ok, off := pattern.Check(cons.Region()[local[i]*bs:(local[i]+1)*bs], seed, remote[i])
+				require.True(t, ok, "local block %d (remote %d) differs at byte %d", local[i], remote[i], off)
+			}
+			require.NoError(t, cons.ReleaseXferHandle(h))
+
+			n, err := p.conn.Expect("notif")
+			require.NoError(t, err)
+			require.Equal(t, cons.cfg.AgentName, n.Name)
+			require.Equal(t, msg, n.Data)
+			require.Equal(t, int64(0), cons.Stats().LiveHandles)
+		})
+	}
+}
