@@ -305,3 +305,23 @@ func TestSteadyStateAllocs(t *testing.T) {
 	allocs := testing.AllocsPerRun(500, read)
 	require.Zero(t, allocs, "PostRead -> DONE -> Release allocates")
 }
+
+// Wait must wake for transfers that end without an engine completion: here
+// RemoveRemotePeer aborts a read the engine would hold for an hour.
+func TestWaitWokenByAbort(t *testing.T) {
+	_, cons, pname := loopbackPair(t, 512, 8)
+	engine(t, cons).SetDelay(time.Hour)
+	h, err := cons.PostRead([]int{0}, pname, []int{0}, nil)
+	require.NoError(t, err)
+	got := make(chan error, 1)
+	go func() { got <- cons.Wait(context.Background(), h) }()
+	time.Sleep(20 * time.Millisecond) // Wait is past its spin and blocked
+	require.NoError(t, cons.RemoveRemotePeer(pname))
+	select {
+	case err := <-got:
+		require.ErrorIs(t, err, ErrCanceled)
+	case <-time.After(10 * time.Second):
+		t.Fatal("Wait did not wake when the read was aborted")
+	}
+	require.NoError(t, cons.ReleaseXferHandle(h))
+}

@@ -163,6 +163,11 @@ func (r *Reactor) turn() bool {
 	}
 	if completed > 0 {
 		work = true
+	}
+	if r.ended {
+		// Some transfer left PROC this turn (completed, failed before it
+		// reached the engine, aborted by a control operation): wake Wait.
+		r.ended = false
 		r.broadcast()
 	}
 	return work
@@ -270,6 +275,7 @@ func (r *Reactor) finish(h uint64, s *slot, code uint64) {
 				nw |= code<<errShift | stErr
 			}
 			if s.word.CompareAndSwap(w, nw) {
+				r.ended = true
 				return
 			}
 		default:

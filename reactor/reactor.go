@@ -87,6 +87,7 @@ type Reactor struct {
 
 	// Loop-only state.
 	stop      bool
+	ended     bool // a transfer left PROC since the last broadcast
 	xfers     map[nixl.XferID]uint64
 	deadlines []deadline // ring buffer, ordered by post time
 	dlHead    int
