@@ -135,7 +135,8 @@ type xfer struct {
 	op      nixl.Op
 	peer    *peer
 	mems    []*memRegion
-	ranges  *C.ecx_range_t
+	ranges  *C.ecx_range_t // C memory with room for rcap ranges
+	rcap    int
 	nranges int
 	notif   *C.char
 	nlen    int
@@ -178,6 +179,8 @@ type Agent struct {
 	xfers    map[nixl.XferID]*xfer
 	pending  []pendingCompletion
 	compBuf  *C.ecx_completion_t
+	postOut  **C.ecx_post_t // ecx_post's out parameter, in C memory
+	spare    []*xfer        // released requests kept for reuse
 	rangeBuf []descriptors.Range
 	pollfds  []unix.PollFd
 	calls    uint32
@@ -259,6 +262,7 @@ func New(cfg Config) (*Agent, error) {
 		return nil, nixl.Errorf(nixl.ErrBackend, "ucx: epoll: %v", err)
 	}
 	a.compBuf = (*C.ecx_completion_t)(C.malloc(C.size_t(compBufLen) * C.sizeof_ecx_completion_t))
+	a.postOut = (**C.ecx_post_t)(C.malloc(C.size_t(unsafe.Sizeof(uintptr(0)))))
 	a.lastPoll = time.Now()
 	return a, nil
 }
@@ -780,9 +784,24 @@ func (a *Agent) MakeXfer(op nixl.Op, local nixl.DlistID, localIdx []int, remote 
 	for _, r := range rs {
 		n += p.pieces(r)
 	}
-	x := &xfer{id: nixl.XferID(a.newID()), op: op, peer: p, nranges: n, nlen: len(notif)}
+	// Released requests are recycled with their C range arrays, so a
+	// steady stream of reads allocates nothing on the Go heap.
+	var x *xfer
+	if k := len(a.spare); k > 0 {
+		x = a.spare[k-1]
+		a.spare[k-1] = nil
+		a.spare = a.spare[:k-1]
+	} else {
+		x = &xfer{}
+	}
+	*x = xfer{id: nixl.XferID(a.newID()), op: op, peer: p, nranges: n, nlen: len(notif),
+		ranges: x.ranges, rcap: x.rcap}
+	if n > x.rcap {
+		C.free(unsafe.Pointer(x.ranges))
+		x.rcap = max(n, 16)
+		x.ranges = (*C.ecx_range_t)(C.malloc(C.size_t(x.rcap) * C.sizeof_ecx_range_t))
+	}
 	if n > 0 {
-		x.ranges = (*C.ecx_range_t)(C.malloc(C.size_t(n) * C.sizeof_ecx_range_t))
 		out := unsafe.Slice(x.ranges, n)
 		k := 0
 		for _, r := range rs {
@@ -844,13 +863,14 @@ func (a *Agent) PostXfer(id nixl.XferID) error {
 	if x.op == nixl.Write {
 		op = C.ECX_OP_WRITE
 	}
-	var post *C.ecx_post_t
+	// The out parameter lives in C memory: a Go variable whose address
+	// goes to C would escape to the heap on every post.
 	st := C.ecx_post(a.c, C.uint64_t(x.id), p.ep, op, x.ranges, C.uint32_t(x.nranges), p.rkeys,
-		unsafe.Pointer(x.notif), C.uint32_t(x.nlen), &post)
+		unsafe.Pointer(x.notif), C.uint32_t(x.nlen), a.postOut)
 	if st != 0 {
 		return ucsErr(st, "ucx: post")
 	}
-	x.post = post
+	x.post = *a.postOut
 	x.state = xInflight
 	x.err = nil
 	x.gen++
@@ -937,14 +957,19 @@ func (a *Agent) ReleaseXfer(id nixl.XferID) error {
 	delete(x.peer.inflight, id)
 	a.freeXfer(x)
 	delete(a.xfers, id)
+	x.peer, x.err = nil, nil
+	if len(a.spare) < maxSpare {
+		a.spare = append(a.spare, x)
+	} else {
+		C.free(unsafe.Pointer(x.ranges))
+	}
 	return nil
 }
 
+// maxSpare bounds the released requests kept for reuse.
+const maxSpare = 1024
+
 func (a *Agent) freeXfer(x *xfer) {
-	if x.ranges != nil {
-		C.free(unsafe.Pointer(x.ranges))
-		x.ranges = nil
-	}
 	if x.notif != nil {
 		C.free(unsafe.Pointer(x.notif))
 		x.notif = nil
@@ -1094,8 +1119,13 @@ func (a *Agent) Close() error {
 			x.post = nil
 		}
 		a.freeXfer(x)
+		C.free(unsafe.Pointer(x.ranges))
 		delete(a.xfers, id)
 	}
+	for _, x := range a.spare {
+		C.free(unsafe.Pointer(x.ranges))
+	}
+	a.spare = nil
 	a.pending = nil
 	// Forced closes: a flushed close waits for the peer to answer, and we
 	// are leaving.
@@ -1120,6 +1150,8 @@ func (a *Agent) Close() error {
 	a.c = nil
 	C.free(unsafe.Pointer(a.compBuf))
 	a.compBuf = nil
+	C.free(unsafe.Pointer(a.postOut))
+	a.postOut = nil
 	unix.Close(a.epfd)
 	a.epfd = -1
 	return err
