@@ -75,3 +75,24 @@ bench: deps
 
 clean:
 	$(GO) clean -testcache
+
+# The NIXL engine (Config.Backend "nixl"): builds libecxnixl.so, ecxfer's
+# small C ABI over an installed NIXL (nixl/libnixl/shim), into NIXL's
+# library directory, where ecxfer finds it through NIXL_PREFIX.
+NIXL_PREFIX ?=
+NIXL_LIBDIR ?= $(patsubst %/,%,$(dir $(firstword $(wildcard $(NIXL_PREFIX)/lib/libnixl.so $(NIXL_PREFIX)/lib/*/libnixl.so $(NIXL_PREFIX)/lib64/libnixl.so))))
+
+.PHONY: nixl test-nixl
+nixl:
+	@test -n "$(NIXL_PREFIX)" || { echo "nixl: usage: make nixl NIXL_PREFIX=/path/to/nixl (NIXL's install prefix)"; exit 1; }
+	@test -f "$(NIXL_PREFIX)/include/nixl.h" || { echo "nixl: $(NIXL_PREFIX)/include/nixl.h not found: is NIXL installed there?"; exit 1; }
+	@test -n "$(NIXL_LIBDIR)" || { echo "nixl: libnixl.so not found under $(NIXL_PREFIX)/lib*"; exit 1; }
+	$(CXX) -std=c++20 -O2 -fPIC -shared -Wall -o $(NIXL_LIBDIR)/libecxnixl.so nixl/libnixl/shim/ecxnixl.cpp \
+		-I$(NIXL_PREFIX)/include -L$(NIXL_LIBDIR) -lnixl $(if $(wildcard $(NIXL_LIBDIR)/libnixl_build.so),-lnixl_build) \
+		-Wl,-rpath,$(NIXL_LIBDIR) -Wl,--no-undefined
+	@echo "nixl: built $(NIXL_LIBDIR)/libecxnixl.so; run ecxfer with NIXL_PREFIX=$(NIXL_PREFIX) (or ECXFER_NIXL_LIB=$(NIXL_LIBDIR)/libecxnixl.so)"
+
+# The tests that need the NIXL engine; a missing library fails them.
+test-nixl: nixl
+	NIXL_PREFIX=$(NIXL_PREFIX) ECXFER_REQUIRE_NIXL=1 $(GO) test -race -count=1 -run 'NIXL' .
+	NIXL_PREFIX=$(NIXL_PREFIX) ECXFER_REQUIRE_NIXL=1 $(GO) test -race -count=1 ./nixl/libnixl

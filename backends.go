@@ -5,6 +5,7 @@ import (
 	"fmt"
 
 	"github.com/ecxfer/ecxfer/nixl"
+	"github.com/ecxfer/ecxfer/nixl/libnixl"
 	"github.com/ecxfer/ecxfer/nixl/loopback"
 	"github.com/ecxfer/ecxfer/nixl/ucx"
 )
@@ -28,7 +29,14 @@ func newAgent(cfg Config) (nixl.Agent, error) {
 		}
 		return a, nil
 	case "nixl":
-		return nil, fmt.Errorf("%w: the NIXL library engine is not part of this build", ErrNoBackend)
+		a, err := libnixl.New(libnixl.Config{Name: cfg.AgentName, MaxNotif: cfg.Reactor.MaxNotif})
+		switch {
+		case errors.Is(err, libnixl.ErrNotInstalled), errors.Is(err, libnixl.ErrBadLibrary):
+			return nil, fmt.Errorf("%w: nixl: %w", ErrNoBackend, err)
+		case err != nil:
+			return nil, fmt.Errorf("%w: nixl: %v", ErrEngine, err)
+		}
+		return a, nil
 	}
 	return nil, fmt.Errorf("%w: unknown backend %q (want ucx, loopback or nixl)", ErrConfig, cfg.Backend)
 }

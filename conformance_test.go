@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"math/rand"
+	"os"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -15,6 +16,7 @@ import (
 
 	"github.com/ecxfer/ecxfer/descriptors"
 	"github.com/ecxfer/ecxfer/internal/leakcheck"
+	"github.com/ecxfer/ecxfer/nixl/libnixl"
 	"github.com/ecxfer/ecxfer/reactor"
 )
 
@@ -481,3 +483,25 @@ func runConformance(t *testing.T, backend string) {
 func TestConformanceLoopback(t *testing.T) { runConformance(t, "loopback") }
 
 func TestConformanceUCX(t *testing.T) { runConformance(t, "ucx") }
+
+// TestConformanceNIXL runs the suite on the NIXL library engine when it is
+// installed (make test-nixl sets ECXFER_REQUIRE_NIXL=1, which turns a
+// missing library into a failure).
+func TestConformanceNIXL(t *testing.T) {
+	if err := libnixl.Available(); err != nil {
+		if os.Getenv(libnixl.RequireEnv) == "1" {
+			t.Fatalf("%s=1 but the NIXL engine is not usable: %v", libnixl.RequireEnv, err)
+		}
+		t.Skipf("NIXL engine not available: %v", err)
+	}
+	runConformance(t, "nixl")
+}
+
+// Without NIXL installed, asking for the nixl backend is a clear error.
+func TestNIXLBackendMissing(t *testing.T) {
+	t.Setenv(libnixl.EnvLib, "/nonexistent/libecxnixl.so")
+	_, err := New(Config{AgentName: "n", Backend: "nixl", BlockSize: 64, NumBlocks: 1})
+	require.ErrorIs(t, err, ErrNoBackend)
+	require.ErrorIs(t, err, libnixl.ErrNotInstalled)
+	require.Contains(t, err.Error(), "make nixl")
+}

@@ -1,0 +1,327 @@
+package libnixl
+
+import (
+	"bytes"
+	"fmt"
+	"math/rand"
+	"os"
+	"testing"
+	"time"
+	"unsafe"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/ecxfer/ecxfer/descriptors"
+	"github.com/ecxfer/ecxfer/nixl"
+)
+
+// needNIXL skips the test unless the library loads.
+func needNIXL(t testing.TB) {
+	t.Helper()
+	if err := Available(); err != nil {
+		if os.Getenv(RequireEnv) == "1" {
+			t.Fatalf("%s=1 but the NIXL engine is not usable: %v", RequireEnv, err)
+		}
+		t.Skipf("NIXL engine not available: %v", err)
+	}
+}
+
+func unsafePointer(b []byte) unsafe.Pointer { return unsafe.Pointer(unsafe.SliceData(b)) }
+
+var agentSeq int
+
+func testName(prefix string) string {
+	agentSeq++
+	return fmt.Sprintf("%s-%d-%d", prefix, os.Getpid(), agentSeq)
+}
+
+// side is one agent with a block region and its local list.
+type side struct {
+	a     *Agent
+	buf   []byte
+	bs    int
+	descs descriptors.List
+	local nixl.DlistID
+}
+
+func newSide(t *testing.T, name string, bs, nb int) *side {
+	t.Helper()
+	a, err := New(Config{Name: name})
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, a.Close()) })
+	_, buf, err := a.AllocMem(bs*nb, nixl.DRAM, 0)
+	require.NoError(t, err)
+	base := uint64(uintptr(unsafePointer(buf)))
+	s := &side{a: a, buf: buf, bs: bs, descs: descriptors.BuildBlockDescs(base, nb, uint64(bs), 0)}
+	s.local, err = a.PrepDlist("", s.descs, nixl.DRAM)
+	require.NoError(t, err)
+	return s
+}
+
+func (s *side) block(i int) []byte { return s.buf[i*s.bs : (i+1)*s.bs] }
+
+// connect loads p's metadata into s and prepares p's block list.
+func (s *side) connect(t *testing.T, p *side) (string, nixl.DlistID) {
+	t.Helper()
+	md, err := p.a.LocalMetadata()
+	require.NoError(t, err)
+	name, err := s.a.LoadRemoteMetadata(md)
+	require.NoError(t, err)
+	require.Equal(t, p.a.Name(), name)
+	dl, err := s.a.PrepDlist(name, p.descs, nixl.DRAM)
+	require.NoError(t, err)
+	return name, dl
+}
+
+// pump drives every agent once, as a reactor turn would, and collects
+// completions and notifications.
+type pump struct {
+	agents []*Agent
+	comps  map[nixl.XferID]error
+	notifs map[*Agent]map[string][][]byte
+}
+
+func newPump(agents ...*Agent) *pump {
+	p := &pump{agents: agents, comps: map[nixl.XferID]error{}, notifs: map[*Agent]map[string][][]byte{}}
+	for _, a := range agents {
+		p.notifs[a] = map[string][][]byte{}
+	}
+	return p
+}
+
+func (p *pump) turn() {
+	var buf [64]nixl.Completion
+	for _, a := range p.agents {
+		_, _ = a.Progress()
+		n := a.PollCompletions(buf[:])
+		for _, c := range buf[:n] {
+			if _, dup := p.comps[c.ID]; dup {
+				panic(fmt.Sprintf("completion %d reported twice", c.ID))
+			}
+			p.comps[c.ID] = c.Err
+		}
+		a.GetNotifs(p.notifs[a])
+	}
+}
+
+func (p *pump) until(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		p.turn()
+	}
+}
+
+func (p *pump) done(id nixl.XferID) func() bool {
+	return func() bool { _, ok := p.comps[id]; return ok }
+}
+
+func TestAgentRead(t *testing.T) {
+	needNIXL(t)
+	const bs, nb = 5120, 1000
+	prod := newSide(t, testName("prod"), bs, nb)
+	cons := newSide(t, testName("cons"), bs, nb)
+	rand.New(rand.NewSource(1)).Read(prod.buf)
+	pname, rdl := cons.connect(t, prod)
+	pm := newPump(cons.a, prod.a)
+
+	rng := rand.New(rand.NewSource(2))
+	for _, n := range []int{1, 17, 880} {
+		local, remote := rng.Perm(nb)[:n], rng.Perm(nb)[:n]
+		clear(cons.buf)
+		msg := []byte(fmt.Sprintf("session:%d", n))
+		id, err := cons.a.MakeXfer(nixl.Read, cons.local, local, rdl, remote, msg)
+		require.NoError(t, err)
+		require.NoError(t, cons.a.PostXfer(id))
+		pm.until(t, "the read", pm.done(id))
+		require.NoError(t, pm.comps[id])
+		for i := range local {
+			require.True(t, bytes.Equal(cons.block(local[i]), prod.block(remote[i])), "block %d", i)
+		}
+		pm.until(t, "the notification", func() bool { return len(pm.notifs[prod.a][cons.a.Name()]) > 0 })
+		require.Equal(t, [][]byte{msg}, pm.notifs[prod.a][cons.a.Name()])
+		delete(pm.notifs[prod.a], cons.a.Name())
+		done, err := cons.a.XferStatus(id)
+		require.True(t, done)
+		require.NoError(t, err)
+		require.NoError(t, cons.a.ReleaseXfer(id))
+	}
+	// Exactly once.
+	for i := 0; i < 200; i++ {
+		pm.turn()
+	}
+	require.Empty(t, pm.notifs[prod.a])
+	require.NoError(t, cons.a.SendNotif(pname, []byte("direct")))
+	pm.until(t, "a direct notification", func() bool { return len(pm.notifs[prod.a][cons.a.Name()]) > 0 })
+	require.Equal(t, [][]byte{[]byte("direct")}, pm.notifs[prod.a][cons.a.Name()])
+}
+
+func TestAgentMetadata(t *testing.T) {
+	needNIXL(t)
+	pn := testName("prod")
+	prod := newSide(t, pn, 4096, 8)
+	cons := newSide(t, testName("cons"), 4096, 8)
+	md, err := prod.a.LocalMetadata()
+	require.NoError(t, err)
+	pm, err := parseMD(md)
+	require.NoError(t, err)
+	require.True(t, pm.known, "this NIXL's metadata layout is the one md.go knows")
+	require.Equal(t, []nixl.Span{{Addr: prod.descs[0].Addr, Len: 8 * 4096}}, pm.regions)
+
+	for _, bad := range [][]byte{nil, {}, []byte("garbage"), md[:len(md)/2], md[:len(md)-1]} {
+		_, err := cons.a.LoadRemoteMetadata(bad)
+		require.Error(t, err)
+	}
+	_, err = cons.a.LoadRemoteMetadata(md)
+	require.NoError(t, err, "failed loads left nothing behind")
+	name, err := cons.a.LoadRemoteMetadata(md)
+	require.NoError(t, err)
+	require.Equal(t, pn, name)
+	own, err := cons.a.LocalMetadata()
+	require.NoError(t, err)
+	_, err = cons.a.LoadRemoteMetadata(own)
+	require.ErrorIs(t, err, nixl.ErrInvalidParam)
+
+	// Out of the advertised regions.
+	_, err = cons.a.PrepDlist(pn, descriptors.BuildBlockDescs(prod.descs[0].Addr, 9, 4096, 0), nixl.DRAM)
+	require.ErrorIs(t, err, nixl.ErrInvalidParam)
+	_, err = cons.a.PrepDlist("nobody", prod.descs, nixl.DRAM)
+	require.ErrorIs(t, err, nixl.ErrNotFound)
+
+	// A restarted producer: same name, new metadata.
+	require.NoError(t, prod.a.Close())
+	prod2 := newSide(t, pn, 4096, 8)
+	md2, err := prod2.a.LocalMetadata()
+	require.NoError(t, err)
+	name, err = cons.a.LoadRemoteMetadata(md2)
+	require.ErrorIs(t, err, nixl.ErrNotAllowed)
+	require.Equal(t, pn, name, "the refusal names the peer")
+	require.NoError(t, cons.a.InvalidateRemoteMetadata(pn))
+	require.ErrorIs(t, cons.a.InvalidateRemoteMetadata(pn), nixl.ErrNotFound)
+	name, err = cons.a.LoadRemoteMetadata(md2)
+	require.NoError(t, err)
+	require.Equal(t, pn, name)
+
+	rand.New(rand.NewSource(3)).Read(prod2.buf)
+	rdl, err := cons.a.PrepDlist(pn, prod2.descs, nixl.DRAM)
+	require.NoError(t, err)
+	id, err := cons.a.MakeXfer(nixl.Read, cons.local, []int{0, 1}, rdl, []int{6, 7}, []byte("after restart"))
+	require.NoError(t, err)
+	require.NoError(t, cons.a.PostXfer(id))
+	p := newPump(cons.a, prod2.a)
+	p.until(t, "the read", p.done(id))
+	require.NoError(t, p.comps[id])
+	require.Equal(t, prod2.buf[6*4096:8*4096], cons.buf[:2*4096])
+	p.until(t, "the notification", func() bool { return len(p.notifs[prod2.a][cons.a.Name()]) > 0 })
+	require.NoError(t, cons.a.ReleaseXfer(id))
+}
+
+func TestAgentBadXfers(t *testing.T) {
+	needNIXL(t)
+	prod := newSide(t, testName("prod"), 1024, 4)
+	cons := newSide(t, testName("cons"), 1024, 4)
+	_, rdl := cons.connect(t, prod)
+	for _, c := range []struct {
+		l, r []int
+		want error
+	}{
+		{[]int{0, 1}, []int{0}, nixl.ErrInvalidParam},
+		{[]int{4}, []int{0}, nixl.ErrInvalidParam},
+		{[]int{0}, []int{-1}, nixl.ErrInvalidParam},
+	} {
+		_, err := cons.a.MakeXfer(nixl.Read, cons.local, c.l, rdl, c.r, nil)
+		require.ErrorIs(t, err, c.want)
+	}
+	_, err := cons.a.MakeXfer(nixl.Read, rdl, []int{0}, cons.local, []int{0}, nil)
+	require.ErrorIs(t, err, nixl.ErrInvalidParam)
+	_, err = cons.a.MakeXfer(nixl.Read, cons.local, []int{0}, rdl, []int{0}, make([]byte, DefaultMaxNotif+1))
+	require.ErrorIs(t, err, nixl.ErrInvalidParam)
+	id, err := cons.a.MakeXfer(nixl.Read, cons.local, []int{0}, rdl, []int{0}, nil)
+	require.NoError(t, err)
+	done, err := cons.a.XferStatus(id)
+	require.False(t, done)
+	require.ErrorIs(t, err, nixl.ErrNotPosted)
+	mems := cons.a.memList[0].id
+	require.ErrorIs(t, cons.a.DeregisterMem(mems), nixl.ErrNotAllowed)
+	require.NoError(t, cons.a.ReleaseXfer(id))
+	require.ErrorIs(t, cons.a.ReleaseXfer(id), nixl.ErrNotFound)
+}
+
+func TestAgentCancelAndInvalidate(t *testing.T) {
+	needNIXL(t)
+	const bs, nb = 32768, 512
+	prod := newSide(t, testName("prod"), bs, nb)
+	cons := newSide(t, testName("cons"), bs, nb)
+	pname, rdl := cons.connect(t, prod)
+	idx := rand.New(rand.NewSource(4)).Perm(nb)
+	pm := newPump(cons.a, prod.a)
+
+	// Released while in flight: never reported, no notification.
+	var ids []nixl.XferID
+	for i := 0; i < 8; i++ {
+		id, err := cons.a.MakeXfer(nixl.Read, cons.local, idx, rdl, idx, []byte("canceled"))
+		require.NoError(t, err)
+		require.NoError(t, cons.a.PostXfer(id))
+		ids = append(ids, id)
+	}
+	for _, id := range ids {
+		require.NoError(t, cons.a.ReleaseXfer(id))
+	}
+	for i := 0; i < 500; i++ {
+		pm.turn()
+	}
+	for _, id := range ids {
+		require.NotContains(t, pm.comps, id)
+	}
+	require.Empty(t, cons.a.inflight)
+	require.Empty(t, cons.a.zombies)
+
+	// Invalidated while in flight: ErrRemoteDisconnect (or done, if it
+	// finished first).
+	ids = ids[:0]
+	for i := 0; i < 8; i++ {
+		id, err := cons.a.MakeXfer(nixl.Read, cons.local, idx, rdl, idx, nil)
+		require.NoError(t, err)
+		require.NoError(t, cons.a.PostXfer(id))
+		ids = append(ids, id)
+	}
+	require.NoError(t, cons.a.InvalidateRemoteMetadata(pname))
+	for _, id := range ids {
+		pm.until(t, "the end of an invalidated read", pm.done(id))
+		if err := pm.comps[id]; err != nil {
+			require.ErrorIs(t, err, nixl.ErrRemoteDisconnect)
+		}
+		require.NoError(t, cons.a.ReleaseXfer(id))
+	}
+	_, err := cons.a.MakeXfer(nixl.Read, cons.local, []int{0}, rdl, []int{0}, nil)
+	require.ErrorIs(t, err, nixl.ErrRemoteDisconnect)
+	require.NoError(t, cons.a.ReleaseDlist(rdl))
+	// The abandoned requests run to their end (the producer must progress
+	// for that), then NIXL forgets the peer.
+	require.NotEmpty(t, cons.a.draining)
+	pm.until(t, "the abandoned requests", func() bool { return len(cons.a.zombies) == 0 })
+	require.Empty(t, cons.a.draining)
+	// The agent still works: load the peer again and read.
+	_, rdl = cons.connect(t, prod)
+	id, err := cons.a.MakeXfer(nixl.Read, cons.local, []int{0}, rdl, []int{1}, nil)
+	require.NoError(t, err)
+	require.NoError(t, cons.a.PostXfer(id))
+	pm.until(t, "a read after reloading", pm.done(id))
+	require.NoError(t, pm.comps[id])
+}
+
+func TestAgentClosed(t *testing.T) {
+	needNIXL(t)
+	a, err := New(Config{Name: testName("c")})
+	require.NoError(t, err)
+	require.NoError(t, a.Close())
+	require.NoError(t, a.Close())
+	_, err = a.LocalMetadata()
+	require.ErrorIs(t, err, nixl.ErrNotAllowed)
+	_, _, err = a.AllocMem(10, nixl.DRAM, 0)
+	require.ErrorIs(t, err, nixl.ErrNotAllowed)
+	require.Equal(t, -1, a.EventFD())
+}

@@ -1,0 +1,62 @@
+// Package libnixl is ecxfer's engine over the NIXL library itself: a
+// nixl.Agent backed by one NIXL agent (UCX backend, DRAM), so that an
+// ecxfer service and vLLM's Python NIXL agents load each other's metadata
+// and read each other's blocks.
+//
+// # Loading
+//
+// NIXL is C++ and often not installed, so nothing here links against it.
+// A small C ABI of our own (ecxnixl.h: opaque handles, raw nixl_status_t
+// results, arrays in and out) is implemented by shim/ecxnixl.cpp, which
+// `make nixl NIXL_PREFIX=...` builds into libecxnixl.so where NIXL is
+// installed. New opens that library with dlopen and resolves every symbol
+// (dl.c); Go calls them through small C trampolines. The library is taken
+// from Config.LibPath, else $ECXFER_NIXL_LIB, else looked for next to
+// NIXL's libraries under $NIXL_PREFIX, else on the dynamic loader's path.
+// When it is found nowhere, New fails with ErrNotInstalled; when it exists
+// but cannot be used (not a library, NIXL missing, a symbol missing, another
+// ABI version), with ErrBadLibrary. Available reports the same without
+// creating an agent, so tests and callers can skip. The package therefore
+// compiles and its tests run everywhere.
+//
+// # Driving NIXL
+//
+// The NIXL agent has no progress thread and thread-sync mode NONE: like
+// every engine it is owned by one goroutine (the reactor's thread), and
+// that goroutine's calls drive it. Progress checks every in-flight request
+// with one call (NIXL's status check advances its UCX worker and sends the
+// notification of a finished read); GetNotifs drains notifications with
+// one call, progressing the worker even when nothing is in flight, which is
+// what serves peers' reads of our memory. NIXL exposes no descriptor to
+// sleep on, so EventFD is -1 and the reactor never sleeps longer than a
+// millisecond.
+//
+// MakeXfer only checks indices and lengths; PostXfer makes and posts the
+// NIXL request in one call.
+//
+// A request released while in flight (ReleaseXfer, or its peer
+// invalidated) is not handed to NIXL's release, which would cancel it: with
+// UCX 1.13 a cancelled get stays on its endpoint until it completes, and
+// closing that endpoint (invalidating the peer) or destroying the worker
+// before then aborts the process in a UCX assertion. The request becomes a
+// zombie instead: it is no longer reported, Progress keeps polling it and
+// releases it once it has finished, so its data may still land and its
+// notification may still be sent. An invalidated peer with zombies is
+// forgotten by NIXL only after they finish; loading that peer again waits
+// for them (at most two seconds, then fails with ErrBackend). Close gives
+// in-flight requests two seconds, and if some are still running it leaves
+// the NIXL agent and its memory in place rather than abort, and says so.
+//
+// # Metadata
+//
+// The metadata is NIXL's own blob, byte for byte, so Python agents load it
+// unchanged. NIXL refuses a changed blob under a loaded name without saying
+// which name; the nixl.Agent contract wants the name, so this package reads
+// it from the blob (md.go), and also refuses a blob cut short before NIXL
+// can half-load it. NIXL reports a transfer whose peer went away (invalidated
+// or disconnected) as NOT_FOUND or REMOTE_DISCONNECT; both become
+// nixl.ErrRemoteDisconnect.
+//
+// Memory from AllocMem is an anonymous mapping registered with NIXL (NIXL
+// allocates nothing itself).
+package libnixl

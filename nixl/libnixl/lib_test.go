@@ -1,0 +1,165 @@
+package libnixl
+
+import (
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/ecxfer/ecxfer/nixl"
+)
+
+// These tests run everywhere: they exercise the paths taken when the
+// library is missing or unusable.
+
+func TestNotInstalledExplicitPath(t *testing.T) {
+	missing := filepath.Join(t.TempDir(), "nope", LibName)
+	_, err := New(Config{Name: "a", LibPath: missing})
+	require.ErrorIs(t, err, ErrNotInstalled)
+	require.NotErrorIs(t, err, ErrBadLibrary)
+	msg := err.Error()
+	require.Contains(t, msg, missing, "the message names what was tried")
+	require.Contains(t, msg, "make nixl", "the message says how to build it")
+}
+
+func TestNotInstalledEnv(t *testing.T) {
+	missing := filepath.Join(t.TempDir(), LibName)
+	t.Setenv(EnvLib, missing)
+	_, err := New(Config{Name: "a"})
+	require.ErrorIs(t, err, ErrNotInstalled)
+	require.Contains(t, err.Error(), missing)
+	require.ErrorIs(t, Available(), ErrNotInstalled)
+}
+
+func TestNotInstalledSearch(t *testing.T) {
+	prefix := t.TempDir()
+	t.Setenv(EnvLib, "")
+	t.Setenv(EnvPrefix, prefix)
+	t.Setenv("LD_LIBRARY_PATH", "") // read by the loader at startup only; harmless
+	err := Available()
+	if err == nil {
+		t.Skip("a " + LibName + " is on the loader path of this machine")
+	}
+	require.ErrorIs(t, err, ErrNotInstalled)
+	msg := err.Error()
+	require.Contains(t, msg, filepath.Join(prefix, "lib", LibName))
+	require.Contains(t, msg, "loader path")
+}
+
+func TestCandidates(t *testing.T) {
+	t.Setenv(EnvLib, "")
+	t.Setenv(EnvPrefix, "/opt/nixl")
+	c := candidates("")
+	require.Equal(t, "/opt/nixl/lib/"+LibName, c[0])
+	require.Equal(t, LibName, c[len(c)-1])
+	require.Equal(t, []string{"/x/y.so"}, candidates("/x/y.so"))
+	t.Setenv(EnvLib, "/env/lib.so")
+	require.Equal(t, []string{"/env/lib.so"}, candidates(""))
+	require.Equal(t, []string{"/x/y.so"}, candidates("/x/y.so"), "Config.LibPath wins over the environment")
+}
+
+func TestNotALibrary(t *testing.T) {
+	paths := []string{filepath.Join(t.TempDir(), LibName)}
+	require.NoError(t, os.WriteFile(paths[0], []byte("just text\n"), 0o644))
+	if _, err := os.Stat("/etc/hostname"); err == nil {
+		paths = append(paths, "/etc/hostname")
+	}
+	for _, p := range paths {
+		_, err := New(Config{Name: "a", LibPath: p})
+		require.ErrorIs(t, err, ErrBadLibrary, p)
+		require.NotErrorIs(t, err, ErrNotInstalled, p)
+		require.Contains(t, err.Error(), p)
+	}
+}
+
+// buildSO compiles C source into a shared library in a temporary directory,
+// skipping the test when no C compiler is available.
+func buildSO(t *testing.T, src string) string {
+	t.Helper()
+	cc, err := exec.LookPath("gcc")
+	if err != nil {
+		if cc, err = exec.LookPath("cc"); err != nil {
+			t.Skip("no C compiler")
+		}
+	}
+	dir := t.TempDir()
+	c := filepath.Join(dir, "fake.c")
+	so := filepath.Join(dir, LibName)
+	require.NoError(t, os.WriteFile(c, []byte(src), 0o644))
+	out, err := exec.Command(cc, "-shared", "-fPIC", "-o", so, c).CombinedOutput()
+	require.NoError(t, err, "%s", out)
+	return so
+}
+
+func TestMissingSymbol(t *testing.T) {
+	so := buildSO(t, `
+#include <stdint.h>
+uint32_t ecxnixl_abi_version(void) { return 1; }
+`)
+	_, err := New(Config{Name: "a", LibPath: so})
+	require.ErrorIs(t, err, ErrBadLibrary)
+	require.Contains(t, err.Error(), "ecxnixl_agent_create", "the message names the missing symbol")
+	require.Contains(t, err.Error(), so)
+}
+
+// allSymbols defines every symbol of the ABI; the functions fail.
+const allSymbols = `
+#include <stddef.h>
+#include <stdint.h>
+int32_t ecxnixl_agent_create(const char *n, size_t nl, const char *p, size_t pl, void **out,
+                             char *e, size_t ec) {
+    *out = 0;
+    if (ec > 10) { e[0] = 'n'; e[1] = 'o'; e[2] = ' '; e[3] = 'U'; e[4] = 'C'; e[5] = 'X'; e[6] = 0; }
+    return -9;
+}
+void ecxnixl_agent_destroy(void *a) {}
+int32_t ecxnixl_mem_register(void) { return -8; }
+int32_t ecxnixl_mem_deregister(void) { return -8; }
+int32_t ecxnixl_local_md(void) { return -8; }
+int32_t ecxnixl_load_md(void) { return -8; }
+int32_t ecxnixl_invalidate(void) { return -8; }
+int32_t ecxnixl_prep_dlist(void) { return -8; }
+int32_t ecxnixl_release_dlist(void) { return -8; }
+int32_t ecxnixl_post(void) { return -8; }
+int32_t ecxnixl_status(void) { return -8; }
+int32_t ecxnixl_release_req(void) { return -8; }
+int32_t ecxnixl_notifs(void) { return -8; }
+int32_t ecxnixl_send_notif(void) { return -8; }
+`
+
+func TestABIMismatch(t *testing.T) {
+	so := buildSO(t, allSymbols+`uint32_t ecxnixl_abi_version(void) { return 999; }`)
+	_, err := New(Config{Name: "a", LibPath: so})
+	require.ErrorIs(t, err, ErrBadLibrary)
+	require.Contains(t, err.Error(), "ABI version 999")
+}
+
+func TestAgentCreateFails(t *testing.T) {
+	so := buildSO(t, allSymbols+`uint32_t ecxnixl_abi_version(void) { return 1; }`)
+	_, err := New(Config{Name: "a", LibPath: so})
+	require.ErrorIs(t, err, nixl.ErrNotSupported, "the raw status becomes its nixl error")
+	require.Contains(t, err.Error(), "no UCX", "the shim's message is kept")
+	var ne *nixl.Error
+	require.True(t, errors.As(err, &ne))
+}
+
+func TestConfigValidation(t *testing.T) {
+	for _, cfg := range []Config{
+		{},
+		{Name: strings.Repeat("x", maxNameLen+1)},
+		{Name: "a", MaxNotif: -1},
+		{Name: "a", BackendParams: map[string]string{"a=b": "c"}},
+		{Name: "a", BackendParams: map[string]string{"k": "line\nbreak"}},
+	} {
+		_, err := New(cfg)
+		require.ErrorIs(t, err, nixl.ErrInvalidParam)
+	}
+	t.Setenv(EnvParams, "no-equals-sign")
+	_, err := New(Config{Name: "a"})
+	require.ErrorIs(t, err, nixl.ErrInvalidParam)
+	require.Contains(t, err.Error(), EnvParams)
+}
