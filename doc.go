@@ -31,4 +31,24 @@
 //
 // Every method is safe for concurrent use. Errors are sentinels that work
 // with errors.Is.
+//
+// # Threat model
+//
+// A peer that holds our agent metadata can open an engine connection to us
+// and read any byte of the region we registered (that is the point: only
+// the block region is ever registered), and it can send us notifications
+// under the name in its own metadata (names are not authenticated). It
+// cannot make a READ of ours touch memory outside our registered region
+// (local indices are checked against our own block list), nor outside the
+// regions it advertised (every descriptor it sends is checked against them
+// in AddRemotePeer, before any engine call, because UCX's emulated gets are
+// not bounds-checked by the target); it cannot crash us or make us allocate
+// without bound with malformed metadata, descriptor lists or control
+// messages (strict decoders with size and count limits, fuzzed). It can
+// stall its own reads, which end in ErrTimeout, and it can die, which ends
+// them in ErrRemoteDisconnect. Not defended: UCX parses worker addresses and
+// packed keys without lengths, so a blob crafted by someone who computes
+// our checksum can still feed UCX bad bytes; and nothing on the wire is
+// encrypted. Exchange metadata over the deployment's own trusted control
+// plane, on trusted networks.
 package ecxfer
