@@ -67,11 +67,16 @@ test: deps fmt-check cgo-guard vet
 	$(GO) test -count=1 -run 'Allocs' $(PKGS)
 	@$(MAKE) --no-print-directory fuzz-seed
 
+# A real transfer between two processes (the harness forks a UCX producer)
+# with every workload and mode, bytes verified, and the table (about 45 s).
 run: deps
-	$(GO) test -run '^$$' -bench . -benchtime $(BENCHTIME) ./ring ./descriptors
+	$(GO) run ./cmd/ecxfer-bench run
 
+# The full set: every package's Go benchmarks, then the harness with longer
+# cells, writing bench.json and bench.svg.
 bench: deps
-	$(GO) test -run '^$$' -bench . -benchmem -count 5 $(PKGS)
+	$(GO) test -run '^$$' -bench . -benchmem -count 6 $(PKGS)
+	$(GO) run ./cmd/ecxfer-bench run --duration 5s --warmup 1s --json bench.json --svg bench.svg
 
 clean:
 	$(GO) clean -testcache

@@ -1,0 +1,338 @@
+package bench
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"encoding/xml"
+	"errors"
+	"io"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/ecxfer/ecxfer/reactor"
+)
+
+func TestMain(m *testing.M) {
+	if os.Getenv(RoleEnv) == "producer" {
+		os.Exit(ProducerMain())
+	}
+	os.Exit(m.Run())
+}
+
+func durs(vs ...int) []time.Duration {
+	out := make([]time.Duration, len(vs))
+	for i, v := range vs {
+		out[i] = time.Duration(v)
+	}
+	return out
+}
+
+func TestPercentile(t *testing.T) {
+	hundred := make([]time.Duration, 100)
+	for i := range hundred {
+		hundred[i] = time.Duration(i + 1)
+	}
+	thousand := make([]time.Duration, 1000)
+	for i := range thousand {
+		thousand[i] = time.Duration(i + 1)
+	}
+	for _, c := range []struct {
+		name   string
+		sorted []time.Duration
+		q      float64
+		want   time.Duration
+	}{
+		{"empty", nil, 0.5, 0},
+		{"one", durs(7), 0.5, 7},
+		{"one p99.9", durs(7), 0.999, 7},
+		{"q0 is the minimum", durs(1, 2, 3), 0, 1},
+		{"q1 is the maximum", durs(1, 2, 3), 1, 3},
+		{"median of odd", durs(1, 2, 3), 0.5, 2},
+		{"median of even is the lower", durs(1, 2, 3, 4), 0.5, 2},
+		{"p50 of 1..100", hundred, 0.5, 50},
+		{"p99 of 1..100", hundred, 0.99, 99},
+		{"p99.9 of 1..100", hundred, 0.999, 100},
+		{"p99.9 of 1..1000", thousand, 0.999, 999},
+		{"p99 of 1..1000", thousand, 0.99, 990},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			require.Equal(t, c.want, percentile(c.sorted, c.q))
+		})
+	}
+}
+
+func TestSummarizeSorts(t *testing.T) {
+	var r Result
+	summarize(&r, durs(3000, 1000, 2000))
+	require.Equal(t, durs(1000, 2000, 3000), r.Latencies)
+	require.InDelta(t, 2.0, r.P50us, 1e-9)
+	require.InDelta(t, 3.0, r.P99us, 1e-9)
+	require.InDelta(t, 3.0, r.P999us, 1e-9)
+}
+
+func TestParseRunFlags(t *testing.T) {
+	for _, c := range []struct {
+		name  string
+		args  []string
+		err   string
+		check func(t *testing.T, c Config)
+	}{
+		{name: "defaults", args: nil, check: func(t *testing.T, c Config) {
+			require.Equal(t, AllWorkloads, c.Workloads)
+			require.Equal(t, AllModes, c.Modes)
+			require.Equal(t, "ucx", c.Backend)
+			require.Equal(t, time.Second, c.Duration)
+			require.False(t, c.Reactor.PinCPU)
+			require.Equal(t, reactor.IdleHybrid, c.Reactor.Idle)
+			require.Equal(t, reactor.IdleHybrid, c.ProducerIdle)
+			require.True(t, c.References)
+			require.Equal(t, "poll", c.Wait)
+		}},
+		{name: "everything", args: []string{"--workloads", "fanin,latency,fanin", "--modes", "raw", "--backend", "loopback",
+			"--duration", "2s", "--warmup", "0s", "--reactor-cpu", "0", "--idle", "spin", "--batch", "32",
+			"--json", "x.json", "--svg", "x.svg", "--quiet", "--no-refs"}, check: func(t *testing.T, c Config) {
+			require.Equal(t, []string{"fanin", "latency"}, c.Workloads)
+			require.Equal(t, []string{"raw"}, c.Modes)
+			require.Equal(t, "loopback", c.Backend)
+			require.Equal(t, 2*time.Second, c.Duration)
+			require.Equal(t, time.Duration(0), c.Warmup)
+			require.True(t, c.Reactor.PinCPU)
+			require.Equal(t, 0, c.Reactor.CPU)
+			require.Equal(t, reactor.IdleSpin, c.Reactor.Idle)
+			require.Equal(t, 32, c.Reactor.BatchSize)
+			require.Equal(t, "x.json", c.JSONFile)
+			require.Equal(t, "x.svg", c.SVGFile)
+			require.True(t, c.Quiet)
+			require.False(t, c.References)
+		}},
+		{name: "connect", args: []string{"--connect", "10.0.0.2:7000"}, check: func(t *testing.T, c Config) {
+			require.Equal(t, "10.0.0.2:7000", c.Connect)
+		}},
+		{name: "unknown workload", args: []string{"--workloads", "latency,bogus"}, err: `unknown workload "bogus"`},
+		{name: "empty workloads", args: []string{"--workloads", ","}, err: "no workload given"},
+		{name: "unknown mode", args: []string{"--modes", "fast"}, err: `unknown mode "fast"`},
+		{name: "unknown backend", args: []string{"--backend", "rdma"}, err: `unknown backend "rdma"`},
+		{name: "zero duration", args: []string{"--duration", "0s"}, err: "--duration 0s must be positive"},
+		{name: "negative warmup", args: []string{"--warmup", "-1s"}, err: "--warmup -1s must not be negative"},
+		{name: "bad duration", args: []string{"--duration", "soon"}, err: "invalid value"},
+		{name: "bad idle", args: []string{"--idle", "nap"}, err: `--idle "nap"`},
+		{name: "bad producer idle", args: []string{"--producer-idle", "nap"}, err: `--producer-idle "nap"`},
+		{name: "cpu out of range", args: []string{"--reactor-cpu", "4096"}, err: "--reactor-cpu 4096 out of range"},
+		{name: "cpu negative", args: []string{"--reactor-cpu", "-2"}, err: "--reactor-cpu -2"},
+		{name: "numa negative", args: []string{"--numa-node", "-3"}, err: "--numa-node -3"},
+		{name: "batch too big", args: []string{"--batch", "100000"}, err: "--batch 100000 out of range"},
+		{name: "connect loopback", args: []string{"--backend", "loopback", "--connect", "h:1"}, err: "--connect needs --backend ucx"},
+		{name: "connect no port", args: []string{"--connect", "host"}, err: `--connect "host"`},
+		{name: "bad wait", args: []string{"--wait", "sleep"}, err: `--wait "sleep"`},
+		{name: "stray argument", args: []string{"latency"}, err: `unexpected argument "latency"`},
+		{name: "unknown flag", args: []string{"--fast"}, err: "flag provided but not defined"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			cfg, err := ParseRunFlags(c.args, io.Discard)
+			if c.err != "" {
+				require.Error(t, err)
+				require.True(t, errors.Is(err, ErrUsage), "%v does not wrap ErrUsage", err)
+				require.Contains(t, err.Error(), c.err)
+				return
+			}
+			require.NoError(t, err)
+			c.check(t, cfg)
+		})
+	}
+}
+
+func sampleReport() *Report {
+	rep := &Report{Machine: Machine{CPUModel: "cpu", Cores: 2, GoVersion: "go", UCXVersion: "1.13.1", Kernel: "Linux", Backend: "ucx"}}
+	for _, m := range []struct {
+		mode string
+		rps  float64
+		p99  float64
+	}{{"reactor", 300000, 10}, {"locked", 100000, 40}, {"raw", 400000, 8}} {
+		r := Result{Workload: "fanin", Mode: m.mode, Backend: "ucx", BlockSize: 5120, BlocksPerRead: 8.5, Submitters: 16,
+			Reads: int64(m.rps), Seconds: 1, ReadsPerSec: m.rps, GBPerSec: m.rps * 8.5 * 5120 / 1e9, P50us: 2, P99us: m.p99, P999us: m.p99 * 2}
+		summarize(&r, durs(1000, 2000, 3000, 40000))
+		r.P99us = m.p99
+		rep.Results = append(rep.Results, r)
+		img := Result{Workload: "image", Mode: m.mode, Backend: "ucx", BlockSize: 32768, BlocksPerRead: 880, Contiguous: true, Submitters: 1,
+			Reads: 100, Seconds: 1, ReadsPerSec: 100, GBPerSec: 2.88, P50us: 9000, P99us: 12000, P999us: 13000}
+		summarize(&img, durs(9000000, 9100000, 12000000))
+		rep.Results = append(rep.Results, img)
+	}
+	rep.References = []Reference{{Name: "memcpy", BlockSize: 32768, GBPerSec: 14.4, P50us: 1.5}, {Name: "memcpy", BlockSize: 5120, GBPerSec: 12, P50us: 0.4}}
+	rep.Notes = []string{"a note"}
+	sortResults(rep.Results)
+	return rep
+}
+
+func TestWriteTable(t *testing.T) {
+	var buf bytes.Buffer
+	require.NoError(t, WriteTable(&buf, sampleReport()))
+	out := buf.String()
+	lines := strings.Split(out, "\n")
+	require.Contains(t, lines[0], "workload")
+	require.Contains(t, lines[0], "r/s vs locked")
+	require.Contains(t, lines[0], "p99 vs locked")
+	require.Contains(t, lines[0], "% memcpy")
+	// Rows are right-aligned: the table's lines all have the same width.
+	w := len([]rune(lines[0]))
+	for _, l := range lines[1:7] {
+		require.Equal(t, w, len([]rune(l)), "misaligned: %q", l)
+	}
+	// Image rows come first (workload order), then fanin; modes in order.
+	require.Contains(t, lines[1], "image")
+	require.Contains(t, lines[1], "reactor")
+	require.Contains(t, lines[2], "locked")
+	require.Contains(t, lines[4], "fanin")
+	// Ratios against locked, and % of memcpy for the same block size.
+	require.Contains(t, lines[4], "3.00x")
+	require.Contains(t, lines[4], "0.25") // p99 10/40
+	require.Contains(t, lines[6], "4.00x")
+	require.Contains(t, lines[1], "20%") // 2.88/14.4
+	require.Contains(t, out, "memcpy")
+	require.Contains(t, out, "note: a note")
+}
+
+func TestWriteJSONFields(t *testing.T) {
+	var buf bytes.Buffer
+	require.NoError(t, WriteJSON(&buf, sampleReport()))
+	var doc map[string]any
+	require.NoError(t, json.Unmarshal(buf.Bytes(), &doc))
+	mach := doc["machine"].(map[string]any)
+	for _, k := range []string{"cpu_model", "cores", "go_version", "ucx_version", "kernel"} {
+		require.Contains(t, mach, k)
+	}
+	results := doc["results"].([]any)
+	require.Len(t, results, 6)
+	for _, r := range results {
+		m := r.(map[string]any)
+		for _, k := range []string{"workload", "mode", "backend", "block_size", "blocks_per_read", "contiguous", "submitters",
+			"reads", "seconds", "reads_per_sec", "gb_per_sec", "p50_us", "p99_us", "p999_us", "allocs_per_read"} {
+			require.Contains(t, m, k)
+		}
+		require.NotContains(t, m, "Latencies")
+	}
+	for _, r := range doc["references"].([]any) {
+		m := r.(map[string]any)
+		for _, k := range []string{"name", "block_size", "gb_per_sec", "p50_us"} {
+			require.Contains(t, m, k)
+		}
+	}
+	// Empty lists are written as [], never null.
+	buf.Reset()
+	require.NoError(t, WriteJSON(&buf, &Report{}))
+	require.Contains(t, buf.String(), `"results": []`)
+	require.Contains(t, buf.String(), `"references": []`)
+}
+
+func checkXML(t *testing.T, b []byte) {
+	t.Helper()
+	dec := xml.NewDecoder(bytes.NewReader(b))
+	for {
+		_, err := dec.Token()
+		if err == io.EOF {
+			return
+		}
+		require.NoError(t, err)
+	}
+}
+
+func TestWriteSVGWellFormed(t *testing.T) {
+	var buf bytes.Buffer
+	rep := sampleReport()
+	rep.Results[0].Workload = "lat<ency>&"
+	require.NoError(t, WriteSVG(&buf, rep))
+	checkXML(t, buf.Bytes())
+	s := buf.String()
+	require.Contains(t, s, "<polyline")
+	require.Contains(t, s, "log scale")
+	require.Contains(t, s, "reads per second")
+	require.Contains(t, s, ">reactor")
+	// No results at all is still a valid picture.
+	buf.Reset()
+	require.NoError(t, WriteSVG(&buf, &Report{}))
+	checkXML(t, buf.Bytes())
+}
+
+func TestParsePerftest(t *testing.T) {
+	out := `+--------------+
+|    Stage     | # iterations | 50.0%ile | average | overall |  average |  overall |  average  |  overall  |
+Final:                 20000      0.221     0.296     0.296   105503.28  105503.28     3376105     3376105
+`
+	ref, err := parsePerftest(out, 32768)
+	require.NoError(t, err)
+	require.Equal(t, 32768, ref.BlockSize)
+	require.InDelta(t, 0.221, ref.P50us, 1e-9)
+	require.InDelta(t, 105503.28*(1<<20)/1e9, ref.GBPerSec, 1e-6)
+	_, err = parsePerftest("garbage", 5120)
+	require.Error(t, err)
+}
+
+func TestCells(t *testing.T) {
+	cfg := DefaultConfig()
+	n := map[string]int{}
+	for _, bs := range blockSizes {
+		for _, m := range cfg.Modes {
+			n[m] += len(cellsFor(&cfg, bs, m))
+		}
+	}
+	// latency×2, image×4, fanin×4 (raw: 1), notif×1.
+	require.Equal(t, map[string]int{"reactor": 11, "locked": 11, "raw": 8}, n)
+	cfg.Connect = "h:1"
+	for _, c := range cellsFor(&cfg, SmallBlock, "reactor") {
+		require.NotEqual(t, "notif", c.workload, "notif needs one host's clock")
+	}
+}
+
+func runShort(t *testing.T, backend string, workloads ...string) *Report {
+	t.Helper()
+	cfg := DefaultConfig()
+	cfg.Backend = backend
+	cfg.Workloads = workloads
+	cfg.Duration = 50 * time.Millisecond
+	cfg.Warmup = 10 * time.Millisecond
+	cfg.References = false
+	cfg.RemoteRegion = 0 // the smallest region: filling it is slow under -race
+	dir := t.TempDir()
+	cfg.JSONFile = dir + "/r.json"
+	cfg.SVGFile = dir + "/r.svg"
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	rep, err := Run(ctx, cfg)
+	require.NoError(t, err)
+	for _, r := range rep.Results {
+		require.Greater(t, r.Reads, int64(0), "%s %s: no reads", r.Workload, r.Mode)
+		require.Greater(t, r.ReadsPerSec, 0.0)
+		require.Greater(t, r.P50us, 0.0)
+	}
+	j, err := os.ReadFile(cfg.JSONFile)
+	require.NoError(t, err)
+	require.True(t, json.Valid(j))
+	svg, err := os.ReadFile(cfg.SVGFile)
+	require.NoError(t, err)
+	checkXML(t, svg)
+	return rep
+}
+
+func modesOf(rep *Report) map[string]int {
+	m := map[string]int{}
+	for _, r := range rep.Results {
+		m[r.Mode]++
+	}
+	return m
+}
+
+func TestRunLoopback(t *testing.T) {
+	rep := runShort(t, "loopback", "latency", "notif")
+	// latency at two block sizes, notif at one, for three modes.
+	require.Equal(t, map[string]int{"reactor": 3, "locked": 3, "raw": 3}, modesOf(rep))
+}
+
+func TestRunUCX(t *testing.T) {
+	rep := runShort(t, "ucx", "latency")
+	require.Equal(t, map[string]int{"reactor": 2, "locked": 2, "raw": 2}, modesOf(rep))
+}

@@ -1,0 +1,258 @@
+package bench
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"runtime"
+	"strings"
+	"time"
+
+	"github.com/ecxfer/ecxfer/reactor"
+)
+
+// The workloads, modes and backends a run can name.
+var (
+	AllWorkloads = []string{"latency", "image", "fanin", "notif"}
+	AllModes     = []string{"reactor", "locked", "raw"}
+	AllBackends  = []string{"ucx", "loopback"}
+)
+
+// Block sizes: one token's embedding for a 2,560-wide bf16 model, and for
+// Qwen3-VL-8B with deepstack.
+const (
+	SmallBlock = 5120
+	LargeBlock = 32768
+)
+
+// Shape of the workloads.
+const (
+	ImageBlocks    = 880       // blocks per image READ
+	FaninMaxBlocks = 16        // fanin READs take 1..FaninMaxBlocks blocks
+	LocalBlocks    = 1024      // the consumer's region, in blocks
+	RemoteRegion   = 128 << 20 // default producer region in bytes: far beyond the caches
+	VerifyEvery    = 64        // every VerifyEvery-th READ of a submitter is verified
+)
+
+// FaninSubmitters are the goroutine counts of the fanin workload.
+var FaninSubmitters = []int{1, 4, 16, 64}
+
+// ErrUsage reports a bad flag or argument.
+var ErrUsage = errors.New("usage")
+
+// Config is one harness run.
+type Config struct {
+	Workloads []string
+	Modes     []string
+	Backend   string
+	// Duration is measured per workload×mode cell, after Warmup.
+	Duration time.Duration
+	Warmup   time.Duration
+	// Connect, when set, is the address of an `ecxfer-bench serve`
+	// producer; otherwise the harness starts its own (ucx: a child
+	// process, loopback: in-process).
+	Connect string
+	// Reactor tunes both sides' reactors in reactor mode (the producer
+	// child is never pinned: pinning is for the consumer's reactor).
+	Reactor reactor.Options
+	// Wait is how reactor-mode callers wait for a READ: "poll"
+	// (CheckXferState in a loop, as vLLM's interface is used; the default)
+	// or "block" (Transport.Wait). Locked and raw callers always poll.
+	Wait string
+	// RemoteRegion is the size of the producer's region in bytes; it
+	// holds max(LocalBlocks, RemoteRegion/block size) blocks. Larger than
+	// the caches by default, so READs come from memory, as the memcpy
+	// reference's copies do.
+	RemoteRegion int
+	// ProducerIdle is the producer reactor's idle strategy, hybrid by
+	// default like the consumer's. (Parking at once looks cheaper, since
+	// gets of the producer's memory are one-sided, but every notification
+	// sent to a parked UCX worker costs the sender a wake-up: measured here,
+	// fanin at 16 submitters fell from 132k to 14k reads/s with "park".)
+	ProducerIdle reactor.IdleStrategy
+	// References turns the memcpy and ucx_perftest references on.
+	References bool
+	// CPUProfile and MemProfile, when set, receive pprof profiles of the
+	// consumer process over the measured cells.
+	CPUProfile string
+	MemProfile string
+	JSONFile   string
+	SVGFile    string
+	Quiet      bool
+	// Progress receives the progress line; nil for none.
+	Progress io.Writer
+	// ProducerExe is the binary re-executed as the producer child; empty
+	// means this process's own executable.
+	ProducerExe string
+}
+
+// DefaultConfig is the short default run: every workload and mode on ucx,
+// one second per cell.
+func DefaultConfig() Config {
+	return Config{
+		Workloads:    append([]string(nil), AllWorkloads...),
+		Modes:        append([]string(nil), AllModes...),
+		Backend:      "ucx",
+		Duration:     time.Second,
+		Warmup:       200 * time.Millisecond,
+		References:   true,
+		ProducerIdle: reactor.IdleHybrid,
+		RemoteRegion: RemoteRegion,
+		Wait:         "poll",
+	}
+}
+
+// has reports whether list holds s.
+func has(list []string, s string) bool {
+	for _, v := range list {
+		if v == s {
+			return true
+		}
+	}
+	return false
+}
+
+// parseList splits a comma-separated list and checks each item against
+// allowed, dropping duplicates.
+func parseList(what, s string, allowed []string) ([]string, error) {
+	var out []string
+	for _, f := range strings.Split(s, ",") {
+		f = strings.TrimSpace(f)
+		if f == "" {
+			continue
+		}
+		if !has(allowed, f) {
+			return nil, fmt.Errorf("%w: unknown %s %q (want %s)", ErrUsage, what, f, strings.Join(allowed, ", "))
+		}
+		if !has(out, f) {
+			out = append(out, f)
+		}
+	}
+	if len(out) == 0 {
+		return nil, fmt.Errorf("%w: no %s given (want %s)", ErrUsage, what, strings.Join(allowed, ", "))
+	}
+	return out, nil
+}
+
+// Validate checks a Config and reports the first problem.
+func (c *Config) Validate() error {
+	if len(c.Workloads) == 0 {
+		return fmt.Errorf("%w: no workloads", ErrUsage)
+	}
+	for _, w := range c.Workloads {
+		if !has(AllWorkloads, w) {
+			return fmt.Errorf("%w: unknown workload %q", ErrUsage, w)
+		}
+	}
+	if len(c.Modes) == 0 {
+		return fmt.Errorf("%w: no modes", ErrUsage)
+	}
+	for _, m := range c.Modes {
+		if !has(AllModes, m) {
+			return fmt.Errorf("%w: unknown mode %q", ErrUsage, m)
+		}
+	}
+	if !has(AllBackends, c.Backend) {
+		return fmt.Errorf("%w: unknown backend %q (want ucx or loopback)", ErrUsage, c.Backend)
+	}
+	if c.Connect != "" && c.Backend != "ucx" {
+		return fmt.Errorf("%w: --connect needs --backend ucx (loopback runs in one process)", ErrUsage)
+	}
+	if c.Duration <= 0 {
+		return fmt.Errorf("%w: --duration %v must be positive", ErrUsage, c.Duration)
+	}
+	if c.Duration > time.Hour {
+		return fmt.Errorf("%w: --duration %v is more than an hour per cell", ErrUsage, c.Duration)
+	}
+	if c.Warmup < 0 {
+		return fmt.Errorf("%w: --warmup %v must not be negative", ErrUsage, c.Warmup)
+	}
+	if c.Wait != "poll" && c.Wait != "block" {
+		return fmt.Errorf("%w: --wait %q (want poll or block)", ErrUsage, c.Wait)
+	}
+	if c.RemoteRegion < 0 || c.RemoteRegion > 1<<34 {
+		return fmt.Errorf("%w: producer region of %d bytes (want 0..16 GiB)", ErrUsage, c.RemoteRegion)
+	}
+	if o := c.Reactor; o.PinCPU && (o.CPU < 0 || o.CPU >= runtime.NumCPU()) {
+		return fmt.Errorf("%w: --reactor-cpu %d out of range 0..%d", ErrUsage, o.CPU, runtime.NumCPU()-1)
+	}
+	if o := c.Reactor; o.BindNUMA && o.NUMANode < 0 {
+		return fmt.Errorf("%w: --numa-node %d must not be negative", ErrUsage, o.NUMANode)
+	}
+	if b := c.Reactor.BatchSize; b < 0 || b > 1<<16 {
+		return fmt.Errorf("%w: --batch %d out of range 1..65536", ErrUsage, b)
+	}
+	return nil
+}
+
+// ParseRunFlags parses the arguments of `ecxfer-bench run` into a Config.
+// Errors wrap ErrUsage (or flag.ErrHelp for -h).
+func ParseRunFlags(args []string, stderr io.Writer) (Config, error) {
+	c := DefaultConfig()
+	fs := flag.NewFlagSet("ecxfer-bench run", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	workloads := fs.String("workloads", strings.Join(AllWorkloads, ","), "comma-separated workloads: "+strings.Join(AllWorkloads, ", "))
+	modes := fs.String("modes", strings.Join(AllModes, ","), "comma-separated modes: "+strings.Join(AllModes, ", "))
+	fs.StringVar(&c.Backend, "backend", c.Backend, "transfer engine: ucx (producer in a child process) or loopback (one process)")
+	fs.DurationVar(&c.Duration, "duration", c.Duration, "measured time per workload×mode cell")
+	fs.DurationVar(&c.Warmup, "warmup", c.Warmup, "unmeasured time before each cell")
+	fs.StringVar(&c.Connect, "connect", "", "address of an `ecxfer-bench serve` producer (host:port); default: start one here")
+	cpu := fs.Int("reactor-cpu", -1, "pin the consumer's reactor thread to this CPU (-1: not pinned)")
+	node := fs.Int("numa-node", -1, "bind the consumer's reactor and region to this NUMA node (-1: no binding)")
+	idle := fs.String("idle", "hybrid", "reactor idle strategy: hybrid, spin, yield or park")
+	pidle := fs.String("producer-idle", "hybrid", "the producer reactor's idle strategy: hybrid, spin, yield or park")
+	fs.IntVar(&c.Reactor.BatchSize, "batch", 0, "reactor batch size, submissions per loop turn (0: the reactor's default)")
+	fs.StringVar(&c.Wait, "wait", c.Wait, "how reactor-mode callers wait: poll (CheckXferState loop) or block (Transport.Wait)")
+	noRefs := fs.Bool("no-refs", false, "skip the memcpy and ucx_perftest references")
+	fs.StringVar(&c.JSONFile, "json", "", "write results as JSON to this file")
+	fs.StringVar(&c.SVGFile, "svg", "", "write latency CDFs and throughput charts as SVG to this file")
+	fs.StringVar(&c.CPUProfile, "cpuprofile", "", "write a CPU profile of the consumer process to this file")
+	fs.StringVar(&c.MemProfile, "memprofile", "", "write an allocation profile of the consumer process to this file")
+	fs.BoolVar(&c.Quiet, "quiet", false, "no progress line")
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return c, err
+		}
+		return c, fmt.Errorf("%w: %v", ErrUsage, err)
+	}
+	if fs.NArg() > 0 {
+		return c, fmt.Errorf("%w: unexpected argument %q", ErrUsage, fs.Arg(0))
+	}
+	var err error
+	if c.Workloads, err = parseList("workload", *workloads, AllWorkloads); err != nil {
+		return c, err
+	}
+	if c.Modes, err = parseList("mode", *modes, AllModes); err != nil {
+		return c, err
+	}
+	if c.Reactor.Idle, err = reactor.ParseIdle(*idle); err != nil {
+		return c, fmt.Errorf("%w: --idle %q (want hybrid, spin, yield or park)", ErrUsage, *idle)
+	}
+	if c.ProducerIdle, err = reactor.ParseIdle(*pidle); err != nil {
+		return c, fmt.Errorf("%w: --producer-idle %q (want hybrid, spin, yield or park)", ErrUsage, *pidle)
+	}
+	if *cpu < -1 {
+		return c, fmt.Errorf("%w: --reactor-cpu %d (want a CPU number, or -1)", ErrUsage, *cpu)
+	}
+	if *cpu >= 0 {
+		c.Reactor.PinCPU, c.Reactor.CPU = true, *cpu
+	}
+	if *node < -1 {
+		return c, fmt.Errorf("%w: --numa-node %d (want a node number, or -1)", ErrUsage, *node)
+	}
+	if *node >= 0 {
+		c.Reactor.BindNUMA, c.Reactor.NUMANode = true, *node
+	}
+	if c.Connect != "" {
+		if _, _, err := net.SplitHostPort(c.Connect); err != nil {
+			return c, fmt.Errorf("%w: --connect %q: %v", ErrUsage, c.Connect, err)
+		}
+	}
+	c.References = !*noRefs
+	return c, c.Validate()
+}
+
+// remoteBlocks is how many blocks of bs bytes the producer's region holds.
+func (c *Config) remoteBlocks(bs int) int { return max(LocalBlocks, c.RemoteRegion/bs) }

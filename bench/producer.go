@@ -1,0 +1,283 @@
+package bench
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ecxfer/ecxfer"
+	"github.com/ecxfer/ecxfer/descriptors"
+	"github.com/ecxfer/ecxfer/internal/ctrl"
+	"github.com/ecxfer/ecxfer/internal/pattern"
+	"github.com/ecxfer/ecxfer/reactor"
+)
+
+// RoleEnv set to "producer" makes a process started by the harness run
+// ProducerMain instead of its usual main.
+const RoleEnv = "ECXFER_BENCH_ROLE"
+
+// stepInterval is the locked producer's poll period: one engine step of a
+// vLLM-style scheduler, which takes its lock and polls notifications once
+// per step. Raw and reactor producers use it too outside the notif
+// workload, when nobody is timing notifications.
+const stepInterval = time.Millisecond
+
+// ProducerMain serves one consumer on file descriptors 3 (commands in) and
+// 4 (replies out), as the harness starts its producer child, and returns
+// the process exit code.
+func ProducerMain() int {
+	in, out := os.NewFile(3, "ctrl-in"), os.NewFile(4, "ctrl-out")
+	if in == nil || out == nil {
+		fmt.Fprintln(os.Stderr, "ecxfer-bench producer: file descriptors 3 and 4 must be the control pipes")
+		return 2
+	}
+	if err := Serve(ctrl.New(in, out), "ucx"); err != nil {
+		fmt.Fprintln(os.Stderr, "ecxfer-bench producer:", err)
+		return 1
+	}
+	return 0
+}
+
+type helloMsg struct {
+	name    string
+	md      []byte
+	memDesc []byte
+}
+
+// producer is the data owner's side of one (mode, block size) setup.
+type producer struct {
+	mode    string
+	tr      *ecxfer.Transport // reactor mode
+	side    *bareSide         // locked and raw modes
+	mu      sync.Mutex        // locked mode: the engine lock
+	timing  atomic.Bool       // notif workload: report each notification
+	stop    chan struct{}
+	done    chan struct{}
+	send    func(ctrl.Message) error
+	pollErr atomic.Pointer[error]
+}
+
+// Serve answers one consumer's commands on c until it closes the
+// connection: setup (open a producer for a mode and block size and send its
+// metadata), timing (report notifications), teardown.
+func Serve(c *ctrl.Conn, backend string) error {
+	var sendMu sync.Mutex
+	send := func(m ctrl.Message) error {
+		sendMu.Lock()
+		defer sendMu.Unlock()
+		return c.Send(m)
+	}
+	var p *producer
+	defer func() {
+		if p != nil {
+			_ = p.close()
+		}
+	}()
+	for {
+		m, err := c.Recv()
+		if errors.Is(err, io.EOF) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		switch m.Kind {
+		case "setup":
+			if p != nil {
+				_ = p.close()
+				p = nil
+			}
+			var hello helloMsg
+			p, hello, err = openProducer(m, backend, send)
+			if err != nil {
+				p = nil
+				if err := send(ctrl.Message{Kind: "error", Strs: map[string]string{"error": err.Error()}}); err != nil {
+					return err
+				}
+				continue
+			}
+			if err := send(ctrl.Message{Kind: "hello", Name: hello.name, Metadata: hello.md, MemDesc: hello.memDesc}); err != nil {
+				return err
+			}
+		case "timing":
+			if p != nil {
+				p.timing.Store(m.Ints["on"] != 0)
+			}
+			if err := send(ctrl.Message{Kind: "ok"}); err != nil {
+				return err
+			}
+		case "teardown":
+			var cerr error
+			if p != nil {
+				cerr = p.close()
+				p = nil
+			}
+			reply := ctrl.Message{Kind: "bye"}
+			if cerr != nil {
+				reply = ctrl.Message{Kind: "error", Strs: map[string]string{"error": cerr.Error()}}
+			}
+			if err := send(reply); err != nil {
+				return err
+			}
+		default:
+			return fmt.Errorf("producer: unknown command %q", m.Kind)
+		}
+	}
+}
+
+func openProducer(m ctrl.Message, backend string, send func(ctrl.Message) error) (*producer, helloMsg, error) {
+	mode := m.Strs["mode"]
+	bs, nb, seed := int(m.Ints["block"]), int(m.Ints["blocks"]), uint64(m.Ints["seed"])
+	if bs <= 0 || nb <= 0 || bs*nb > 1<<31 {
+		return nil, helloMsg{}, fmt.Errorf("producer: bad region %d×%d", nb, bs)
+	}
+	p := &producer{mode: mode, stop: make(chan struct{}), done: make(chan struct{}), send: send}
+	var hello helloMsg
+	switch mode {
+	case "reactor":
+		opts := reactor.Options{Idle: reactor.IdleStrategy(m.Ints["idle"]), BatchSize: int(m.Ints["batch"])}
+		tr, err := ecxfer.New(ecxfer.Config{AgentName: agentName("prod"), Backend: backend, BlockSize: bs, NumBlocks: nb, Reactor: opts})
+		if err != nil {
+			return nil, hello, err
+		}
+		pattern.FillRegion(tr.Region(), seed, bs)
+		p.tr = tr
+		hello = helloMsg{md: tr.AgentMetadata(), memDesc: tr.MemDescriptor()}
+	case "locked", "raw":
+		side, err := openBare(backend, agentName("prod"), bs, nb)
+		if err != nil {
+			return nil, hello, err
+		}
+		pattern.FillRegion(side.region, seed, bs)
+		md, err := side.agent.LocalMetadata()
+		if err == nil {
+			hello.memDesc, err = descriptors.Encode(side.descs)
+		}
+		if err != nil {
+			_ = side.agent.Close()
+			return nil, hello, err
+		}
+		hello.md = md
+		p.side = side
+	default:
+		return nil, hello, fmt.Errorf("producer: unknown mode %q", mode)
+	}
+	hello.name = mode
+	go p.poll()
+	return p, hello, nil
+}
+
+// poll is the producer application's loop: it collects notifications and,
+// in the notif workload, reports the CLOCK_MONOTONIC time it saw each.
+//
+//   - reactor: the reactor receives notifications by itself (it sleeps on
+//     the engine's event fd when idle); the application calls NewNotifs back
+//     to back, yielding the CPU between empty polls, while notifications
+//     are timed, and once per step otherwise.
+//   - locked: once per step, take the lock, progress the engine and get the
+//     notifications, as vLLM's engine loop does. Never more often.
+//   - raw: this goroutine is the engine's only driver. While notifications
+//     are timed it progresses back to back (yielding between empty turns):
+//     the floor. Otherwise it sleeps on the engine's event fd between turns,
+//     so it costs no CPU yet never leaves the engine unprogressed.
+func (p *producer) poll() {
+	defer close(p.done)
+	tmp := map[string][][]byte{}
+	tick := time.NewTicker(stepInterval)
+	defer tick.Stop()
+	for {
+		var got map[string][][]byte
+		work := false
+		switch p.mode {
+		case "reactor":
+			got = p.tr.NewNotifs()
+		case "locked":
+			p.mu.Lock()
+			_, _ = p.side.agent.Progress()
+			p.side.agent.GetNotifs(tmp)
+			p.mu.Unlock()
+			got = tmp
+		case "raw":
+			work, _ = p.side.agent.Progress()
+			p.side.agent.GetNotifs(tmp)
+			got = tmp
+		}
+		seen := monoNow()
+		n := 0
+		for _, msgs := range got {
+			n += len(msgs)
+		}
+		timing := p.timing.Load()
+		if n > 0 && timing {
+			for _, msgs := range got {
+				for _, msg := range msgs {
+					if !isTimed(msg) {
+						continue // left over from an earlier workload
+					}
+					if err := p.send(ctrl.Message{Kind: "seen", Data: msg, Ints: map[string]int64{"t": seen}}); err != nil {
+						p.pollErr.Store(&err)
+						return
+					}
+				}
+			}
+		}
+		clear(tmp)
+		select {
+		case <-p.stop:
+			return
+		default:
+		}
+		switch {
+		case work || n > 0:
+			continue
+		case timing && p.mode != "locked":
+			schedYield()
+			continue
+		case p.mode == "raw":
+			p.sleepOnEngine()
+			continue
+		}
+		select {
+		case <-p.stop:
+			return
+		case <-tick.C:
+		}
+	}
+}
+
+// sleepOnEngine waits up to one step for the raw producer's engine to have
+// work: arm its event fd and poll it.
+func (p *producer) sleepOnEngine() {
+	a := p.side.agent
+	fd := a.EventFD()
+	if fd < 0 {
+		time.Sleep(stepInterval)
+		return
+	}
+	if ok, err := a.Arm(); err != nil || !ok {
+		return
+	}
+	fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
+	_, _ = unix.Poll(fds, int(stepInterval/time.Millisecond))
+}
+
+func (p *producer) close() error {
+	close(p.stop)
+	<-p.done
+	if p.tr != nil {
+		return p.tr.Deregister()
+	}
+	return p.side.agent.Close()
+}
+
+// timedMagic starts the notification of every notif-workload READ, so the
+// producer reports those and no stragglers of earlier workloads.
+const timedMagic = "ecxbNTF:"
+
+func isTimed(msg []byte) bool { return len(msg) == 16 && string(msg[:8]) == timedMagic }

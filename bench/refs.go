@@ -1,0 +1,157 @@
+package bench
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"math/rand"
+	"net"
+	"os/exec"
+	"strconv"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// memcpySpan is how much source memory the memcpy reference rotates
+// through: far more than any cache, like a producer's region.
+const memcpySpan = 256 << 20
+
+// memcpyRefs measures single-thread copy bandwidth for one block size, the
+// source rotating through memcpySpan (colder than any cache, like a
+// producer's region): "memcpy" copies each round of ImageBlocks blocks with
+// one copy, as a merged contiguous READ moves it; "memcpy per block" copies
+// it block by block into scattered places, as a scattered READ does. Their
+// p50 is one block's copy, timed one by one.
+func memcpyRefs(bs int, d time.Duration) ([]Reference, error) {
+	src, err := unix.Mmap(-1, 0, memcpySpan, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
+	if err != nil {
+		return nil, fmt.Errorf("memcpy reference: mmap: %w", err)
+	}
+	defer unix.Munmap(src)
+	dst, err := unix.Mmap(-1, 0, LocalBlocks*bs, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
+	if err != nil {
+		return nil, fmt.Errorf("memcpy reference: mmap: %w", err)
+	}
+	defer unix.Munmap(dst)
+	for i := 0; i < len(src); i += 4096 {
+		src[i] = byte(i >> 12)
+	}
+	touch(dst)
+	round := ImageBlocks * bs
+	nrounds := memcpySpan / round
+	perm := rand.New(rand.NewSource(1)).Perm(LocalBlocks)[:ImageBlocks]
+	measure := func(whole bool) float64 {
+		var bytes int64
+		start := time.Now()
+		for k := 0; time.Since(start) < d/2 || k < nrounds; k++ {
+			off := (k % nrounds) * round
+			if whole {
+				copy(dst[:round], src[off:off+round])
+			} else {
+				for b, l := range perm {
+					copy(dst[l*bs:(l+1)*bs], src[off+b*bs:off+(b+1)*bs])
+				}
+			}
+			bytes += int64(round)
+		}
+		return float64(bytes) / time.Since(start).Seconds() / 1e9
+	}
+	whole, scattered := measure(true), measure(false)
+	nblk := memcpySpan / bs
+	lat := make([]time.Duration, 0, 20000)
+	for i := 0; i < cap(lat); i++ {
+		off := ((i * 7919) % nblk) * bs
+		t0 := time.Now()
+		copy(dst[:bs], src[off:off+bs])
+		lat = append(lat, time.Since(t0))
+	}
+	var r Result
+	summarize(&r, lat)
+	note := fmt.Sprintf("1 thread, %d-block rounds from a %d MiB source", ImageBlocks, memcpySpan>>20)
+	return []Reference{
+		{Name: "memcpy", BlockSize: bs, GBPerSec: whole, P50us: r.P50us, Note: note + ", one copy per round"},
+		{Name: "memcpy per block", BlockSize: bs, GBPerSec: scattered, P50us: r.P50us, Note: note + ", block by block, scattered"},
+	}, nil
+}
+
+// errNoPerftest says ucx_perftest is not installed.
+var errNoPerftest = errors.New("ucx_perftest not installed")
+
+// perftestRef runs ucx_perftest's ucp_get for one message size, server and
+// client as child processes on 127.0.0.1, and parses the client's final line.
+func perftestRef(ctx context.Context, bs int, iters int) (Reference, error) {
+	exe, err := exec.LookPath("ucx_perftest")
+	if err != nil {
+		return Reference{}, errNoPerftest
+	}
+	port, err := freePort()
+	if err != nil {
+		return Reference{}, err
+	}
+	ctx, cancel := context.WithTimeout(ctx, 60*time.Second)
+	defer cancel()
+	args := []string{"-t", "ucp_get", "-s", strconv.Itoa(bs), "-n", strconv.Itoa(iters), "-p", strconv.Itoa(port)}
+	srv := exec.CommandContext(ctx, exe, args...)
+	if err := srv.Start(); err != nil {
+		return Reference{}, fmt.Errorf("ucx_perftest server: %w", err)
+	}
+	defer func() {
+		_ = srv.Process.Kill()
+		_ = srv.Wait()
+	}()
+	// The server needs a moment to listen; retry the client until it connects.
+	var out []byte
+	for attempt := 0; ; attempt++ {
+		time.Sleep(100 * time.Millisecond)
+		cli := exec.CommandContext(ctx, exe, append([]string{"127.0.0.1"}, args...)...)
+		out, err = cli.CombinedOutput()
+		if err == nil || attempt >= 20 || ctx.Err() != nil {
+			break
+		}
+	}
+	if err != nil {
+		return Reference{}, fmt.Errorf("ucx_perftest client: %v: %s", err, lastLines(string(out), 3))
+	}
+	return parsePerftest(string(out), bs)
+}
+
+// parsePerftest reads the "Final:" line: iterations, latency p50, average,
+// overall (µs), bandwidth average, overall (MB/s, 2^20 bytes), message
+// rate average, overall.
+func parsePerftest(out string, bs int) (Reference, error) {
+	sc := bufio.NewScanner(strings.NewReader(out))
+	for sc.Scan() {
+		f := strings.Fields(sc.Text())
+		if len(f) < 9 || f[0] != "Final:" {
+			continue
+		}
+		p50, err1 := strconv.ParseFloat(f[2], 64)
+		bw, err2 := strconv.ParseFloat(f[6], 64)
+		if err1 != nil || err2 != nil {
+			return Reference{}, fmt.Errorf("ucx_perftest: cannot parse %q", sc.Text())
+		}
+		return Reference{Name: "ucx_perftest ucp_get", BlockSize: bs, GBPerSec: bw * (1 << 20) / 1e9, P50us: p50,
+			Note: "pipelined gets, same buffer (in cache), 127.0.0.1"}, nil
+	}
+	return Reference{}, fmt.Errorf("ucx_perftest: no Final line in output: %s", lastLines(out, 3))
+}
+
+func lastLines(s string, n int) string {
+	l := strings.Split(strings.TrimSpace(s), "\n")
+	if len(l) > n {
+		l = l[len(l)-n:]
+	}
+	return strings.Join(l, " | ")
+}
+
+func freePort() (int, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, fmt.Errorf("free port: %w", err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port, nil
+}

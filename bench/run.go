@@ -1,0 +1,644 @@
+package bench
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand"
+	"net"
+	"os"
+	"os/exec"
+	"runtime"
+	"runtime/pprof"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/ecxfer/ecxfer"
+	"github.com/ecxfer/ecxfer/internal/ctrl"
+	"github.com/ecxfer/ecxfer/internal/pattern"
+)
+
+// readLimit is how long one READ may stay in flight before the run fails.
+const readLimit = 10 * time.Second
+
+// cell is one workload configuration; with a mode it makes a table row.
+type cell struct {
+	workload   string
+	bs         int
+	blocks     int // per READ; 0: 1..FaninMaxBlocks at random (fanin)
+	contiguous bool
+	subs       int
+	notifMsg   bool // READs carry a notification
+}
+
+// cellsFor lists the cells of one block size and mode.
+func cellsFor(cfg *Config, bs int, mode string) []cell {
+	var cs []cell
+	for _, w := range AllWorkloads {
+		if !has(cfg.Workloads, w) {
+			continue
+		}
+		switch w {
+		case "latency":
+			cs = append(cs, cell{workload: w, bs: bs, blocks: 1, subs: 1})
+		case "image":
+			cs = append(cs, cell{workload: w, bs: bs, blocks: ImageBlocks, contiguous: true, subs: 1, notifMsg: true},
+				cell{workload: w, bs: bs, blocks: ImageBlocks, subs: 1, notifMsg: true})
+		case "fanin":
+			if bs != SmallBlock {
+				continue
+			}
+			for _, n := range FaninSubmitters {
+				if mode == "raw" && n > 1 {
+					continue // raw has no concurrency by definition
+				}
+				cs = append(cs, cell{workload: w, bs: bs, subs: n, notifMsg: true})
+			}
+		case "notif":
+			if bs != SmallBlock || cfg.Connect != "" {
+				continue // another host's CLOCK_MONOTONIC is not ours
+			}
+			cs = append(cs, cell{workload: w, bs: bs, blocks: 1, subs: 1, notifMsg: true})
+		}
+	}
+	return cs
+}
+
+var blockSizes = []int{SmallBlock, LargeBlock}
+
+// session is one run: the control connection to the producer and the
+// report being filled.
+type session struct {
+	cfg     Config
+	send    func(ctrl.Message) error
+	msgs    chan ctrl.Message
+	recvErr error // set before msgs is closed
+	rep     *Report
+	total   int
+	doneN   int
+	start   time.Time
+}
+
+// Run measures every configured cell and reference and returns the report.
+// It fails on the first error, including any byte that does not verify.
+func Run(ctx context.Context, cfg Config) (*Report, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	m := machineInfo()
+	m.Backend, m.Idle = cfg.Backend, cfg.Reactor.Idle.String()
+	m.ReactorCPU = -1
+	if cfg.Reactor.PinCPU {
+		m.ReactorCPU = cfg.Reactor.CPU
+	}
+	m.Duration, m.Warmup = cfg.Duration.String(), cfg.Warmup.String()
+	s := &session{cfg: cfg, rep: &Report{Machine: m}, start: time.Now()}
+	cpu0 := sampleCPU()
+	m.Started = s.start.UTC().Format(time.RFC3339)
+	s.rep.Machine = m
+	for _, bs := range blockSizes {
+		for _, mode := range cfg.Modes {
+			s.total += len(cellsFor(&cfg, bs, mode))
+		}
+	}
+	if s.total == 0 {
+		return nil, fmt.Errorf("%w: nothing to run", ErrUsage)
+	}
+	stop, err := s.startProducer(ctx)
+	if err != nil {
+		return nil, err
+	}
+	stopProf, err := startProfiles(&cfg)
+	if err != nil {
+		_ = stop()
+		return nil, err
+	}
+	err = s.runAll(ctx)
+	if perr := stopProf(); err == nil && perr != nil {
+		err = perr
+	}
+	if serr := stop(); err == nil && serr != nil {
+		err = serr
+	}
+	s.clearProgress()
+	if err != nil {
+		return s.rep, err
+	}
+	if cfg.References {
+		s.references(ctx)
+	}
+	s.rep.Notes = append(s.rep.Notes,
+		"latency READs carry no notification; image, fanin and notif READs carry one (as vLLM's do)",
+		fmt.Sprintf("locked: the producer polls notifications under its lock every %v (an engine step); reactor/raw producers poll back to back during notif", stepInterval),
+		"callers poll the READ's state, yielding between polls; p50/p99/p99.9 are post→DONE (notif: consumer DONE → producer sees it)",
+		fmt.Sprintf("verified: READ 0 and every %dth of each submitter, all blocks (time excluded from seconds)", VerifyEvery),
+		"notif allocs/read include decoding the control message that brings the producer's timestamp")
+	if cfg.Backend == "loopback" {
+		s.rep.Notes = append(s.rep.Notes, "loopback: producer in this process; its allocations count in allocs/read")
+	}
+	if cfg.Connect != "" && has(cfg.Workloads, "notif") {
+		s.rep.Notes = append(s.rep.Notes, "notif skipped: the producer is on another host, CLOCK_MONOTONIC is not shared")
+	}
+	sortResults(s.rep.Results)
+	s.rep.Machine.WallSecs = time.Since(s.start).Seconds()
+	cpu1 := sampleCPU()
+	other := max(0, (cpu1.busy-cpu0.busy)-(cpu1.ours-cpu0.ours))
+	s.rep.Machine.OtherCPU = other
+	if share := other / (s.rep.Machine.WallSecs * float64(m.Cores)); share > 0.05 {
+		s.rep.Notes = append(s.rep.Notes, fmt.Sprintf("DISTURBED: other processes used %.1f CPU-seconds during the run (%.0f%% of the machine); rerun on a quiet machine", other, 100*share))
+	}
+	if cfg.JSONFile != "" {
+		if err := writeFile(cfg.JSONFile, func(w io.Writer) error { return WriteJSON(w, s.rep) }); err != nil {
+			return s.rep, err
+		}
+	}
+	if cfg.SVGFile != "" {
+		if err := writeFile(cfg.SVGFile, func(w io.Writer) error { return WriteSVG(w, s.rep) }); err != nil {
+			return s.rep, err
+		}
+	}
+	return s.rep, nil
+}
+
+func sortResults(rs []Result) {
+	idx := func(list []string, v string) int { return slices.Index(list, v) }
+	slices.SortStableFunc(rs, func(a, b Result) int {
+		switch {
+		case a.Workload != b.Workload:
+			return idx(AllWorkloads, a.Workload) - idx(AllWorkloads, b.Workload)
+		case a.BlockSize != b.BlockSize:
+			return a.BlockSize - b.BlockSize
+		case a.Contiguous != b.Contiguous:
+			if a.Contiguous {
+				return -1
+			}
+			return 1
+		case a.Submitters != b.Submitters:
+			return a.Submitters - b.Submitters
+		}
+		return idx(AllModes, a.Mode) - idx(AllModes, b.Mode)
+	})
+}
+
+// startProducer connects to or starts the producer and returns how to stop
+// it.
+func (s *session) startProducer(ctx context.Context) (func() error, error) {
+	var c *ctrl.Conn
+	var stop func() error
+	switch {
+	case s.cfg.Connect != "":
+		var d net.Dialer
+		dctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		nc, err := d.DialContext(dctx, "tcp", s.cfg.Connect)
+		cancel()
+		if err != nil {
+			return nil, fmt.Errorf("connecting to the producer: %w", err)
+		}
+		c = ctrl.New(nc, nc)
+		stop = nc.Close
+	case s.cfg.Backend == "loopback":
+		cr, cw := io.Pipe() // consumer -> producer
+		pr, pw := io.Pipe() // producer -> consumer
+		done := make(chan error, 1)
+		go func() {
+			err := Serve(ctrl.New(cr, pw), "loopback")
+			_ = pw.Close()
+			done <- err
+		}()
+		c = ctrl.New(pr, cw)
+		stop = func() error {
+			_ = cw.Close()
+			return <-done
+		}
+	default:
+		exe := s.cfg.ProducerExe
+		if exe == "" {
+			var err error
+			if exe, err = os.Executable(); err != nil {
+				return nil, fmt.Errorf("finding this executable: %w", err)
+			}
+		}
+		cr, cw, err := os.Pipe()
+		if err != nil {
+			return nil, err
+		}
+		pr, pw, err := os.Pipe()
+		if err != nil {
+			return nil, err
+		}
+		cmd := exec.Command(exe)
+		cmd.Env = append(os.Environ(), RoleEnv+"=producer")
+		cmd.ExtraFiles = []*os.File{cr, pw}
+		cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+		if err := cmd.Start(); err != nil {
+			return nil, fmt.Errorf("starting the producer child: %w", err)
+		}
+		_ = cr.Close()
+		_ = pw.Close()
+		c = ctrl.New(pr, cw)
+		stop = func() error {
+			_ = cw.Close()
+			done := make(chan error, 1)
+			go func() { done <- cmd.Wait() }()
+			var err error
+			select {
+			case err = <-done:
+			case <-time.After(10 * time.Second):
+				_ = cmd.Process.Kill()
+				err = fmt.Errorf("producer child did not exit: %v", <-done)
+			}
+			_ = pr.Close()
+			if err != nil {
+				return fmt.Errorf("producer child: %w", err)
+			}
+			return nil
+		}
+	}
+	var sendMu sync.Mutex
+	s.send = func(m ctrl.Message) error {
+		sendMu.Lock()
+		defer sendMu.Unlock()
+		return c.Send(m)
+	}
+	s.msgs = make(chan ctrl.Message, 64)
+	go func() {
+		for {
+			m, err := c.Recv()
+			if err != nil {
+				s.recvErr = err
+				close(s.msgs)
+				return
+			}
+			s.msgs <- m
+		}
+	}()
+	return stop, nil
+}
+
+// expect waits for a message of kind from the producer.
+func (s *session) expect(kind string, timeout time.Duration) (ctrl.Message, error) {
+	t := time.NewTimer(timeout)
+	defer t.Stop()
+	select {
+	case m, ok := <-s.msgs:
+		if !ok {
+			return m, fmt.Errorf("producer connection lost: %v", s.recvErr)
+		}
+		if m.Kind == "error" {
+			return m, fmt.Errorf("producer: %s", m.Strs["error"])
+		}
+		if m.Kind != kind {
+			return m, fmt.Errorf("producer sent %q, want %q", m.Kind, kind)
+		}
+		return m, nil
+	case <-t.C:
+		return ctrl.Message{}, fmt.Errorf("producer: no %q within %v", kind, timeout)
+	}
+}
+
+func (s *session) request(m ctrl.Message, reply string) (ctrl.Message, error) {
+	if err := s.send(m); err != nil {
+		return ctrl.Message{}, fmt.Errorf("producer: %w", err)
+	}
+	return s.expect(reply, 60*time.Second)
+}
+
+func (s *session) runAll(ctx context.Context) error {
+	for bi, bs := range blockSizes {
+		for mi, mode := range s.cfg.Modes {
+			cells := cellsFor(&s.cfg, bs, mode)
+			if len(cells) == 0 {
+				continue
+			}
+			seed := int64(1000 + 10*bi + mi)
+			if err := s.runMode(ctx, mode, bs, seed, cells); err != nil {
+				return fmt.Errorf("%s, %d B blocks: %w", mode, bs, err)
+			}
+		}
+	}
+	return nil
+}
+
+func (s *session) runMode(ctx context.Context, mode string, bs int, seed int64, cells []cell) error {
+	s.progress(fmt.Sprintf("setting up %s, %d B blocks", mode, bs))
+	h, err := s.request(ctrl.Message{Kind: "setup", Strs: map[string]string{"mode": mode},
+		Ints: map[string]int64{"block": int64(bs), "blocks": int64(s.cfg.remoteBlocks(bs)), "seed": seed,
+			"idle": int64(s.cfg.ProducerIdle), "batch": int64(s.cfg.Reactor.BatchSize)}}, "hello")
+	if err != nil {
+		return err
+	}
+	d, err := openDriver(mode, s.cfg.Backend, bs, ecxfer.Config{Reactor: s.cfg.Reactor}, s.cfg.Wait == "block", helloMsg{md: h.Metadata, memDesc: h.MemDesc})
+	if err != nil {
+		_, _ = s.request(ctrl.Message{Kind: "teardown"}, "bye")
+		return err
+	}
+	var runErr error
+	for _, c := range cells {
+		if err := ctx.Err(); err != nil {
+			runErr = err
+			break
+		}
+		s.doneN++
+		s.progress(fmt.Sprintf("[%d/%d] %s %s %d B %s", s.doneN, s.total, c.workload, mode, bs, cellDesc(c)))
+		r, err := s.runCell(d, mode, c, uint64(seed))
+		if err != nil {
+			runErr = fmt.Errorf("%s %s: %w", c.workload, cellDesc(c), err)
+			break
+		}
+		s.rep.Results = append(s.rep.Results, r)
+	}
+	cerr := d.close()
+	if _, err := s.request(ctrl.Message{Kind: "teardown"}, "bye"); runErr == nil && err != nil {
+		runErr = err
+	}
+	if runErr == nil && cerr != nil {
+		runErr = fmt.Errorf("closing the consumer: %w", cerr)
+	}
+	return runErr
+}
+
+func cellDesc(c cell) string {
+	switch {
+	case c.workload == "fanin":
+		return fmt.Sprintf("%d submitters", c.subs)
+	case c.blocks > 1 && c.contiguous:
+		return fmt.Sprintf("%d blocks contiguous", c.blocks)
+	case c.blocks > 1:
+		return fmt.Sprintf("%d blocks scattered", c.blocks)
+	}
+	return "1 block"
+}
+
+// subStats is one submitter's tally for one pass.
+type subStats struct {
+	lat     []time.Duration
+	reads   int64
+	blocks  int64
+	verify  time.Duration
+	early   int64 // notif: seen before the reader saw DONE
+	scratch struct{ local, remote []int }
+}
+
+func (s *session) runCell(d driver, mode string, c cell, seed uint64) (Result, error) {
+	if c.workload == "notif" {
+		if _, err := s.request(ctrl.Message{Kind: "timing", Ints: map[string]int64{"on": 1}}, "ok"); err != nil {
+			return Result{}, err
+		}
+		defer func() { _, _ = s.request(ctrl.Message{Kind: "timing", Ints: map[string]int64{"on": 0}}, "ok") }()
+	}
+	if s.cfg.Warmup > 0 {
+		if _, _, err := s.pass(d, c, seed, s.cfg.Warmup, 0); err != nil {
+			return Result{}, fmt.Errorf("warmup: %w", err)
+		}
+	}
+	runtime.GC()
+	var m0, m1 runtime.MemStats
+	runtime.ReadMemStats(&m0)
+	subs, wall, err := s.pass(d, c, seed, s.cfg.Duration, 1)
+	runtime.ReadMemStats(&m1)
+	if err != nil {
+		return Result{}, err
+	}
+	r := Result{Workload: c.workload, Mode: mode, Backend: s.cfg.Backend, BlockSize: c.bs,
+		Contiguous: c.contiguous, Submitters: c.subs}
+	var lat []time.Duration
+	var blocks int64
+	var verify time.Duration
+	for _, st := range subs {
+		r.Reads += st.reads
+		blocks += st.blocks
+		verify += st.verify
+		lat = append(lat, st.lat...)
+	}
+	if r.Reads == 0 {
+		return r, errors.New("no READ completed")
+	}
+	r.Seconds = (wall - verify/time.Duration(len(subs))).Seconds()
+	r.ReadsPerSec = float64(r.Reads) / r.Seconds
+	r.GBPerSec = float64(blocks) * float64(c.bs) / r.Seconds / 1e9
+	r.BlocksPerRead = float64(blocks) / float64(r.Reads)
+	if c.blocks > 0 {
+		r.BlocksPerRead = float64(c.blocks)
+	}
+	r.AllocsPerRead = float64(m1.Mallocs-m0.Mallocs) / float64(r.Reads)
+	summarize(&r, lat)
+	return r, nil
+}
+
+// pass runs the cell's submitters for dur and returns their tallies and the
+// wall time.
+func (s *session) pass(d driver, c cell, seed uint64, dur time.Duration, passNo int64) ([]*subStats, time.Duration, error) {
+	subs := make([]*subStats, c.subs)
+	est := max(1024, (1<<17)/c.subs)
+	for i := range subs {
+		subs[i] = &subStats{lat: make([]time.Duration, 0, est)}
+	}
+	var stop atomic.Bool
+	var firstErr error
+	var errOnce sync.Once
+	var wg sync.WaitGroup
+	start := time.Now()
+	end := start.Add(dur)
+	for g := range subs {
+		wg.Add(1)
+		go func(g int) {
+			defer wg.Done()
+			rng := rand.New(rand.NewSource(int64(seed)*1000 + int64(g) + passNo*7777))
+			if err := s.submitter(d, c, g, seed, rng, end, &stop, subs[g]); err != nil {
+				errOnce.Do(func() { firstErr = fmt.Errorf("submitter %d: %w", g, err) })
+				stop.Store(true)
+			}
+		}(g)
+	}
+	wg.Wait()
+	return subs, time.Since(start), firstErr
+}
+
+// scatterSets is how many random index sets the scattered image READs
+// cycle through.
+const scatterSets = 8
+
+func (s *session) submitter(d driver, c cell, g int, seed uint64, rng *rand.Rand, end time.Time, stop *atomic.Bool, st *subStats) error {
+	nrem := s.cfg.remoteBlocks(c.bs)
+	var sets [scatterSets][2][]int
+	if c.workload == "image" && !c.contiguous {
+		for i := range sets {
+			sets[i][0] = rng.Perm(LocalBlocks)[:c.blocks]
+			sets[i][1] = rng.Perm(nrem)[:c.blocks]
+		}
+	}
+	local := make([]int, 0, max(c.blocks, FaninMaxBlocks))
+	remote := make([]int, 0, max(c.blocks, FaninMaxBlocks))
+	var notif [16]byte
+	if c.workload == "notif" {
+		copy(notif[:8], timedMagic)
+	} else {
+		binary.LittleEndian.PutUint64(notif[:8], uint64(g))
+	}
+	region := d.region()
+	for k := int64(0); !stop.Load() && time.Now().Before(end); k++ {
+		local, remote = local[:0], remote[:0]
+		switch {
+		case c.workload == "fanin":
+			n := 1 + rng.Intn(FaninMaxBlocks)
+			for i := 0; i < n; i++ {
+				local = append(local, g*FaninMaxBlocks+i)
+				remote = append(remote, rng.Intn(nrem))
+			}
+		case c.blocks == 1:
+			local = append(local, int(k%LocalBlocks))
+			remote = append(remote, rng.Intn(nrem))
+		case c.contiguous:
+			base := int(k*int64(c.blocks)) % (nrem - c.blocks + 1)
+			for i := 0; i < c.blocks; i++ {
+				local = append(local, i)
+				remote = append(remote, base+i)
+			}
+		default:
+			set := &sets[k%scatterSets]
+			local = append(local, set[0]...)
+			remote = append(remote, set[1]...)
+		}
+		check := k%VerifyEvery == 0
+		if check {
+			t := time.Now()
+			for _, l := range local {
+				clear(region[l*c.bs : (l+1)*c.bs])
+			}
+			st.verify += time.Since(t)
+		}
+		var msg []byte
+		if c.notifMsg {
+			binary.LittleEndian.PutUint64(notif[8:], uint64(k))
+			msg = notif[:]
+		}
+		t0 := time.Now()
+		id, err := d.post(local, remote, msg)
+		if err != nil {
+			return fmt.Errorf("post: %w", err)
+		}
+		if err := waitDone(d, id, readLimit); err != nil {
+			_ = d.release(id)
+			return err
+		}
+		lat := time.Since(t0)
+		doneAt := monoNow()
+		if err := d.release(id); err != nil {
+			return fmt.Errorf("release: %w", err)
+		}
+		if c.workload == "notif" {
+			m, err := s.expect("seen", readLimit)
+			if err != nil {
+				return err
+			}
+			if !bytes.Equal(m.Data, msg) {
+				return fmt.Errorf("notification %x, want %x", m.Data, msg)
+			}
+			lat = time.Duration(m.Ints["t"] - doneAt)
+			if lat < 0 {
+				st.early++
+				lat = 0
+			}
+		}
+		st.lat = append(st.lat, lat)
+		st.reads++
+		st.blocks += int64(len(local))
+		if check {
+			t := time.Now()
+			for i, l := range local {
+				if ok, off := pattern.Check(region[l*c.bs:(l+1)*c.bs], seed, remote[i]); !ok {
+					return fmt.Errorf("VERIFY FAILED: READ %d, local block %d (remote block %d) differs at byte %d", k, l, remote[i], off)
+				}
+			}
+			st.verify += time.Since(t)
+		}
+	}
+	return nil
+}
+
+// references measures memcpy and ucx_perftest for the block sizes run.
+func (s *session) references(ctx context.Context) {
+	d := min(max(s.cfg.Duration/2, 100*time.Millisecond), 2*time.Second)
+	for _, bs := range blockSizes {
+		s.progress(fmt.Sprintf("reference: memcpy %d B", bs))
+		if refs, err := memcpyRefs(bs, d); err == nil {
+			s.rep.References = append(s.rep.References, refs...)
+		} else {
+			s.rep.Notes = append(s.rep.Notes, err.Error())
+		}
+	}
+	for _, bs := range blockSizes {
+		s.progress(fmt.Sprintf("reference: ucx_perftest ucp_get %d B", bs))
+		ref, err := perftestRef(ctx, bs, 100000)
+		if errors.Is(err, errNoPerftest) {
+			s.rep.Notes = append(s.rep.Notes, "ucx_perftest not installed (Debian: ucx-utils): its reference is skipped")
+			break
+		}
+		if err != nil {
+			s.rep.Notes = append(s.rep.Notes, fmt.Sprintf("ucx_perftest %d B skipped: %v", bs, err))
+			continue
+		}
+		s.rep.References = append(s.rep.References, ref)
+	}
+	s.clearProgress()
+}
+
+func (s *session) progress(msg string) {
+	if s.cfg.Progress == nil || s.cfg.Quiet {
+		return
+	}
+	fmt.Fprintf(s.cfg.Progress, "\r\033[K%5.1fs  %s", time.Since(s.start).Seconds(), msg)
+}
+
+func (s *session) clearProgress() {
+	if s.cfg.Progress == nil || s.cfg.Quiet {
+		return
+	}
+	fmt.Fprint(s.cfg.Progress, "\r\033[K")
+}
+
+// ProgressTo returns w when it is a terminal, nil otherwise: the progress
+// line is for people watching, not for logs.
+func ProgressTo(f *os.File) io.Writer {
+	if f != nil && isTerminal(f.Fd()) {
+		return f
+	}
+	return nil
+}
+
+// startProfiles starts the pprof profiles cfg asks for and returns how to
+// finish them.
+func startProfiles(cfg *Config) (func() error, error) {
+	if cfg.MemProfile != "" {
+		runtime.MemProfileRate = 4096
+	}
+	var cpu *os.File
+	if cfg.CPUProfile != "" {
+		var err error
+		if cpu, err = os.Create(cfg.CPUProfile); err != nil {
+			return nil, err
+		}
+		if err := pprof.StartCPUProfile(cpu); err != nil {
+			cpu.Close()
+			return nil, err
+		}
+	}
+	return func() error {
+		var err error
+		if cpu != nil {
+			pprof.StopCPUProfile()
+			err = cpu.Close()
+		}
+		if cfg.MemProfile != "" {
+			if werr := writeFile(cfg.MemProfile, func(w io.Writer) error { return pprof.Lookup("allocs").WriteTo(w, 0) }); err == nil {
+				err = werr
+			}
+		}
+		return err
+	}, nil
+}

@@ -1,0 +1,33 @@
+// Command ecxfer-bench measures ecxfer against the alternatives, side by
+// side in one run, and prints where each stands against the machine's copy
+// limit.
+//
+// Usage:
+//
+//	ecxfer-bench run [--workloads latency,image,fanin,notif] [--modes reactor,locked,raw]
+//	                 [--backend ucx|loopback] [--duration D] [--warmup D]
+//	                 [--reactor-cpu N] [--numa-node N] [--idle spin|yield|park|hybrid]
+//	                 [--batch N] [--producer-idle S] [--wait poll|block]
+//	                 [--connect HOST:PORT] [--no-refs] [--json FILE] [--svg FILE]
+//	                 [--cpuprofile FILE] [--memprofile FILE] [--quiet]
+//	ecxfer-bench serve --listen HOST:PORT
+//
+// run measures each workload×mode cell for --duration after --warmup. With
+// the ucx backend it starts the producer as a child process (this binary,
+// re-executed) and swaps metadata with it over a pipe; with loopback both
+// sides live in this process, which measures the reactor alone. With
+// --connect it reads from a producer started on another host by serve
+// (metadata over TCP, data over UCX).
+//
+// The progress line is drawn only when stderr is a terminal. The end of
+// the run reports how much CPU other processes used meanwhile: the reactor
+// mode needs two threads running at once (caller and reactor), so on a
+// small machine it is the first to suffer from anything else running, and
+// a run marked DISTURBED should be repeated on a quiet machine.
+//
+// Modes: reactor is ecxfer's Transport; locked is vLLM's design (one mutex
+// around direct engine calls, the engine progressed only inside a caller's
+// status check); raw is one goroutine driving the engine with no locking,
+// the floor. The table compares reads/s and p99 against locked and GB/s
+// against single-thread memcpy of the same block size.
+package main

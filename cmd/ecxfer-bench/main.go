@@ -1,0 +1,126 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"github.com/ecxfer/ecxfer/bench"
+	"github.com/ecxfer/ecxfer/internal/ctrl"
+)
+
+func main() {
+	if os.Getenv(bench.RoleEnv) == "producer" {
+		os.Exit(bench.ProducerMain())
+	}
+	os.Exit(run(os.Args[1:], os.Stdout, os.Stderr))
+}
+
+const usage = `usage:
+  ecxfer-bench run [flags]            measure (see ecxfer-bench run -h)
+  ecxfer-bench serve --listen ADDR    be the producer for a run --connect on another host
+`
+
+func run(args []string, stdout, stderr io.Writer) int {
+	if len(args) == 0 {
+		fmt.Fprint(stderr, usage)
+		return 2
+	}
+	switch args[0] {
+	case "run":
+		return runCmd(args[1:], stdout, stderr)
+	case "serve":
+		return serveCmd(args[1:], stderr)
+	case "producer":
+		// Hidden: the child role, for running it by hand.
+		return bench.ProducerMain()
+	case "-h", "-help", "--help", "help":
+		fmt.Fprint(stdout, usage)
+		return 0
+	}
+	fmt.Fprintf(stderr, "ecxfer-bench: unknown command %q\n%s", args[0], usage)
+	return 2
+}
+
+func runCmd(args []string, stdout, stderr io.Writer) int {
+	cfg, err := bench.ParseRunFlags(args, stderr)
+	if errors.Is(err, flag.ErrHelp) {
+		return 0
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "ecxfer-bench run: %v\n", err)
+		return 2
+	}
+	if !cfg.Quiet {
+		cfg.Progress = bench.ProgressTo(os.Stderr)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	start := time.Now()
+	rep, err := bench.Run(ctx, cfg)
+	if rep != nil && len(rep.Results) > 0 {
+		if werr := bench.WriteTable(stdout, rep); werr != nil && err == nil {
+			err = werr
+		}
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "ecxfer-bench run: %v\n", err)
+		return 1
+	}
+	fmt.Fprintf(stdout, "wall time %.1fs; other processes used %.1f CPU-s meanwhile (%s, %s, %d cores, ucx %s, %s)\n", time.Since(start).Seconds(),
+		rep.Machine.OtherCPU, rep.Machine.CPUModel, rep.Machine.Kernel, rep.Machine.Cores, rep.Machine.UCXVersion, rep.Machine.GoVersion)
+	return 0
+}
+
+func serveCmd(args []string, stderr io.Writer) int {
+	fs := flag.NewFlagSet("ecxfer-bench serve", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	listen := fs.String("listen", "", "address to listen on for the control connection (host:port)")
+	once := fs.Bool("once", false, "exit after serving one run")
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return 0
+		}
+		return 2
+	}
+	if *listen == "" || fs.NArg() > 0 {
+		fmt.Fprintln(stderr, "ecxfer-bench serve: --listen HOST:PORT is required (and nothing else)")
+		return 2
+	}
+	l, err := net.Listen("tcp", *listen)
+	if err != nil {
+		fmt.Fprintf(stderr, "ecxfer-bench serve: %v\n", err)
+		return 1
+	}
+	defer l.Close()
+	fmt.Fprintf(stderr, "ecxfer-bench serve: listening on %s\n", l.Addr())
+	for {
+		c, err := l.Accept()
+		if err != nil {
+			fmt.Fprintf(stderr, "ecxfer-bench serve: %v\n", err)
+			return 1
+		}
+		fmt.Fprintf(stderr, "ecxfer-bench serve: run from %s\n", c.RemoteAddr())
+		// One run at a time: two runs at once would measure each other.
+		err = bench.Serve(ctrl.New(c, c), "ucx")
+		_ = c.Close()
+		if err != nil {
+			fmt.Fprintf(stderr, "ecxfer-bench serve: %v\n", err)
+		} else {
+			fmt.Fprintf(stderr, "ecxfer-bench serve: run from %s done\n", c.RemoteAddr())
+		}
+		if *once {
+			if err != nil {
+				return 1
+			}
+			return 0
+		}
+	}
+}
