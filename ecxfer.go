@@ -159,13 +159,8 @@ func checkConfig(cfg *Config) error {
 // ValidAgentName reports whether name can name an agent: 1 to 256 bytes of
 // printable ASCII without spaces.
 func ValidAgentName(name string) error {
-	if name == "" || len(name) > 256 {
-		return fmt.Errorf("%w: agent name must have 1 to 256 bytes (has %d)", ErrConfig, len(name))
-	}
-	for i := 0; i < len(name); i++ {
-		if c := name[i]; c <= ' ' || c > '~' {
-			return fmt.Errorf("%w: agent name has byte %#x at %d (printable ASCII only)", ErrConfig, c, i)
-		}
+	if !reactor.ValidName(name) {
+		return fmt.Errorf("%w: agent name %q: want 1 to 256 bytes of printable ASCII without spaces", ErrConfig, name)
 	}
 	return nil
 }

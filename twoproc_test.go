@@ -26,10 +26,31 @@ import (
 const roleEnv = "ECXFER_TEST_ROLE"
 
 func TestMain(m *testing.M) {
-	if os.Getenv(roleEnv) == "producer" {
+	if os.Getenv(roleEnv) != "" {
+		keepCtrlOut()
+	}
+	switch os.Getenv(roleEnv) {
+	case "producer":
 		os.Exit(runTestProducer())
+	case "consumer":
+		os.Exit(runTestConsumer())
 	}
 	os.Exit(m.Run())
+}
+
+// keepCtrlOut moves the control channel off file descriptor 1: UCX logs
+// to stdout, and a log line in the channel would break its framing. From
+// here on os.Stdout is a duplicate of the pipe and fd 1 goes to stderr.
+func keepCtrlOut() {
+	fd, err := unix.Dup(1)
+	if err != nil {
+		panic(err)
+	}
+	if err := unix.Dup2(2, 1); err != nil {
+		panic(err)
+	}
+	unix.CloseOnExec(fd)
+	os.Stdout = os.NewFile(uintptr(fd), "ctrl")
 }
 
 func envInt(name string) int {
@@ -64,15 +85,16 @@ func runTestProducer() int {
 	if err := c.Send(ctrl.Message{Kind: "hello", Name: cfg.AgentName, Metadata: tr.AgentMetadata(), MemDesc: tr.MemDescriptor()}); err != nil {
 		return fail(err)
 	}
-	// The consumer closes stdin when it is done.
-	eof := make(chan struct{})
+	// Commands arrive on stdin; the consumer closes stdin when it is done.
+	cmds := make(chan ctrl.Message, 16)
 	go func() {
-		buf := make([]byte, 1)
 		for {
-			if _, err := os.Stdin.Read(buf); err != nil {
-				close(eof)
+			m, err := c.Recv()
+			if err != nil {
+				close(cmds)
 				return
 			}
+			cmds <- m
 		}
 	}()
 	for {
@@ -84,11 +106,16 @@ func runTestProducer() int {
 			}
 		}
 		select {
-		case <-eof:
-			if err := tr.Deregister(); err != nil {
+		case m, ok := <-cmds:
+			if !ok {
+				if err := tr.Deregister(); err != nil {
+					return fail(err)
+				}
+				return 0
+			}
+			if err := c.Send(producerCommand(tr, m, seed, bs)); err != nil {
 				return fail(err)
 			}
-			return 0
 		case <-time.After(time.Millisecond):
 		}
 	}

@@ -51,7 +51,7 @@ func (r *Reactor) run(ready chan<- error) {
 				continue
 			}
 		}
-		r.park(events)
+		r.park(events, idle)
 	}
 }
 
@@ -74,17 +74,30 @@ func (r *Reactor) pin() error {
 // submitters push before they look at the flag: with sequentially
 // consistent atomics at least one of the two sees the other, so a
 // submission is never left behind a sleeping reactor.
-func (r *Reactor) park(events []unix.EpollEvent) {
+func (r *Reactor) park(events []unix.EpollEvent, idle time.Duration) {
 	r.sleeping.Store(true)
 	defer r.sleeping.Store(false)
 	if r.sub.Len() > 0 || r.cancel.Len() > 0 || r.ctrl.Len() > 0 {
 		return
 	}
-	ok, err := r.agent.Arm()
-	if err != nil || !ok {
+	timeout := r.opts.ParkTimeout
+	if ok, err := r.agent.Arm(); err != nil || !ok {
+		// The engine has events pending, so its fd cannot be armed: the
+		// next turn normally handles them. But an engine can stay busy
+		// with work that never finishes and never shows (UCX retrying
+		// sends into the full shared-memory queue of a dead peer). After
+		// YieldFor without any work, nap instead of spinning.
+		if idle < r.opts.YieldFor {
+			return
+		}
+		// The engine's fd stays readable: wait on the wake-up fd alone.
+		r.st.parks.Add(1)
+		fds := [1]unix.PollFd{{Fd: int32(r.wakeFD), Events: unix.POLLIN}}
+		_, _ = unix.Poll(fds[:], 1)
+		var buf [8]byte
+		_, _ = unix.Read(r.wakeFD, buf[:])
 		return
 	}
-	timeout := r.opts.ParkTimeout
 	if r.agent.EventFD() < 0 && timeout > time.Millisecond {
 		timeout = time.Millisecond // the engine cannot wake us
 	}
@@ -189,17 +202,22 @@ func (r *Reactor) submit(h uint64) {
 		return // released and freed already
 	}
 	if wordState(w) == stCanceling {
+		s.trim()
 		r.tab.free(s, w)
 		return
 	}
 	s.xfer = 0
 	p := s.peer
 	if code := p.gone.Load(); code != 0 {
+		s.trim()
 		r.fail(h, s, code)
 		return
 	}
 	loc := r.loc.Load()
 	id, err := r.agent.MakeXfer(nixl.Read, loc.dlist, s.localIdx, p.dlist, s.remoteIdx, s.notif)
+	// The engine copied the request: drop buffers too large to keep (the
+	// slot is still ours, nothing is published yet).
+	s.trim()
 	if err == nil {
 		if err = r.agent.PostXfer(id); err != nil {
 			_ = r.agent.ReleaseXfer(id)
@@ -306,7 +324,7 @@ func (r *Reactor) complete(c nixl.Completion) {
 	}
 	r.st.done.Add(1)
 	r.st.bytes.Add(s.bytes)
-	if len(s.notif) > 0 {
+	if s.hasNotif {
 		r.st.notifsSent.Add(1)
 	}
 	r.st.latency.Add(time.Duration(r.lastTime - s.posted))
@@ -344,6 +362,9 @@ func (r *Reactor) onCancel(h uint64) {
 			r.st.canceled.Add(1)
 		}
 	}
+	// Released before submit saw it, the request may still hold large
+	// buffers.
+	s.trim()
 	r.tab.free(s, w)
 }
 
@@ -405,6 +426,11 @@ func (r *Reactor) addPeer(md []byte, descs descriptors.List) (string, error) {
 		return "", fmt.Errorf("%w: %v", ErrBadMetadata, err)
 	}
 	old := r.Peer(name)
+	if !ValidName(name) {
+		// Published peers all have valid names, so old is nil here.
+		_ = r.agent.InvalidateRemoteMetadata(name)
+		return "", wrapf(ErrBadMetadata, "peer name %q: want 1 to 256 bytes of printable ASCII without spaces", name)
+	}
 	if old != nil && equalDescs(descs, old.Descs) {
 		return name, nil
 	}

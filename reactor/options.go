@@ -70,7 +70,7 @@ type Options struct {
 	// SubmitRing is the submission ring's capacity (default 4096).
 	SubmitRing int
 	// Handles is the handle table's capacity: the most transfers that can
-	// be posted and not yet released (default 16384).
+	// be posted and not yet released (default 4096).
 	Handles int
 	// WaitWhenBusy makes Post wait for room instead of returning ErrBusy
 	// when the ring or the table is full.
@@ -96,7 +96,7 @@ func (o Options) withDefaults() (Options, error) {
 		o.SubmitRing = 4096
 	}
 	if o.Handles == 0 {
-		o.Handles = 16384
+		o.Handles = 4096
 	}
 	if o.MaxNotif == 0 {
 		o.MaxNotif = 64 << 10

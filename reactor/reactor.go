@@ -283,6 +283,7 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 	s.localIdx = append(s.localIdx[:0], localIdx...)
 	s.remoteIdx = append(s.remoteIdx[:0], remoteIdx...)
 	s.notif = append(s.notif[:0], notif...)
+	s.hasNotif = len(notif) > 0
 	var bytes uint64
 	for _, i := range localIdx {
 		bytes += loc.descs[i].Len
@@ -422,6 +423,20 @@ func (r *Reactor) Notifs() map[string][][]byte {
 	out := r.notifs
 	r.notifs = map[string][][]byte{}
 	return out
+}
+
+// ValidName reports whether name can name an agent: 1 to 256 bytes of
+// printable ASCII without spaces.
+func ValidName(name string) bool {
+	if name == "" || len(name) > 256 {
+		return false
+	}
+	for i := 0; i < len(name); i++ {
+		if c := name[i]; c <= ' ' || c > '~' {
+			return false
+		}
+	}
+	return true
 }
 
 // Peer returns the published peer of that name, or nil.

@@ -66,12 +66,35 @@ type slot struct {
 	localIdx  []int
 	remoteIdx []int
 	notif     []byte
+	hasNotif  bool
 
 	// reactor-only
 	xfer   nixl.XferID
 	posted int64 // monotonic ns at post
 	bytes  uint64
 	_      cpu.CacheLinePad
+}
+
+// slotKeep bounds the index and notification buffers a slot keeps between
+// transfers (in elements). Reads of up to slotKeep blocks reuse them and
+// allocate nothing; larger ones allocate their own, dropped once the engine
+// has copied them. Without the bound every slot would keep the buffers of
+// the largest request it ever carried, and new transfers land on slots
+// spread over the whole table: Handles slots times 2 x 880 indices is
+// hundreds of MiB.
+const slotKeep = 64
+
+// trim drops buffers larger than slotKeep.
+func (s *slot) trim() {
+	if cap(s.localIdx) > slotKeep {
+		s.localIdx = nil
+	}
+	if cap(s.remoteIdx) > slotKeep {
+		s.remoteIdx = nil
+	}
+	if cap(s.notif) > 8*slotKeep {
+		s.notif = nil
+	}
 }
 
 // table is the fixed-capacity handle table.

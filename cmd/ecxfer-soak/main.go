@@ -1,0 +1,532 @@
+// Command ecxfer-soak runs ecxfer's ucx transport under a long random load
+// and checks that nothing is lost or leaked.
+//
+// The process is the consumer. It starts --producers producer processes
+// (this same binary in a hidden role), each a UCX transport over blocks
+// filled with a pattern it can recompute, and reads from them with
+// --workers goroutines for --duration:
+//
+//   - most workers post READs of 1 to 880 random blocks, wait, and verify
+//     every byte;
+//   - a quarter of them ("chaos" workers) release their READs at random
+//     moments, in flight or not, and check nothing but the bookkeeping;
+//   - every --restart one producer is replaced by a new process under the
+//     same name with new bytes (alternately SIGKILL and a clean exit), and
+//     re-added with its new metadata.
+//
+// At the end: every accepted READ is accounted for (done + failed +
+// released in flight == accepted), no READ is stuck and no verified block
+// is wrong, the transport has no live handle and nothing in flight,
+// goroutines and descriptors are back to their baseline, and the resident
+// set grew by less than --rss-bound MiB after warm-up. The totals are
+// printed; the exit status is 1 if any check failed.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"math/rand"
+	"os"
+	"os/exec"
+	"runtime"
+	"runtime/pprof"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ecxfer/ecxfer"
+	"github.com/ecxfer/ecxfer/internal/ctrl"
+	"github.com/ecxfer/ecxfer/internal/leakcheck"
+	"github.com/ecxfer/ecxfer/internal/pattern"
+)
+
+var memProfile string
+
+const (
+	roleEnv  = "ECXFER_SOAK_ROLE"
+	maxRead  = 880 // blocks in the largest READ
+	prodNB   = 1024
+	waitSlow = 30 * time.Second // a READ in flight this long is stuck
+)
+
+func main() {
+	if os.Getenv(roleEnv) == "producer" {
+		os.Exit(runProducer())
+	}
+	duration := flag.Duration("duration", 60*time.Second, "how long to run")
+	producers := flag.Int("producers", 2, "producer processes")
+	workers := flag.Int("workers", 16, "reading goroutines")
+	restart := flag.Duration("restart", 3*time.Second, "replace a producer this often (0: never)")
+	bs := flag.Int("block", 5120, "block size in bytes")
+	rssBound := flag.Int("rss-bound", 64, "largest RSS growth after warm-up, MiB")
+	flag.StringVar(&memProfile, "memprofile", "", "write a heap profile here at the end of the run")
+	flag.Parse()
+	if *producers < 1 || *workers < 1 || *bs < 8 {
+		fmt.Fprintln(os.Stderr, "ecxfer-soak: need at least one producer, one worker and 8-byte blocks")
+		os.Exit(2)
+	}
+	ok := soak(*duration, *producers, *workers, *restart, *bs, *rssBound)
+	if !ok {
+		os.Exit(1)
+	}
+}
+
+// ---------------------------------------------------------------------------
+// Producer role.
+
+func runProducer() int {
+	// UCX logs to stdout: keep the control channel on a descriptor of its
+	// own and send fd 1 to stderr.
+	fd, err := unix.Dup(1)
+	if err != nil {
+		return 1
+	}
+	if err := unix.Dup2(2, 1); err != nil {
+		return 1
+	}
+	unix.CloseOnExec(fd)
+	c := ctrl.New(os.Stdin, os.NewFile(uintptr(fd), "ctrl"))
+	bs, _ := strconv.Atoi(os.Getenv("ECX_BS"))
+	seed, _ := strconv.ParseUint(os.Getenv("ECX_SEED"), 10, 64)
+	cfg := ecxfer.Config{AgentName: os.Getenv("ECX_NAME"), BlockSize: bs, NumBlocks: prodNB}
+	if os.Getenv("ECX_REGION") == "mmap" {
+		region, err := unix.Mmap(-1, 0, bs*prodNB, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
+		if err != nil {
+			return 1
+		}
+		cfg.Region = region
+	}
+	tr, err := ecxfer.New(cfg)
+	if err != nil {
+		_ = c.Send(ctrl.Message{Kind: "error", Strs: map[string]string{"error": err.Error()}})
+		return 1
+	}
+	defer tr.Deregister()
+	pattern.FillRegion(tr.Region(), seed, bs)
+	if err := c.Send(ctrl.Message{Kind: "hello", Name: cfg.AgentName, Metadata: tr.AgentMetadata(), MemDesc: tr.MemDescriptor()}); err != nil {
+		return 1
+	}
+	eof := make(chan struct{})
+	go func() {
+		for {
+			if _, err := c.Recv(); err != nil {
+				close(eof)
+				return
+			}
+		}
+	}()
+	for {
+		_ = tr.NewNotifs()
+		select {
+		case <-eof:
+			if err := tr.Deregister(); err != nil {
+				return 1
+			}
+			return 0
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+}
+
+// ---------------------------------------------------------------------------
+// Consumer.
+
+type producer struct {
+	name   string
+	mu     sync.RWMutex // held for writing while the incarnation changes
+	seed   uint64
+	region string
+	cmd    *exec.Cmd
+	stdin  interface{ Close() error }
+	exited chan struct{}
+}
+
+func startProducer(name string, seed uint64, bs int, region string) (*exec.Cmd, interface{ Close() error }, chan struct{}, ctrl.Message, error) {
+	exe, err := os.Executable()
+	if err != nil {
+		return nil, nil, nil, ctrl.Message{}, err
+	}
+	cmd := exec.Command(exe)
+	cmd.Env = append(os.Environ(), roleEnv+"=producer", "ECX_NAME="+name,
+		"ECX_BS="+strconv.Itoa(bs), "ECX_SEED="+strconv.FormatUint(seed, 10), "ECX_REGION="+region)
+	cmd.Stderr = os.Stderr
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		return nil, nil, nil, ctrl.Message{}, err
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, nil, nil, ctrl.Message{}, err
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, nil, nil, ctrl.Message{}, err
+	}
+	exited := make(chan struct{})
+	go func() { _ = cmd.Wait(); close(exited) }()
+	hello, err := ctrl.New(stdout, stdin).Expect("hello")
+	if err != nil {
+		_ = cmd.Process.Kill()
+		<-exited
+		return nil, nil, nil, ctrl.Message{}, fmt.Errorf("producer %s: %w", name, err)
+	}
+	return cmd, stdin, exited, hello, nil
+}
+
+// stop ends the producer process, killing it (hard) or closing its stdin.
+func (p *producer) stop(hard bool) {
+	if hard {
+		_ = p.cmd.Process.Signal(syscall.SIGKILL)
+	}
+	_ = p.stdin.Close()
+	select {
+	case <-p.exited:
+	case <-time.After(10 * time.Second):
+		_ = p.cmd.Process.Kill()
+		<-p.exited
+	}
+}
+
+type totals struct {
+	accepted, done, failed, releasedInFlight atomic.Int64
+	verifiedBlocks, corrupt, stuck           atomic.Int64
+	disconnect, timeout, canceled, otherErr  atomic.Int64
+	rejected, badRelease, restarts           atomic.Int64
+	bytes                                    atomic.Int64
+}
+
+func (t *totals) classify(err error) {
+	switch {
+	case errors.Is(err, ecxfer.ErrRemoteDisconnect):
+		t.disconnect.Add(1)
+	case errors.Is(err, ecxfer.ErrTimeout):
+		t.timeout.Add(1)
+	case errors.Is(err, ecxfer.ErrCanceled):
+		t.canceled.Add(1)
+	default:
+		t.otherErr.Add(1)
+		fmt.Fprintf(os.Stderr, "ecxfer-soak: READ failed with an unexpected error: %v\n", err)
+	}
+}
+
+// sharedMaps counts the process's shared-memory mappings (UCX attaches a
+// peer's segments), and their size.
+func sharedMaps() (int, int64) {
+	b, err := os.ReadFile("/proc/self/maps")
+	if err != nil {
+		return 0, 0
+	}
+	n, size := 0, int64(0)
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Fields(line)
+		if len(f) < 6 || !(strings.Contains(f[5], "SYSV") || strings.HasPrefix(f[5], "/dev/shm/")) {
+			continue
+		}
+		var lo, hi int64
+		if _, err := fmt.Sscanf(f[0], "%x-%x", &lo, &hi); err == nil {
+			n++
+			size += hi - lo
+		}
+	}
+	return n, size
+}
+
+func rssBytes() int64 {
+	b, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		return 0
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if strings.HasPrefix(line, "VmRSS:") {
+			f := strings.Fields(line)
+			if len(f) >= 2 {
+				kb, _ := strconv.ParseInt(f[1], 10, 64)
+				return kb << 10
+			}
+		}
+	}
+	return 0
+}
+
+func soak(duration time.Duration, nprod, nwork int, restart time.Duration, bs, rssBound int) bool {
+	// The runtime opens its poller's descriptors on first use and keeps
+	// them: open them before the baseline.
+	if r, w, err := os.Pipe(); err == nil {
+		_ = r.Close()
+		_ = w.Close()
+	}
+	base := leakcheck.Take()
+	failures := 0
+	fail := func(format string, args ...any) {
+		failures++
+		fmt.Fprintf(os.Stderr, "ecxfer-soak: FAIL: "+format+"\n", args...)
+	}
+
+	cons, err := ecxfer.New(ecxfer.Config{AgentName: fmt.Sprintf("soak-consumer-%d", os.Getpid()), BlockSize: bs, NumBlocks: nwork * maxRead})
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "ecxfer-soak: consumer: %v\n", err)
+		return false
+	}
+	var seedSeq atomic.Uint64
+	seedSeq.Store(uint64(time.Now().UnixNano()))
+	prods := make([]*producer, nprod)
+	for i := range prods {
+		p := &producer{name: fmt.Sprintf("soak-producer-%d-%d", os.Getpid(), i), seed: seedSeq.Add(1), region: []string{"alloc", "mmap"}[i%2]}
+		var hello ctrl.Message
+		p.cmd, p.stdin, p.exited, hello, err = startProducer(p.name, p.seed, bs, p.region)
+		if err == nil {
+			_, err = cons.AddRemotePeer(hello.Metadata, hello.MemDesc)
+		}
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "ecxfer-soak: %v\n", err)
+			return false
+		}
+		prods[i] = p
+	}
+
+	var tot totals
+	var stop atomic.Bool
+	var wg sync.WaitGroup
+	chaos := max(1, nwork/4)
+	for w := 0; w < nwork; w++ {
+		wg.Add(1)
+		go func(w int) {
+			defer wg.Done()
+			worker(cons, prods, w, w < chaos, bs, &tot, &stop)
+		}(w)
+	}
+	restartDone := make(chan struct{})
+	go func() {
+		defer close(restartDone)
+		if restart <= 0 {
+			return
+		}
+		tick := time.NewTicker(restart)
+		defer tick.Stop()
+		for k := 0; ; k++ {
+			select {
+			case <-tick.C:
+			case <-time.After(duration + time.Minute):
+			}
+			if stop.Load() {
+				return
+			}
+			p := prods[k%len(prods)]
+			p.stop(k%2 == 0)
+			seed := seedSeq.Add(1)
+			cmd, stdin, exited, hello, err := startProducer(p.name, seed, bs, p.region)
+			if err != nil {
+				fail("restarting %s: %v", p.name, err)
+				stop.Store(true)
+				return
+			}
+			p.mu.Lock()
+			p.cmd, p.stdin, p.exited = cmd, stdin, exited
+			name, err := cons.AddRemotePeer(hello.Metadata, hello.MemDesc)
+			if err == nil {
+				p.seed = seed
+			}
+			p.mu.Unlock()
+			if err != nil || name != p.name {
+				fail("re-adding %s: %q, %v", p.name, name, err)
+				stop.Store(true)
+				return
+			}
+			tot.restarts.Add(1)
+		}
+	}()
+
+	start := time.Now()
+	warm := min(10*time.Second, duration/4)
+	time.Sleep(warm)
+	rss0 := rssBytes()
+	maps0, mapSize0 := sharedMaps()
+	var rssMax int64
+	for time.Since(start) < duration && !stop.Load() {
+		time.Sleep(min(time.Second, duration-time.Since(start)))
+		rssMax = max(rssMax, rssBytes())
+		var ms runtime.MemStats
+		runtime.ReadMemStats(&ms)
+		fmt.Printf("ecxfer-soak: %4.0fs accepted %d done %d failed %d released %d restarts %d; RSS %.1f MiB, Go %.1f MiB\n",
+			time.Since(start).Seconds(), tot.accepted.Load(), tot.done.Load(), tot.failed.Load(), tot.releasedInFlight.Load(), tot.restarts.Load(),
+			float64(rssBytes())/(1<<20), float64(ms.Sys-ms.HeapReleased)/(1<<20))
+	}
+	if memProfile != "" {
+		runtime.GC()
+		if out, err := os.Create(memProfile); err == nil {
+			_ = pprof.WriteHeapProfile(out)
+			_ = out.Close()
+		}
+	}
+	stop.Store(true)
+	end := time.Now()
+	wg.Wait()
+	<-restartDone
+	fmt.Printf("ecxfer-soak: workers and restarter stopped in %v\n", time.Since(end).Round(time.Millisecond))
+	rssEnd := rssBytes()
+	maps1, mapSize1 := sharedMaps()
+	rssMax = max(rssMax, rssEnd)
+
+	// A READ released in flight is freed by the reactor shortly after.
+	deadline := time.Now().Add(10 * time.Second)
+	st := cons.Stats()
+	for (st.LiveHandles != 0 || st.InFlight != 0) && time.Now().Before(deadline) {
+		time.Sleep(time.Millisecond)
+		st = cons.Stats()
+	}
+	if err := cons.Deregister(); err != nil {
+		fail("Deregister: %v", err)
+	}
+	for _, p := range prods {
+		p.stop(false)
+	}
+	leakErr := base.Wait(10 * time.Second)
+	fmt.Printf("ecxfer-soak: torn down in %v\n", time.Since(end).Round(time.Millisecond))
+
+	acc, done, failed, rel := tot.accepted.Load(), tot.done.Load(), tot.failed.Load(), tot.releasedInFlight.Load()
+	fmt.Printf("\necxfer-soak: %v, %d producers (%d restarts), %d workers (%d releasing at random)\n",
+		time.Since(start).Round(time.Millisecond), nprod, tot.restarts.Load(), nwork, chaos)
+	fmt.Printf("  READs accepted          %d\n", acc)
+	fmt.Printf("    done                  %d (%d blocks verified, %.1f GiB)\n", done, tot.verifiedBlocks.Load(), float64(tot.bytes.Load())/(1<<30))
+	fmt.Printf("    failed                %d (disconnect %d, timeout %d, canceled %d, other %d)\n", failed,
+		tot.disconnect.Load(), tot.timeout.Load(), tot.canceled.Load(), tot.otherErr.Load())
+	fmt.Printf("    released in flight    %d\n", rel)
+	fmt.Printf("  PostRead rejected       %d\n", tot.rejected.Load())
+	fmt.Printf("  reactor                 posted %d done %d failed %d canceled %d, live %d, in flight %d\n",
+		st.ReadsPosted, st.ReadsDone, st.ReadsFailed, st.ReadsCanceled, st.LiveHandles, st.InFlight)
+	fmt.Printf("  RSS                     %.1f MiB after warm-up, %.1f MiB peak, %.1f MiB at the end (bound +%d MiB)\n",
+		float64(rss0)/(1<<20), float64(rssMax)/(1<<20), float64(rssEnd)/(1<<20), rssBound)
+
+	fmt.Printf("  shared mappings         %d (%.1f MiB) after warm-up, %d (%.1f MiB) at the end\n",
+		maps0, float64(mapSize0)/(1<<20), maps1, float64(mapSize1)/(1<<20))
+
+	if done+failed+rel != acc {
+		fail("accounting: done %d + failed %d + released %d != accepted %d", done, failed, rel, acc)
+	}
+	if n := tot.stuck.Load(); n > 0 {
+		fail("%d READs in flight after %v", n, waitSlow)
+	}
+	if n := tot.corrupt.Load(); n > 0 {
+		fail("%d verified blocks held the wrong bytes", n)
+	}
+	if n := tot.otherErr.Load(); n > 0 {
+		fail("%d READs failed with an unexpected error", n)
+	}
+	if n := tot.badRelease.Load(); n > 0 {
+		fail("%d releases failed", n)
+	}
+	if st.LiveHandles != 0 || st.InFlight != 0 {
+		fail("%d live handles, %d in flight at the end", st.LiveHandles, st.InFlight)
+	}
+	if int64(st.ReadsDone) < done || int64(st.ReadsDone) > done+rel {
+		fail("the reactor counts %d done, the workers %d (+%d released in flight)", st.ReadsDone, done, rel)
+	}
+	if acc == 0 || done == 0 {
+		fail("nothing was read")
+	}
+	if growth := rssMax - rss0; growth > int64(rssBound)<<20 {
+		fail("RSS grew by %.1f MiB after warm-up (bound %d MiB)", float64(growth)/(1<<20), rssBound)
+	}
+	if leakErr != nil {
+		fail("leak: %v", leakErr)
+	}
+	if failures > 0 {
+		fmt.Printf("ecxfer-soak: FAIL (%d checks)\n", failures)
+		return false
+	}
+	fmt.Println("ecxfer-soak: ok")
+	return true
+}
+
+func worker(cons *ecxfer.Transport, prods []*producer, w int, chaos bool, bs int, tot *totals, stop *atomic.Bool) {
+	rng := rand.New(rand.NewSource(int64(w) + time.Now().UnixNano()))
+	region := cons.Region()
+	notif := []byte(fmt.Sprintf("soak-%d", w))
+	for !stop.Load() {
+		p := prods[rng.Intn(len(prods))]
+		n := 1 + rng.Intn(maxRead)
+		if rng.Intn(4) == 0 {
+			n = maxRead
+		}
+		local := make([]int, n)
+		for i := range local {
+			local[i] = w*maxRead + i
+		}
+		remote := rng.Perm(prodNB)[:n]
+		var msg []byte
+		if rng.Intn(2) == 0 {
+			msg = notif
+		}
+		p.mu.RLock()
+		seed := p.seed
+		h, err := cons.PostRead(local, p.name, remote, msg)
+		p.mu.RUnlock()
+		if err != nil {
+			tot.rejected.Add(1)
+			if !errors.Is(err, ecxfer.ErrBusy) {
+				fmt.Fprintf(os.Stderr, "ecxfer-soak: PostRead: %v\n", err)
+			}
+			time.Sleep(time.Millisecond)
+			continue
+		}
+		tot.accepted.Add(1)
+
+		if chaos && rng.Intn(3) > 0 {
+			// Release at a random moment, in flight or not.
+			if d := rng.Intn(3); d > 0 {
+				time.Sleep(time.Duration(rng.Intn(2000*d)) * time.Microsecond)
+			}
+			st, serr := cons.CheckXferState(h)
+			switch st {
+			case ecxfer.StateProc:
+				tot.releasedInFlight.Add(1)
+			case ecxfer.StateDone:
+				tot.done.Add(1)
+			default:
+				tot.failed.Add(1)
+				tot.classify(serr)
+			}
+			if err := cons.ReleaseXferHandle(h); err != nil {
+				tot.badRelease.Add(1)
+				fmt.Fprintf(os.Stderr, "ecxfer-soak: release: %v\n", err)
+			}
+			continue
+		}
+
+		ctx, cancel := context.WithTimeout(context.Background(), waitSlow)
+		err = cons.Wait(ctx, h)
+		cancel()
+		switch {
+		case errors.Is(err, context.DeadlineExceeded):
+			tot.stuck.Add(1)
+			tot.releasedInFlight.Add(1)
+		case err != nil:
+			tot.failed.Add(1)
+			tot.classify(err)
+		default:
+			tot.done.Add(1)
+			tot.bytes.Add(int64(n * bs))
+			if !chaos {
+				// A chaos worker's canceled gets may still land later in
+				// its own blocks; only the others verify.
+				for i := range local {
+					b := region[local[i]*bs : (local[i]+1)*bs]
+					if ok, _ := pattern.Check(b, seed, remote[i]); !ok {
+						tot.corrupt.Add(1)
+					}
+				}
+				tot.verifiedBlocks.Add(int64(n))
+			}
+		}
+		if err := cons.ReleaseXferHandle(h); err != nil {
+			tot.badRelease.Add(1)
+			fmt.Fprintf(os.Stderr, "ecxfer-soak: release: %v\n", err)
+		}
+	}
+}
