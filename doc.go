@@ -36,19 +36,22 @@
 //
 // A peer that holds our agent metadata can open an engine connection to us
 // and read any byte of the region we registered (that is the point: only
-// the block region is ever registered), and it can send us notifications
-// under the name in its own metadata (names are not authenticated). It
-// cannot make a READ of ours touch memory outside our registered region
-// (local indices are checked against our own block list), nor outside the
-// regions it advertised (every descriptor it sends is checked against them
-// in AddRemotePeer, before any engine call, because UCX's emulated gets are
-// not bounds-checked by the target); it cannot crash us or make us allocate
-// without bound with malformed metadata, descriptor lists or control
-// messages (strict decoders with size and count limits, fuzzed). It can
-// stall its own reads, which end in ErrTimeout, and it can die, which ends
-// them in ErrRemoteDisconnect. Not defended: UCX parses worker addresses and
-// packed keys without lengths, so a blob crafted by someone who computes
-// our checksum can still feed UCX bad bytes; and nothing on the wire is
-// encrypted. Exchange metadata over the deployment's own trusted control
-// plane, on trusted networks.
+// the block region is ever registered). It can also write into that region
+// and, by driving UCX directly, issue out-of-range emulated gets that crash
+// us: UCX 1.13's shared-memory and TCP transports neither bounds-check
+// emulated gets at the target nor enforce a read-only registration (asking
+// UCX for remote-read-only memory was tried; remote writes still land). It
+// can send us notifications under any sender name it likes (the name is
+// the sender's own claim). What ecxfer guarantees is about its own
+// actions: a READ of ours never touches memory outside our registered
+// region (local indices are checked against our own block list) nor outside
+// the regions the peer advertised (every descriptor it sends is checked in
+// AddRemotePeer, before any engine call); malformed metadata, descriptor
+// lists and control messages are refused with typed errors by strict,
+// bounded, fuzzed decoders, never crash us and never make us allocate
+// without bound; peer names must be 1 to 256 printable ASCII bytes. A peer
+// that stalls its reads sees them end in ErrTimeout; one that dies, in
+// ErrRemoteDisconnect. So: metadata is a capability. Exchange it only over
+// the deployment's own trusted control plane, with peers you trust with
+// your region, on networks you trust (nothing on the wire is encrypted).
 package ecxfer
