@@ -17,7 +17,7 @@ import (
 var (
 	AllWorkloads = []string{"latency", "image", "fanin", "notif"}
 	AllModes     = []string{"reactor", "locked", "raw"}
-	AllBackends  = []string{"ucx", "loopback"}
+	AllBackends  = []string{"ucx", "loopback", "nixl"}
 )
 
 // Block sizes: one token's embedding for a 2,560-wide bf16 model, and for
@@ -155,10 +155,10 @@ func (c *Config) Validate() error {
 		}
 	}
 	if !has(AllBackends, c.Backend) {
-		return fmt.Errorf("%w: unknown backend %q (want ucx or loopback)", ErrUsage, c.Backend)
+		return fmt.Errorf("%w: unknown backend %q (want ucx, loopback or nixl)", ErrUsage, c.Backend)
 	}
-	if c.Connect != "" && c.Backend != "ucx" {
-		return fmt.Errorf("%w: --connect needs --backend ucx (loopback runs in one process)", ErrUsage)
+	if c.Connect != "" && c.Backend == "loopback" {
+		return fmt.Errorf("%w: --connect needs --backend ucx or nixl (loopback runs in one process)", ErrUsage)
 	}
 	if c.Duration <= 0 {
 		return fmt.Errorf("%w: --duration %v must be positive", ErrUsage, c.Duration)
@@ -195,7 +195,7 @@ func ParseRunFlags(args []string, stderr io.Writer) (Config, error) {
 	fs.SetOutput(stderr)
 	workloads := fs.String("workloads", strings.Join(AllWorkloads, ","), "comma-separated workloads: "+strings.Join(AllWorkloads, ", "))
 	modes := fs.String("modes", strings.Join(AllModes, ","), "comma-separated modes: "+strings.Join(AllModes, ", "))
-	fs.StringVar(&c.Backend, "backend", c.Backend, "transfer engine: ucx (producer in a child process) or loopback (one process)")
+	fs.StringVar(&c.Backend, "backend", c.Backend, "transfer engine: ucx or nixl (the NIXL library; producer in a child process), or loopback (one process)")
 	fs.DurationVar(&c.Duration, "duration", c.Duration, "measured time per workload×mode cell")
 	fs.DurationVar(&c.Warmup, "warmup", c.Warmup, "unmeasured time before each cell")
 	fs.StringVar(&c.Connect, "connect", "", "address of an `ecxfer-bench serve` producer (host:port); default: start one here")

@@ -13,6 +13,7 @@ import (
 	"github.com/ecxfer/ecxfer"
 	"github.com/ecxfer/ecxfer/descriptors"
 	"github.com/ecxfer/ecxfer/nixl"
+	"github.com/ecxfer/ecxfer/nixl/libnixl"
 	"github.com/ecxfer/ecxfer/nixl/loopback"
 	"github.com/ecxfer/ecxfer/nixl/ucx"
 )
@@ -24,6 +25,8 @@ func newAgent(backend, name string) (nixl.Agent, error) {
 		return ucx.New(ucx.Config{Name: name})
 	case "loopback":
 		return loopback.New(name)
+	case "nixl":
+		return libnixl.New(libnixl.Config{Name: name})
 	}
 	return nil, fmt.Errorf("%w: unknown backend %q", ErrUsage, backend)
 }

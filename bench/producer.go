@@ -22,6 +22,9 @@ import (
 // ProducerMain instead of its usual main.
 const RoleEnv = "ECXFER_BENCH_ROLE"
 
+// BackendEnv tells a producer child which engine to use ("ucx" when unset).
+const BackendEnv = "ECXFER_BENCH_BACKEND"
+
 // stepInterval is the locked producer's poll period: one engine step of a
 // vLLM-style scheduler, which takes its lock and polls notifications once
 // per step. Raw and reactor producers use it too outside the notif
@@ -37,7 +40,11 @@ func ProducerMain() int {
 		fmt.Fprintln(os.Stderr, "ecxfer-bench producer: file descriptors 3 and 4 must be the control pipes")
 		return 2
 	}
-	if err := Serve(ctrl.New(in, out), "ucx"); err != nil {
+	backend := os.Getenv(BackendEnv)
+	if backend == "" {
+		backend = "ucx"
+	}
+	if err := Serve(ctrl.New(in, out), backend); err != nil {
 		fmt.Fprintln(os.Stderr, "ecxfer-bench producer:", err)
 		return 1
 	}

@@ -232,7 +232,7 @@ func (s *session) startProducer(ctx context.Context) (func() error, error) {
 			return nil, err
 		}
 		cmd := exec.Command(exe)
-		cmd.Env = append(os.Environ(), RoleEnv+"=producer")
+		cmd.Env = append(os.Environ(), RoleEnv+"=producer", BackendEnv+"="+s.cfg.Backend)
 		cmd.ExtraFiles = []*os.File{cr, pw}
 		cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
 		if err := cmd.Start(); err != nil {

@@ -5,7 +5,7 @@
 // Usage:
 //
 //	ecxfer-bench run [--workloads latency,image,fanin,notif] [--modes reactor,locked,raw]
-//	                 [--backend ucx|loopback] [--duration D] [--warmup D]
+//	                 [--backend ucx|loopback|nixl] [--duration D] [--warmup D]
 //	                 [--reactor-cpu N] [--numa-node N] [--idle spin|yield|park|hybrid]
 //	                 [--batch N] [--producer-idle S] [--wait poll|block]
 //	                 [--connect HOST:PORT] [--no-refs] [--json FILE] [--svg FILE]

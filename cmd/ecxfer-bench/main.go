@@ -84,10 +84,15 @@ func serveCmd(args []string, stderr io.Writer) int {
 	fs.SetOutput(stderr)
 	listen := fs.String("listen", "", "address to listen on for the control connection (host:port)")
 	once := fs.Bool("once", false, "exit after serving one run")
+	backend := fs.String("backend", "ucx", "transfer engine: ucx or nixl (the consumer must use the same)")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return 0
 		}
+		return 2
+	}
+	if *backend != "ucx" && *backend != "nixl" {
+		fmt.Fprintf(stderr, "ecxfer-bench serve: --backend %q: want ucx or nixl\n", *backend)
 		return 2
 	}
 	if *listen == "" || fs.NArg() > 0 {
@@ -109,7 +114,7 @@ func serveCmd(args []string, stderr io.Writer) int {
 		}
 		fmt.Fprintf(stderr, "ecxfer-bench serve: run from %s\n", c.RemoteAddr())
 		// One run at a time: two runs at once would measure each other.
-		err = bench.Serve(ctrl.New(c, c), "ucx")
+		err = bench.Serve(ctrl.New(c, c), *backend)
 		_ = c.Close()
 		if err != nil {
 			fmt.Fprintf(stderr, "ecxfer-bench serve: %v\n", err)
