@@ -10,10 +10,10 @@ import (
 
 // Chart geometry, in SVG user units.
 const (
-	chartW   = 760
+	chartW   = 860
 	chartH   = 320
 	marginL  = 70
-	marginR  = 150
+	marginR  = 250
 	marginT  = 36
 	marginB  = 48
 	plotW    = chartW - marginL - marginR
@@ -145,7 +145,7 @@ func writeCDF(w io.Writer, y0 int, title string, rows []*Result) {
 		fmt.Fprintf(w, `<line x1="%.1f" y1="%d" x2="%.1f" y2="%d" stroke="#ddd"/>`+"\n", x, marginT, x, marginT+plotH)
 		fmt.Fprintf(w, `<text x="%.1f" y="%d" text-anchor="middle">%s</text>`+"\n", x, marginT+plotH+16, fmtTick(math.Pow(10, e)))
 	}
-	for _, f := range []float64{0, 0.25, 0.5, 0.75, 0.99, 1} {
+	for _, f := range []float64{0, 0.25, 0.5, 0.75, 1} {
 		y := yOf(f)
 		fmt.Fprintf(w, `<line x1="%d" y1="%.1f" x2="%d" y2="%.1f" stroke="#ddd"/>`+"\n", marginL, y, marginL+plotW, y)
 		fmt.Fprintf(w, `<text x="%d" y="%.1f" text-anchor="end">%g</text>`+"\n", marginL-6, y+4, f)
