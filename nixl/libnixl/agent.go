@@ -20,6 +20,7 @@ import (
 
 	"github.com/ecxfer/ecxfer/descriptors"
 	"github.com/ecxfer/ecxfer/nixl"
+	"github.com/ecxfer/ecxfer/nixl/internal/enginekit"
 )
 
 // DefaultMaxNotif is the default limit on notification size.
@@ -45,16 +46,16 @@ type Config struct {
 	MaxNotif int
 }
 
+// kit prefixes this engine's errors.
+const kit enginekit.Prefix = "libnixl"
+
 // errClosed is returned by every method of a closed Agent.
-var errClosed = nixl.Errorf(nixl.ErrNotAllowed, "libnixl: agent is closed")
+var errClosed = kit.Closed()
 
 type region struct {
-	id     nixl.MemID
-	addr   uint64
-	len    uint64
+	enginekit.Region
 	dev    uint64
 	mapped []byte // AllocMem's mapping, unmapped at DeregisterMem
-	refs   int    // lists and transfers using the region
 }
 
 type peer struct {
@@ -78,13 +79,14 @@ type dlist struct {
 	valid bool
 }
 
-type xferState uint8
+// Remote implements enginekit.Dlist.
+func (d *dlist) Remote() bool { return d.peer != nil }
 
-const (
-	xIdle xferState = iota
-	xInflight
-	xDone
-)
+// Usable implements enginekit.Dlist.
+func (d *dlist) Usable() bool { return d.valid && d.peer.dead == nil }
+
+// Gone implements enginekit.Peer.
+func (p *peer) Gone() error { return p.dead }
 
 type xfer struct {
 	id     nixl.XferID
@@ -96,7 +98,7 @@ type xfer struct {
 	notif  []byte
 	mems   []*region
 	req    *C.ecxnixl_req
-	state  xferState
+	state  enginekit.XferState
 	slot   int // index in Agent.inflight while in flight
 	gen    uint64
 	err    error
@@ -113,12 +115,6 @@ type zombie struct {
 	peer *peer
 }
 
-type pendingCompletion struct {
-	id  nixl.XferID
-	gen uint64
-	err error
-}
-
 // Agent is the NIXL engine: a nixl.Agent over one NIXL agent (UCX
 // backend, DRAM) reached through the shim library.
 type Agent struct {
@@ -128,15 +124,14 @@ type Agent struct {
 	c        *C.ecxnixl_agent
 	closed   bool
 	nextID   uint64
-	mems     map[nixl.MemID]*region
-	memList  []*region // sorted by addr
+	mems     enginekit.Regions[*region]
 	peers    map[string]*peer
 	dlists   map[nixl.DlistID]*dlist
 	xfers    map[nixl.XferID]*xfer
 	inflight []*xfer
 	reqs     []*C.ecxnixl_req // parallel to inflight
 	sts      []int32
-	pending  []pendingCompletion
+	pending  enginekit.Completions
 	zombies  []zombie
 	zreqs    []*C.ecxnixl_req
 	zsts     []int32
@@ -155,14 +150,8 @@ var _ nixl.Agent = (*Agent)(nil)
 // found the error wraps ErrNotInstalled; when it cannot be used,
 // ErrBadLibrary.
 func New(cfg Config) (*Agent, error) {
-	if cfg.Name == "" || len(cfg.Name) > maxNameLen {
-		return nil, nixl.Errorf(nixl.ErrInvalidParam, "libnixl: name must be 1..%d bytes", maxNameLen)
-	}
-	if cfg.MaxNotif == 0 {
-		cfg.MaxNotif = DefaultMaxNotif
-	}
-	if cfg.MaxNotif < 0 || cfg.MaxNotif > 1<<20 {
-		return nil, nixl.Errorf(nixl.ErrInvalidParam, "libnixl: MaxNotif %d out of range 1..%d", cfg.MaxNotif, 1<<20)
+	if err := kit.CheckConfig(cfg.Name, maxNameLen, &cfg.MaxNotif, DefaultMaxNotif); err != nil {
+		return nil, err
 	}
 	if cfg.BackendParams == nil {
 		if env := os.Getenv(EnvParams); env != "" {
@@ -197,7 +186,7 @@ func New(cfg Config) (*Agent, error) {
 		name:   cfg.Name,
 		cfg:    cfg,
 		lib:    l,
-		mems:   map[nixl.MemID]*region{},
+		mems:   enginekit.NewRegions[*region](kit),
 		peers:  map[string]*peer{},
 		dlists: map[nixl.DlistID]*dlist{},
 		xfers:  map[nixl.XferID]*xfer{},
@@ -269,11 +258,8 @@ func (a *Agent) RegisterMem(buf []byte, mem nixl.MemType, devID uint64) (nixl.Me
 	if a.closed {
 		return 0, errClosed
 	}
-	if mem != nixl.DRAM {
-		return 0, nixl.Errorf(nixl.ErrNotSupported, "libnixl: %v memory", mem)
-	}
-	if len(buf) == 0 {
-		return 0, nixl.Errorf(nixl.ErrInvalidParam, "libnixl: empty region")
+	if err := kit.CheckRegister(buf, mem); err != nil {
+		return 0, err
 	}
 	return a.register(buf, devID, nil)
 }
@@ -281,22 +267,16 @@ func (a *Agent) RegisterMem(buf []byte, mem nixl.MemType, devID uint64) (nixl.Me
 func (a *Agent) register(buf []byte, devID uint64, mapped []byte) (nixl.MemID, error) {
 	addr := uint64(uintptr(unsafe.Pointer(unsafe.SliceData(buf))))
 	n := uint64(len(buf))
-	if addr+n < addr {
-		return 0, nixl.Errorf(nixl.ErrInvalidParam, "libnixl: region wraps")
-	}
-	for _, m := range a.memList {
-		if addr < m.addr+m.len && m.addr < addr+n {
-			return 0, nixl.Errorf(nixl.ErrInvalidParam, "libnixl: region [%#x,+%d) overlaps registered region %d", addr, n, m.id)
-		}
+	if err := a.mems.CheckOverlap(addr, n); err != nil {
+		return 0, err
 	}
 	st := C.ecx_dl_mem_register(a.lib.c, a.c, C.uint64_t(addr), C.uint64_t(n), C.uint64_t(devID))
 	if err := codeErr(int32(st), "registering %d bytes", n); err != nil {
 		return 0, err
 	}
-	m := &region{id: nixl.MemID(a.newID()), addr: addr, len: n, dev: devID, mapped: mapped}
-	a.mems[m.id] = m
-	a.rebuildMems()
-	return m.id, nil
+	m := &region{Region: enginekit.Region{ID: nixl.MemID(a.newID()), Addr: addr, Len: n}, dev: devID, mapped: mapped}
+	a.mems.Add(m)
+	return m.ID, nil
 }
 
 // AllocMem implements nixl.Agent. NIXL does not allocate memory, so the
@@ -306,11 +286,8 @@ func (a *Agent) AllocMem(length int, mem nixl.MemType, devID uint64) (nixl.MemID
 	if a.closed {
 		return 0, nil, errClosed
 	}
-	if mem != nixl.DRAM {
-		return 0, nil, nixl.Errorf(nixl.ErrNotSupported, "libnixl: %v memory", mem)
-	}
-	if length <= 0 {
-		return 0, nil, nixl.Errorf(nixl.ErrInvalidParam, "libnixl: length %d", length)
+	if err := kit.CheckAlloc(length, mem); err != nil {
+		return 0, nil, err
 	}
 	buf, err := unix.Mmap(-1, 0, length, unix.PROT_READ|unix.PROT_WRITE,
 		unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_POPULATE)
@@ -325,47 +302,22 @@ func (a *Agent) AllocMem(length int, mem nixl.MemType, devID uint64) (nixl.MemID
 	return id, buf, nil
 }
 
-func (a *Agent) rebuildMems() {
-	a.memList = a.memList[:0]
-	for _, m := range a.mems {
-		a.memList = append(a.memList, m)
-	}
-	sort.Slice(a.memList, func(i, j int) bool { return a.memList[i].addr < a.memList[j].addr })
-}
-
-// memAt returns the local region containing [addr, addr+n), or nil.
-func (a *Agent) memAt(addr, n uint64) *region {
-	i := sort.Search(len(a.memList), func(i int) bool { return a.memList[i].addr > addr }) - 1
-	if i < 0 {
-		return nil
-	}
-	m := a.memList[i]
-	if addr+n < addr || addr+n > m.addr+m.len {
-		return nil
-	}
-	return m
-}
-
 // DeregisterMem implements nixl.Agent.
 func (a *Agent) DeregisterMem(id nixl.MemID) error {
 	if a.closed {
 		return errClosed
 	}
-	m := a.mems[id]
-	if m == nil {
-		return nixl.Errorf(nixl.ErrNotFound, "libnixl: memory %d", id)
+	m, err := a.mems.Removable(id)
+	if err != nil {
+		return err
 	}
-	if m.refs > 0 {
-		return nixl.Errorf(nixl.ErrNotAllowed, "libnixl: memory %d is used by %d lists or transfers", id, m.refs)
-	}
-	delete(a.mems, id)
-	a.rebuildMems()
+	a.mems.Remove(id)
 	return a.unregister(m)
 }
 
 func (a *Agent) unregister(m *region) error {
-	st := C.ecx_dl_mem_deregister(a.lib.c, a.c, C.uint64_t(m.addr), C.uint64_t(m.len), C.uint64_t(m.dev))
-	err := codeErr(int32(st), "deregistering memory %d", m.id)
+	st := C.ecx_dl_mem_deregister(a.lib.c, a.c, C.uint64_t(m.Addr), C.uint64_t(m.Len), C.uint64_t(m.dev))
+	err := codeErr(int32(st), "deregistering memory %d", m.ID)
 	if m.mapped != nil {
 		_ = unix.Munmap(m.mapped)
 		m.mapped = nil
@@ -428,7 +380,7 @@ func (a *Agent) LoadRemoteMetadata(md []byte) (string, error) {
 		if p.dead != nil {
 			return p.name, nixl.Errorf(nixl.ErrNotAllowed, "libnixl: peer %q is gone (%v); invalidate it first", p.name, p.dead)
 		}
-		return p.name, nixl.Errorf(nixl.ErrNotAllowed, "libnixl: peer %q is loaded with other metadata; invalidate it first", p.name)
+		return p.name, kit.OtherMetadata(p.name)
 	}
 	p := &peer{name: pm.name, blob: append([]byte(nil), md...),
 		dlists: map[nixl.DlistID]*dlist{}, inflight: map[nixl.XferID]*xfer{}}
@@ -469,7 +421,7 @@ func (a *Agent) InvalidateRemoteMetadata(name string) error {
 	}
 	p := a.peers[name]
 	if p != nil {
-		a.failPeer(p, nixl.Errorf(nixl.ErrRemoteDisconnect, "libnixl: peer %q was invalidated", name))
+		a.failPeer(p, kit.Invalidated(name))
 		for _, d := range p.dlists {
 			d.valid = false
 		}
@@ -481,7 +433,7 @@ func (a *Agent) InvalidateRemoteMetadata(name string) error {
 		}
 	}
 	if name == "" || a.draining[name] != nil {
-		return nixl.Errorf(nixl.ErrNotFound, "libnixl: peer %q", name)
+		return kit.PeerNotFound(name)
 	}
 	return a.forget(name, p != nil)
 }
@@ -496,7 +448,7 @@ func (a *Agent) forget(name string, known bool) error {
 		return nil // NIXL already dropped it after a disconnect
 	}
 	if nixl.Status(st) == nixl.ErrNotFound {
-		return nixl.Errorf(nixl.ErrNotFound, "libnixl: peer %q", name)
+		return kit.PeerNotFound(name)
 	}
 	return codeErr(int32(st), "invalidating %q", name)
 }
@@ -507,9 +459,9 @@ func (a *Agent) failPeer(p *peer, err error) {
 	for id, x := range p.inflight {
 		a.unlink(x)
 		a.bury(x)
-		x.state = xDone
+		x.state = enginekit.Done
 		x.err = err
-		a.pending = append(a.pending, pendingCompletion{id: x.id, gen: x.gen, err: err})
+		a.pending.Push(x.id, x.gen, err)
 		delete(p.inflight, id)
 	}
 }
@@ -523,32 +475,23 @@ func (a *Agent) PrepDlist(peerName string, descs descriptors.List, mem nixl.MemT
 	if a.closed {
 		return 0, errClosed
 	}
-	if mem != nixl.DRAM {
-		return 0, nixl.Errorf(nixl.ErrNotSupported, "libnixl: %v memory", mem)
+	if err := kit.CheckMem(mem); err != nil {
+		return 0, err
 	}
 	if len(descs) == 0 {
 		return 0, nixl.Errorf(nixl.ErrInvalidParam, "libnixl: empty descriptor list")
 	}
 	d := &dlist{descs: append(descriptors.List(nil), descs...), valid: true}
 	if peerName == "" {
-		seen := map[*region]bool{}
-		for i, ds := range descs {
-			m := a.memAt(ds.Addr, ds.Len)
-			if m == nil || ds.Len == 0 {
-				return 0, nixl.Errorf(nixl.ErrInvalidParam, "libnixl: descriptor %d [%#x,+%d) is outside registered memory", i, ds.Addr, ds.Len)
-			}
-			if !seen[m] {
-				seen[m] = true
-				d.mems = append(d.mems, m)
-			}
+		var i int
+		if d.mems, i = a.mems.Covering(descs); i >= 0 {
+			ds := descs[i]
+			return 0, kit.Errorf(nixl.ErrInvalidParam, "descriptor %d [%#x,+%d) is outside registered memory", i, ds.Addr, ds.Len)
 		}
 	} else {
-		p := a.peers[peerName]
-		if p == nil {
-			return 0, nixl.Errorf(nixl.ErrNotFound, "libnixl: peer %q", peerName)
-		}
-		if p.dead != nil {
-			return 0, p.dead
+		p, err := enginekit.LivePeer(kit, a.peers, peerName)
+		if err != nil {
+			return 0, err
 		}
 		if p.checked {
 			if err := p.spans.CheckList(descs); err != nil {
@@ -575,9 +518,7 @@ func (a *Agent) PrepDlist(peerName string, descs descriptors.List, mem nixl.MemT
 	if err := codeErr(int32(st), "preparing a list of %d descriptors", n); err != nil {
 		return 0, err
 	}
-	for _, m := range d.mems {
-		m.refs++
-	}
+	enginekit.AddRefs(d.mems, 1)
 	d.id = nixl.DlistID(a.newID())
 	a.dlists[d.id] = d
 	if d.peer != nil {
@@ -593,11 +534,9 @@ func (a *Agent) ReleaseDlist(id nixl.DlistID) error {
 	}
 	d := a.dlists[id]
 	if d == nil {
-		return nixl.Errorf(nixl.ErrNotFound, "libnixl: dlist %d", id)
+		return kit.DlistNotFound(id)
 	}
-	for _, m := range d.mems {
-		m.refs--
-	}
+	enginekit.AddRefs(d.mems, -1)
 	if d.peer != nil {
 		delete(d.peer.dlists, id)
 	}
@@ -616,37 +555,17 @@ func (a *Agent) MakeXfer(op nixl.Op, local nixl.DlistID, localIdx []int, remote 
 	if a.closed {
 		return 0, errClosed
 	}
-	if op != nixl.Read && op != nixl.Write {
-		return 0, nixl.Errorf(nixl.ErrInvalidParam, "libnixl: op %v", op)
-	}
-	ld, rd := a.dlists[local], a.dlists[remote]
-	if ld == nil || rd == nil {
-		return 0, nixl.Errorf(nixl.ErrNotFound, "libnixl: dlist %d or %d", local, remote)
-	}
-	if ld.peer != nil {
-		return 0, nixl.Errorf(nixl.ErrInvalidParam, "libnixl: dlist %d is not local", local)
-	}
-	if rd.peer == nil {
-		return 0, nixl.Errorf(nixl.ErrInvalidParam, "libnixl: dlist %d is not a peer's", remote)
-	}
-	if !rd.valid || rd.peer.dead != nil {
-		return 0, nixl.Errorf(nixl.ErrRemoteDisconnect, "libnixl: dlist %d belongs to a peer that is gone", remote)
-	}
-	if len(notif) > a.cfg.MaxNotif {
-		return 0, nixl.Errorf(nixl.ErrInvalidParam, "libnixl: notification of %d bytes, limit %d", len(notif), a.cfg.MaxNotif)
+	ld, rd, err := enginekit.XferLists(kit, a.dlists, op, local, remote, len(notif), a.cfg.MaxNotif)
+	if err != nil {
+		return 0, err
 	}
 	if len(ld.descs) > 1<<31-1 || len(rd.descs) > 1<<31-1 {
 		return 0, nixl.Errorf(nixl.ErrInvalidParam, "libnixl: list too long for NIXL's int indices")
 	}
 	// MergeRuns checks counts, ranges and paired lengths; the runs
 	// themselves are NIXL's business.
-	rs, err := descriptors.MergeRuns(a.rangeBuf, ld.descs, rd.descs, localIdx, remoteIdx)
-	a.rangeBuf = rs[:0]
-	if err != nil {
-		if errors.Is(err, descriptors.ErrLenMismatch) {
-			return 0, nixl.Errorf(nixl.ErrMismatch, "libnixl: %v", err)
-		}
-		return 0, nixl.Errorf(nixl.ErrInvalidParam, "libnixl: %v", err)
+	if _, err := kit.MergeRuns(&a.rangeBuf, ld.descs, rd.descs, localIdx, remoteIdx); err != nil {
+		return 0, err
 	}
 	x := &xfer{id: nixl.XferID(a.newID()), op: op, local: ld, remote: rd, slot: -1,
 		lidx: make([]int32, len(localIdx)), ridx: make([]int32, len(remoteIdx))}
@@ -660,9 +579,7 @@ func (a *Agent) MakeXfer(op nixl.Op, local nixl.DlistID, localIdx []int, remote 
 		x.notif = append([]byte(nil), notif...)
 	}
 	x.mems = ld.mems
-	for _, m := range x.mems {
-		m.refs++
-	}
+	enginekit.AddRefs(x.mems, 1)
 	a.xfers[x.id] = x
 	return x.id, nil
 }
@@ -675,10 +592,10 @@ func (a *Agent) PostXfer(id nixl.XferID) error {
 	}
 	x := a.xfers[id]
 	if x == nil {
-		return nixl.Errorf(nixl.ErrNotFound, "libnixl: xfer %d", id)
+		return kit.XferNotFound(id)
 	}
-	if x.state == xInflight {
-		return nixl.Errorf(nixl.ErrRepostActive, "libnixl: xfer %d is in flight", id)
+	if err := kit.CheckPost(id, x.state); err != nil {
+		return err
 	}
 	p := x.remote.peer
 	if p.dead != nil {
@@ -711,7 +628,7 @@ func (a *Agent) PostXfer(id nixl.XferID) error {
 		return xferPostErr(int32(st), id)
 	}
 	x.req = req
-	x.state = xInflight
+	x.state = enginekit.Inflight
 	x.err = nil
 	x.gen++
 	x.slot = len(a.inflight)
@@ -828,7 +745,7 @@ func (a *Agent) drain(p *peer, wait time.Duration) error {
 func (a *Agent) finish(x *xfer, code int32) {
 	a.unlink(x)
 	delete(x.remote.peer.inflight, x.id)
-	x.state = xDone
+	x.state = enginekit.Done
 	x.err = xferErr(code, x.id)
 	if nixl.Status(code) == nixl.ErrRemoteDisconnect {
 		p := x.remote.peer
@@ -836,7 +753,7 @@ func (a *Agent) finish(x *xfer, code int32) {
 			p.dead = x.err
 		}
 	}
-	a.pending = append(a.pending, pendingCompletion{id: x.id, gen: x.gen, err: x.err})
+	a.pending.Push(x.id, x.gen, x.err)
 }
 
 // checkInflight asks NIXL for the status of every in-flight request, in one
@@ -872,12 +789,12 @@ func (a *Agent) XferStatus(id nixl.XferID) (bool, error) {
 	}
 	x := a.xfers[id]
 	if x == nil {
-		return true, nixl.Errorf(nixl.ErrNotFound, "libnixl: xfer %d", id)
+		return true, kit.XferNotFound(id)
 	}
 	switch x.state {
-	case xIdle:
+	case enginekit.Idle:
 		return false, nixl.ErrNotPosted
-	case xInflight:
+	case enginekit.Inflight:
 		a.one[0] = x.req
 		C.ecx_dl_status(a.lib.c, a.c, &a.one[0], (*C.int32_t)(unsafe.Pointer(&a.oneSt[0])), 1)
 		a.one[0] = nil
@@ -899,18 +816,16 @@ func (a *Agent) ReleaseXfer(id nixl.XferID) error {
 	}
 	x := a.xfers[id]
 	if x == nil {
-		return nixl.Errorf(nixl.ErrNotFound, "libnixl: xfer %d", id)
+		return kit.XferNotFound(id)
 	}
-	if x.state == xInflight {
+	if x.state == enginekit.Inflight {
 		a.unlink(x)
 		delete(x.remote.peer.inflight, id)
 		a.bury(x)
 	} else {
 		a.dropReq(x)
 	}
-	for _, m := range x.mems {
-		m.refs--
-	}
+	enginekit.AddRefs(x.mems, -1)
 	x.mems = nil
 	delete(a.xfers, id)
 	return nil
@@ -921,17 +836,14 @@ func (a *Agent) PollCompletions(dst []nixl.Completion) int {
 	if a.closed {
 		return 0
 	}
-	n, k := 0, 0
-	for ; k < len(a.pending) && n < len(dst); k++ {
-		c := a.pending[k]
-		if x := a.xfers[c.id]; x == nil || x.gen != c.gen || x.state != xDone {
-			continue
-		}
-		dst[n] = nixl.Completion{ID: c.id, Err: c.err}
-		n++
-	}
-	a.pending = a.pending[:copy(a.pending, a.pending[k:])]
-	return n
+	return a.pending.Poll(dst, a.live)
+}
+
+// live reports whether a queued completion of post gen of request id may
+// still be reported.
+func (a *Agent) live(id nixl.XferID, gen uint64) bool {
+	x := a.xfers[id]
+	return x != nil && x.gen == gen && x.state == enginekit.Done
 }
 
 // ----------------------------------------------------------- notifications
@@ -941,15 +853,11 @@ func (a *Agent) SendNotif(peerName string, msg []byte) error {
 	if a.closed {
 		return errClosed
 	}
-	p := a.peers[peerName]
-	if p == nil {
-		return nixl.Errorf(nixl.ErrNotFound, "libnixl: peer %q", peerName)
+	if _, err := enginekit.LivePeer(kit, a.peers, peerName); err != nil {
+		return err
 	}
-	if p.dead != nil {
-		return p.dead
-	}
-	if len(msg) > a.cfg.MaxNotif {
-		return nixl.Errorf(nixl.ErrInvalidParam, "libnixl: notification of %d bytes, limit %d", len(msg), a.cfg.MaxNotif)
+	if err := kit.CheckNotif(len(msg), a.cfg.MaxNotif); err != nil {
+		return err
 	}
 	cname := C.CString(peerName)
 	defer C.free(unsafe.Pointer(cname))
@@ -1018,7 +926,7 @@ func (a *Agent) Arm() (bool, error) {
 	if a.closed {
 		return false, errClosed
 	}
-	return len(a.pending) == 0, nil
+	return a.pending.Len() == 0, nil
 }
 
 // --------------------------------------------------------------- teardown
@@ -1035,14 +943,15 @@ func (a *Agent) Close() error {
 	}
 	a.closed = true
 	for id, x := range a.xfers {
-		if x.state == xInflight {
+		if x.state == enginekit.Inflight {
 			a.bury(x)
 		} else {
 			a.dropReq(x)
 		}
 		delete(a.xfers, id)
 	}
-	a.inflight, a.reqs, a.pending = nil, nil, nil
+	a.inflight, a.reqs = nil, nil
+	a.pending.Reset()
 	deadline := time.Now().Add(closeWait)
 	for len(a.zombies) > 0 && time.Now().Before(deadline) {
 		a.reap()
@@ -1071,13 +980,12 @@ func (a *Agent) Close() error {
 		delete(a.peers, name)
 	}
 	var err error
-	for id, m := range a.mems {
+	for _, m := range a.mems.Sorted() {
 		if e := a.unregister(m); e != nil && err == nil {
 			err = e
 		}
-		delete(a.mems, id)
 	}
-	a.memList = nil
+	a.mems.Clear()
 	C.ecx_dl_agent_destroy(a.lib.c, a.c)
 	a.c = nil
 	C.free(a.nbuf)

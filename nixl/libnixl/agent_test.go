@@ -244,7 +244,7 @@ func TestAgentBadXfers(t *testing.T) {
 	done, err := cons.a.XferStatus(id)
 	require.False(t, done)
 	require.ErrorIs(t, err, nixl.ErrNotPosted)
-	mems := cons.a.memList[0].id
+	mems := cons.a.mems.Sorted()[0].ID
 	require.ErrorIs(t, cons.a.DeregisterMem(mems), nixl.ErrNotAllowed)
 	require.NoError(t, cons.a.ReleaseXfer(id))
 	require.ErrorIs(t, cons.a.ReleaseXfer(id), nixl.ErrNotFound)

@@ -20,6 +20,7 @@ import (
 
 	"github.com/ecxfer/ecxfer/descriptors"
 	"github.com/ecxfer/ecxfer/nixl"
+	"github.com/ecxfer/ecxfer/nixl/internal/enginekit"
 )
 
 // ErrMode chooses UCX's error-handling mode per endpoint.
@@ -56,9 +57,6 @@ func (m ErrMode) String() string {
 // keeps that copy small.
 const DefaultMaxNotif = 64 << 10
 
-// maxNotifLimit caps Config.MaxNotif.
-const maxNotifLimit = 1 << 20
-
 // Config configures New. UCX itself is tuned only through its own
 // environment variables (UCX_TLS, UCX_NET_DEVICES, ...), read by UCX.
 type Config struct {
@@ -78,17 +76,17 @@ type Config struct {
 	noPidfd bool // tests: rely on UCX alone for same-host peers
 }
 
+// kit prefixes this engine's errors.
+const kit enginekit.Prefix = "ucx"
+
 // errClosed is returned by every method of a closed Agent.
-var errClosed = nixl.Errorf(nixl.ErrNotAllowed, "ucx: agent is closed")
+var errClosed = kit.Closed()
 
 type memRegion struct {
-	id    nixl.MemID
-	addr  uint64
-	len   uint64
+	enginekit.Region
 	memh  C.ucp_mem_h
 	rkey  []byte
 	alloc bool
-	refs  int // dlists and transfers using the region
 }
 
 type peerRegion struct {
@@ -122,13 +120,14 @@ type dlist struct {
 	valid  bool
 }
 
-type xferState uint8
+// Remote implements enginekit.Dlist.
+func (d *dlist) Remote() bool { return d.peer != nil }
 
-const (
-	xIdle xferState = iota
-	xInflight
-	xDone
-)
+// Usable implements enginekit.Dlist.
+func (d *dlist) Usable() bool { return d.valid && d.peer.dead == nil }
+
+// Gone implements enginekit.Peer.
+func (p *peer) Gone() error { return p.dead }
 
 type xfer struct {
 	id      nixl.XferID
@@ -141,15 +140,9 @@ type xfer struct {
 	notif   *C.char
 	nlen    int
 	post    *C.ecx_post_t
-	state   xferState
+	state   enginekit.XferState
 	gen     uint64 // bumped on every post
 	err     error
-}
-
-type pendingCompletion struct {
-	id  nixl.XferID
-	gen uint64
-	err error
 }
 
 const compBufLen = 256
@@ -169,15 +162,13 @@ type Agent struct {
 	closed   bool
 	nextID   uint64
 	nextTag  uint64
-	mems     map[nixl.MemID]*memRegion
-	memList  []*memRegion // sorted by addr
-	memSpans nixl.SpanIndex
+	mems     enginekit.Regions[*memRegion]
 	peers    map[string]*peer
 	peerTags map[uint64]*peer
 	pidPeers []*peer
 	dlists   map[nixl.DlistID]*dlist
 	xfers    map[nixl.XferID]*xfer
-	pending  []pendingCompletion
+	pending  enginekit.Completions
 	compBuf  *C.ecx_completion_t
 	postOut  **C.ecx_post_t // ecx_post's out parameter, in C memory
 	spare    []*xfer        // released requests kept for reuse
@@ -192,14 +183,8 @@ var _ nixl.Agent = (*Agent)(nil)
 // New creates an agent: one UCP context (RMA, AM, WAKEUP), one worker in
 // single-thread mode and an epoll set for EventFD.
 func New(cfg Config) (*Agent, error) {
-	if cfg.Name == "" || len(cfg.Name) > maxNameLen {
-		return nil, nixl.Errorf(nixl.ErrInvalidParam, "ucx: name must be 1..%d bytes", maxNameLen)
-	}
-	if cfg.MaxNotif == 0 {
-		cfg.MaxNotif = DefaultMaxNotif
-	}
-	if cfg.MaxNotif < 0 || cfg.MaxNotif > maxNotifLimit {
-		return nil, nixl.Errorf(nixl.ErrInvalidParam, "ucx: MaxNotif %d out of range 1..%d", cfg.MaxNotif, maxNotifLimit)
+	if err := kit.CheckConfig(cfg.Name, maxNameLen, &cfg.MaxNotif, DefaultMaxNotif); err != nil {
+		return nil, err
 	}
 	if cfg.LivenessPoll <= 0 {
 		cfg.LivenessPoll = 10 * time.Millisecond
@@ -223,7 +208,7 @@ func New(cfg Config) (*Agent, error) {
 		pid:      pid,
 		start:    start,
 		epfd:     -1,
-		mems:     map[nixl.MemID]*memRegion{},
+		mems:     enginekit.NewRegions[*memRegion](kit),
 		peers:    map[string]*peer{},
 		peerTags: map[uint64]*peer{},
 		dlists:   map[nixl.DlistID]*dlist{},
@@ -297,14 +282,11 @@ func (a *Agent) RegisterMem(buf []byte, mem nixl.MemType, devID uint64) (nixl.Me
 	if a.closed {
 		return 0, errClosed
 	}
-	if mem != nixl.DRAM {
-		return 0, nixl.Errorf(nixl.ErrNotSupported, "ucx: %v memory", mem)
-	}
-	if len(buf) == 0 {
-		return 0, nixl.Errorf(nixl.ErrInvalidParam, "ucx: empty region")
+	if err := kit.CheckRegister(buf, mem); err != nil {
+		return 0, err
 	}
 	addr := uint64(uintptr(unsafe.Pointer(&buf[0])))
-	if err := a.checkOverlap(addr, uint64(len(buf))); err != nil {
+	if err := a.mems.CheckOverlap(addr, uint64(len(buf))); err != nil {
 		return 0, err
 	}
 	var memh C.ucp_mem_h
@@ -323,11 +305,8 @@ func (a *Agent) AllocMem(length int, mem nixl.MemType, devID uint64) (nixl.MemID
 	if a.closed {
 		return 0, nil, errClosed
 	}
-	if mem != nixl.DRAM {
-		return 0, nil, nixl.Errorf(nixl.ErrNotSupported, "ucx: %v memory", mem)
-	}
-	if length <= 0 {
-		return 0, nil, nixl.Errorf(nixl.ErrInvalidParam, "ucx: length %d", length)
+	if err := kit.CheckAlloc(length, mem); err != nil {
+		return 0, nil, err
 	}
 	var memh C.ucp_mem_h
 	var out unsafe.Pointer
@@ -336,7 +315,7 @@ func (a *Agent) AllocMem(length int, mem nixl.MemType, devID uint64) (nixl.MemID
 		return 0, nil, ucsErr(st, "ucx: mem_map(allocate)")
 	}
 	addr := uint64(uintptr(out))
-	if err := a.checkOverlap(addr, uint64(length)); err != nil {
+	if err := a.mems.CheckOverlap(addr, uint64(length)); err != nil {
 		C.ecx_mem_unmap(a.c, memh)
 		return 0, nil, err
 	}
@@ -347,18 +326,6 @@ func (a *Agent) AllocMem(length int, mem nixl.MemType, devID uint64) (nixl.MemID
 	return id, unsafe.Slice((*byte)(out), length), nil
 }
 
-func (a *Agent) checkOverlap(addr, n uint64) error {
-	if addr+n < addr {
-		return nixl.Errorf(nixl.ErrInvalidParam, "ucx: region wraps")
-	}
-	for _, m := range a.memList {
-		if addr < m.addr+m.len && m.addr < addr+n {
-			return nixl.Errorf(nixl.ErrInvalidParam, "ucx: region [%#x,+%d) overlaps registered region %d", addr, n, m.id)
-		}
-	}
-	return nil
-}
-
 func (a *Agent) addMem(memh C.ucp_mem_h, addr, n uint64, alloc bool) (nixl.MemID, error) {
 	buf := C.malloc(maxRkeyLen)
 	rl := C.ecx_rkey_pack(a.c, memh, buf, maxRkeyLen)
@@ -367,23 +334,11 @@ func (a *Agent) addMem(memh C.ucp_mem_h, addr, n uint64, alloc bool) (nixl.MemID
 		C.ecx_mem_unmap(a.c, memh)
 		return 0, ucsErr(C.int(rl), "ucx: rkey_pack")
 	}
-	m := &memRegion{id: nixl.MemID(a.newID()), addr: addr, len: n, memh: memh,
+	m := &memRegion{Region: enginekit.Region{ID: nixl.MemID(a.newID()), Addr: addr, Len: n}, memh: memh,
 		rkey: C.GoBytes(buf, C.int(rl)), alloc: alloc}
 	C.free(buf)
-	a.mems[m.id] = m
-	a.rebuildMems()
-	return m.id, nil
-}
-
-func (a *Agent) rebuildMems() {
-	a.memList = a.memList[:0]
-	spans := make([]nixl.Span, 0, len(a.mems))
-	for _, m := range a.mems {
-		a.memList = append(a.memList, m)
-		spans = append(spans, nixl.Span{Addr: m.addr, Len: m.len})
-	}
-	sort.Slice(a.memList, func(i, j int) bool { return a.memList[i].addr < a.memList[j].addr })
-	a.memSpans, _ = nixl.NewSpanIndex(spans) // spans are non-empty and do not wrap
+	a.mems.Add(m)
+	return m.ID, nil
 }
 
 // DeregisterMem implements nixl.Agent.
@@ -391,32 +346,15 @@ func (a *Agent) DeregisterMem(id nixl.MemID) error {
 	if a.closed {
 		return errClosed
 	}
-	m := a.mems[id]
-	if m == nil {
-		return nixl.Errorf(nixl.ErrNotFound, "ucx: memory %d", id)
+	m, err := a.mems.Removable(id)
+	if err != nil {
+		return err
 	}
-	if m.refs > 0 {
-		return nixl.Errorf(nixl.ErrNotAllowed, "ucx: memory %d is used by %d lists or transfers", id, m.refs)
-	}
-	delete(a.mems, id)
-	a.rebuildMems()
+	a.mems.Remove(id)
 	if st := C.ecx_mem_unmap(a.c, m.memh); st != 0 {
 		return ucsErr(st, "ucx: mem_unmap")
 	}
 	return nil
-}
-
-// memAt returns the local region containing [addr, addr+n), or nil.
-func (a *Agent) memAt(addr, n uint64) *memRegion {
-	i := sort.Search(len(a.memList), func(i int) bool { return a.memList[i].addr > addr }) - 1
-	if i < 0 {
-		return nil
-	}
-	m := a.memList[i]
-	if addr+n < addr || addr+n > m.addr+m.len {
-		return nil
-	}
-	return m
 }
 
 // -------------------------------------------------------------- metadata
@@ -430,8 +368,8 @@ func (a *Agent) LocalMetadata() ([]byte, error) {
 		Name: a.name, Host: a.host, Pid: uint64(a.pid), Start: a.start, UCX: a.ucxVer,
 		Worker: a.worker,
 	}
-	for _, r := range a.memList {
-		m.Region = append(m.Region, region{Addr: r.addr, Len: r.len, Rkey: r.rkey})
+	for _, r := range a.mems.Sorted() {
+		m.Region = append(m.Region, region{Addr: r.Addr, Len: r.Len, Rkey: r.rkey})
 	}
 	return encodeMetadata(m)
 }
@@ -452,7 +390,7 @@ func (a *Agent) LoadRemoteMetadata(md []byte) (string, error) {
 		if bytes.Equal(old.blob, md) {
 			return m.Name, nil
 		}
-		return m.Name, nixl.Errorf(nixl.ErrNotAllowed, "ucx: peer %q is loaded with other metadata; invalidate it first", m.Name)
+		return m.Name, kit.OtherMetadata(m.Name)
 	}
 	if m.UCX>>16 != a.ucxVer>>16 {
 		return "", nixl.Errorf(nixl.ErrInvalidParam, "ucx: peer %q runs UCX %d.%d, this is %d.%d",
@@ -581,9 +519,9 @@ func (a *Agent) failXfer(x *xfer, err error) {
 		C.ecx_post_cancel(a.c, x.post)
 		x.post = nil
 	}
-	x.state = xDone
+	x.state = enginekit.Done
 	x.err = err
-	a.pending = append(a.pending, pendingCompletion{id: x.id, gen: x.gen, err: err})
+	a.pending.Push(x.id, x.gen, err)
 }
 
 // pidAlive polls p's pidfd once.
@@ -603,10 +541,10 @@ func (a *Agent) InvalidateRemoteMetadata(name string) error {
 	}
 	p := a.peers[name]
 	if p == nil {
-		return nixl.Errorf(nixl.ErrNotFound, "ucx: peer %q", name)
+		return kit.PeerNotFound(name)
 	}
 	alive := pidAlive(p)
-	a.failPeer(p, nixl.Errorf(nixl.ErrRemoteDisconnect, "ucx: peer %q was invalidated", name), !alive)
+	a.failPeer(p, kit.Invalidated(name), !alive)
 	for _, d := range p.dlists {
 		d.valid = false
 	}
@@ -674,32 +612,20 @@ func (a *Agent) PrepDlist(peerName string, descs descriptors.List, mem nixl.MemT
 	if a.closed {
 		return 0, errClosed
 	}
-	if mem != nixl.DRAM {
-		return 0, nixl.Errorf(nixl.ErrNotSupported, "ucx: %v memory", mem)
+	if err := kit.CheckMem(mem); err != nil {
+		return 0, err
 	}
 	d := &dlist{descs: append(descriptors.List(nil), descs...), valid: true}
 	if peerName == "" {
-		if err := a.memSpans.CheckList(descs); err != nil {
+		if err := a.mems.Spans().CheckList(descs); err != nil {
 			return 0, err
 		}
-		seen := map[*memRegion]bool{}
-		for _, ds := range descs {
-			m := a.memAt(ds.Addr, ds.Len)
-			if !seen[m] {
-				seen[m] = true
-				d.mems = append(d.mems, m)
-			}
-		}
-		for _, m := range d.mems {
-			m.refs++
-		}
+		d.mems, _ = a.mems.Covering(descs) // every descriptor was just checked
+		enginekit.AddRefs(d.mems, 1)
 	} else {
-		p := a.peers[peerName]
-		if p == nil {
-			return 0, nixl.Errorf(nixl.ErrNotFound, "ucx: peer %q", peerName)
-		}
-		if p.dead != nil {
-			return 0, p.dead
+		p, err := enginekit.LivePeer(kit, a.peers, peerName)
+		if err != nil {
+			return 0, err
 		}
 		if err := p.spans.CheckList(descs); err != nil {
 			return 0, err
@@ -730,11 +656,9 @@ func (a *Agent) ReleaseDlist(id nixl.DlistID) error {
 	}
 	d := a.dlists[id]
 	if d == nil {
-		return nixl.Errorf(nixl.ErrNotFound, "ucx: dlist %d", id)
+		return kit.DlistNotFound(id)
 	}
-	for _, m := range d.mems {
-		m.refs--
-	}
+	enginekit.AddRefs(d.mems, -1)
 	if d.peer != nil {
 		delete(d.peer.dlists, id)
 	}
@@ -751,32 +675,13 @@ func (a *Agent) MakeXfer(op nixl.Op, local nixl.DlistID, localIdx []int, remote 
 	if a.closed {
 		return 0, errClosed
 	}
-	if op != nixl.Read && op != nixl.Write {
-		return 0, nixl.Errorf(nixl.ErrInvalidParam, "ucx: op %v", op)
-	}
-	ld, rd := a.dlists[local], a.dlists[remote]
-	if ld == nil || rd == nil {
-		return 0, nixl.Errorf(nixl.ErrNotFound, "ucx: dlist %d or %d", local, remote)
-	}
-	if ld.peer != nil {
-		return 0, nixl.Errorf(nixl.ErrInvalidParam, "ucx: dlist %d is not local", local)
-	}
-	if rd.peer == nil {
-		return 0, nixl.Errorf(nixl.ErrInvalidParam, "ucx: dlist %d is not a peer's", remote)
-	}
-	if !rd.valid || rd.peer.dead != nil {
-		return 0, nixl.Errorf(nixl.ErrRemoteDisconnect, "ucx: dlist %d belongs to a peer that is gone", remote)
-	}
-	if len(notif) > a.cfg.MaxNotif {
-		return 0, nixl.Errorf(nixl.ErrInvalidParam, "ucx: notification of %d bytes, limit %d", len(notif), a.cfg.MaxNotif)
-	}
-	rs, err := descriptors.MergeRuns(a.rangeBuf, ld.descs, rd.descs, localIdx, remoteIdx)
-	a.rangeBuf = rs[:0]
+	ld, rd, err := enginekit.XferLists(kit, a.dlists, op, local, remote, len(notif), a.cfg.MaxNotif)
 	if err != nil {
-		if errors.Is(err, descriptors.ErrLenMismatch) {
-			return 0, nixl.Errorf(nixl.ErrMismatch, "ucx: %v", err)
-		}
-		return 0, nixl.Errorf(nixl.ErrInvalidParam, "ucx: %v", err)
+		return 0, err
+	}
+	rs, err := kit.MergeRuns(&a.rangeBuf, ld.descs, rd.descs, localIdx, remoteIdx)
+	if err != nil {
+		return 0, err
 	}
 	p := rd.peer
 	// Count the pieces after splitting at remote region ends.
@@ -822,9 +727,7 @@ func (a *Agent) MakeXfer(op nixl.Op, local nixl.DlistID, localIdx []int, remote 
 		x.notif = (*C.char)(C.CBytes(notif))
 	}
 	x.mems = ld.mems
-	for _, m := range x.mems {
-		m.refs++
-	}
+	enginekit.AddRefs(x.mems, 1)
 	a.xfers[x.id] = x
 	return x.id, nil
 }
@@ -850,10 +753,10 @@ func (a *Agent) PostXfer(id nixl.XferID) error {
 	}
 	x := a.xfers[id]
 	if x == nil {
-		return nixl.Errorf(nixl.ErrNotFound, "ucx: xfer %d", id)
+		return kit.XferNotFound(id)
 	}
-	if x.state == xInflight {
-		return nixl.Errorf(nixl.ErrRepostActive, "ucx: xfer %d is in flight", id)
+	if err := kit.CheckPost(id, x.state); err != nil {
+		return err
 	}
 	p := x.peer
 	if p.dead != nil {
@@ -871,7 +774,7 @@ func (a *Agent) PostXfer(id nixl.XferID) error {
 		return ucsErr(st, "ucx: post")
 	}
 	x.post = *a.postOut
-	x.state = xInflight
+	x.state = enginekit.Inflight
 	x.err = nil
 	x.gen++
 	p.inflight[x.id] = x
@@ -885,35 +788,28 @@ func (a *Agent) drainC() {
 		n := int(C.ecx_drain(a.c, a.compBuf, compBufLen))
 		for _, e := range buf[:n] {
 			x := a.xfers[nixl.XferID(e.id)]
-			if x == nil || x.state != xInflight {
+			if x == nil || x.state != enginekit.Inflight {
 				continue
 			}
 			x.post = nil
-			x.state = xDone
+			x.state = enginekit.Done
 			if e.status != 0 {
 				x.err = ucsErr(C.int(e.status), fmt.Sprintf("ucx: xfer %d", x.id))
 			}
 			delete(x.peer.inflight, x.id)
-			a.pending = append(a.pending, pendingCompletion{id: x.id, gen: x.gen, err: x.err})
+			a.pending.Push(x.id, x.gen, x.err)
 		}
 	}
-	if len(a.pending) > 1024 && len(a.pending) > 2*len(a.xfers) {
-		a.compactPending()
+	if n := a.pending.Len(); n > 1024 && n > 2*len(a.xfers) {
+		a.pending.Compact(a.live)
 	}
 }
 
-// compactPending drops completions nobody can receive any more (released or
-// reposted transfers), so callers that only use XferStatus do not make the
-// queue grow.
-func (a *Agent) compactPending() {
-	k := 0
-	for _, c := range a.pending {
-		if x := a.xfers[c.id]; x != nil && x.gen == c.gen && x.state == xDone {
-			a.pending[k] = c
-			k++
-		}
-	}
-	a.pending = a.pending[:k]
+// live reports whether a queued completion of post gen of request id may
+// still be reported.
+func (a *Agent) live(id nixl.XferID, gen uint64) bool {
+	x := a.xfers[id]
+	return x != nil && x.gen == gen && x.state == enginekit.Done
 }
 
 // XferStatus implements nixl.Agent. A request that was never posted reports
@@ -927,12 +823,12 @@ func (a *Agent) XferStatus(id nixl.XferID) (bool, error) {
 	}
 	x := a.xfers[id]
 	if x == nil {
-		return true, nixl.Errorf(nixl.ErrNotFound, "ucx: xfer %d", id)
+		return true, kit.XferNotFound(id)
 	}
 	switch x.state {
-	case xIdle:
+	case enginekit.Idle:
 		return false, nixl.ErrNotPosted
-	case xInflight:
+	case enginekit.Inflight:
 		return false, nil
 	}
 	return true, x.err
@@ -948,7 +844,7 @@ func (a *Agent) ReleaseXfer(id nixl.XferID) error {
 	}
 	x := a.xfers[id]
 	if x == nil {
-		return nixl.Errorf(nixl.ErrNotFound, "ucx: xfer %d", id)
+		return kit.XferNotFound(id)
 	}
 	if x.post != nil {
 		C.ecx_post_cancel(a.c, x.post)
@@ -974,9 +870,7 @@ func (a *Agent) freeXfer(x *xfer) {
 		C.free(unsafe.Pointer(x.notif))
 		x.notif = nil
 	}
-	for _, m := range x.mems {
-		m.refs--
-	}
+	enginekit.AddRefs(x.mems, -1)
 	x.mems = nil
 }
 
@@ -988,17 +882,7 @@ func (a *Agent) PollCompletions(dst []nixl.Completion) int {
 	if a.c.comp_head != nil {
 		a.drainC()
 	}
-	n, k := 0, 0
-	for ; k < len(a.pending) && n < len(dst); k++ {
-		c := a.pending[k]
-		if x := a.xfers[c.id]; x == nil || x.gen != c.gen || x.state != xDone {
-			continue
-		}
-		dst[n] = nixl.Completion{ID: c.id, Err: c.err}
-		n++
-	}
-	a.pending = a.pending[:copy(a.pending, a.pending[k:])]
-	return n
+	return a.pending.Poll(dst, a.live)
 }
 
 // ----------------------------------------------------------- notifications
@@ -1008,15 +892,12 @@ func (a *Agent) SendNotif(peerName string, msg []byte) error {
 	if a.closed {
 		return errClosed
 	}
-	p := a.peers[peerName]
-	if p == nil {
-		return nixl.Errorf(nixl.ErrNotFound, "ucx: peer %q", peerName)
+	p, err := enginekit.LivePeer(kit, a.peers, peerName)
+	if err != nil {
+		return err
 	}
-	if p.dead != nil {
-		return p.dead
-	}
-	if len(msg) > a.cfg.MaxNotif {
-		return nixl.Errorf(nixl.ErrInvalidParam, "ucx: notification of %d bytes, limit %d", len(msg), a.cfg.MaxNotif)
+	if err := kit.CheckNotif(len(msg), a.cfg.MaxNotif); err != nil {
+		return err
 	}
 	var buf unsafe.Pointer
 	if len(msg) > 0 {
@@ -1086,7 +967,7 @@ func (a *Agent) Arm() (bool, error) {
 	if a.closed {
 		return false, errClosed
 	}
-	if len(a.pending) > 0 || a.c.comp_head != nil || a.c.notif_head != nil || a.c.err_head != nil {
+	if a.pending.Len() > 0 || a.c.comp_head != nil || a.c.notif_head != nil || a.c.err_head != nil {
 		return false, nil
 	}
 	if a.checkPids() {
@@ -1126,7 +1007,7 @@ func (a *Agent) Close() error {
 		C.free(unsafe.Pointer(x.ranges))
 	}
 	a.spare = nil
-	a.pending = nil
+	a.pending.Reset()
 	// Forced closes: a flushed close waits for the peer to answer, and we
 	// are leaving.
 	for name, p := range a.peers {
@@ -1138,13 +1019,12 @@ func (a *Agent) Close() error {
 		C.ecx_progress(a.c)
 	}
 	var err error
-	for id, m := range a.mems {
+	for _, m := range a.mems.Sorted() {
 		if st := C.ecx_mem_unmap(a.c, m.memh); st != 0 && err == nil {
 			err = ucsErr(st, "ucx: mem_unmap")
 		}
-		delete(a.mems, id)
 	}
-	a.memList = nil
+	a.mems.Clear()
 	a.dlists = map[nixl.DlistID]*dlist{}
 	C.ecx_destroy(a.c)
 	a.c = nil
