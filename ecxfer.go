@@ -278,6 +278,13 @@ func (t *Transport) NewNotifs() map[string][][]byte {
 	return t.r.Notifs()
 }
 
+// WaitNotifs blocks, without spinning, until at least one notification
+// has arrived or ctx ends, and returns what has arrived like NewNotifs.
+// The map is never nil; with an error (ctx's, or ErrClosed) it is empty.
+func (t *Transport) WaitNotifs(ctx context.Context) (map[string][][]byte, error) {
+	return t.r.WaitNotifs(ctx)
+}
+
 // CheckXferState reports a READ's state: (StateProc, nil) in flight,
 // (StateDone, nil) done, (StateErr, err) failed or for a bad handle. It is
 // one atomic load: cheap enough to spin on.

@@ -335,3 +335,52 @@ func TestWaitWokenByAbort(t *testing.T) {
 	}
 	require.NoError(t, cons.ReleaseXferHandle(h))
 }
+
+// A producer can block for its notifications instead of polling NewNotifs.
+func TestWaitNotifs(t *testing.T) {
+	prod, cons, pname := loopbackPair(t, 512, 8)
+	got := make(chan map[string][][]byte, 1)
+	errs := make(chan error, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		m, err := prod.WaitNotifs(ctx)
+		got <- m
+		errs <- err
+	}()
+	time.Sleep(20 * time.Millisecond) // the waiter is blocked
+	h, err := cons.PostRead([]int{0}, pname, []int{1}, []byte("ready"))
+	require.NoError(t, err)
+	_, err = wait(t, cons, h)
+	require.NoError(t, err)
+	require.NoError(t, cons.ReleaseXferHandle(h))
+	require.NoError(t, <-errs)
+	require.Equal(t, map[string][][]byte{cons.cfg.AgentName: {[]byte("ready")}}, <-got)
+
+	// Nothing more arrives: the context ends it, with an empty map.
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Millisecond)
+	defer cancel()
+	m, err := prod.WaitNotifs(ctx)
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	require.NotNil(t, m)
+	require.Empty(t, m)
+}
+
+func TestWaitNotifsClosed(t *testing.T) {
+	leakcheck.Check(t)
+	tr, err := New(Config{AgentName: uniqueName("w"), Backend: "loopback", BlockSize: 64, NumBlocks: 1})
+	require.NoError(t, err)
+	errs := make(chan error, 1)
+	go func() {
+		_, err := tr.WaitNotifs(context.Background())
+		errs <- err
+	}()
+	time.Sleep(10 * time.Millisecond)
+	require.NoError(t, tr.Deregister())
+	select {
+	case err := <-errs:
+		require.ErrorIs(t, err, ErrClosed)
+	case <-time.After(10 * time.Second):
+		t.Fatal("WaitNotifs did not return after Deregister")
+	}
+}

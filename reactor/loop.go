@@ -173,6 +173,7 @@ func (r *Reactor) turn() bool {
 		}
 		r.notifMu.Unlock()
 		clear(r.notifTmp)
+		r.ended = true // wake WaitNotifs
 	}
 	if completed > 0 {
 		work = true

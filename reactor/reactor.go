@@ -87,7 +87,7 @@ type Reactor struct {
 
 	// Loop-only state.
 	stop      bool
-	ended     bool // a transfer left PROC since the last broadcast
+	ended     bool // a transfer left PROC or a notification arrived since the last broadcast
 	xfers     map[nixl.XferID]uint64
 	deadlines []deadline // ring buffer, ordered by post time
 	dlHead    int
@@ -437,6 +437,31 @@ func ValidName(name string) bool {
 		}
 	}
 	return true
+}
+
+// WaitNotifs blocks until at least one notification has arrived or ctx
+// ends, and then hands out what has arrived, like Notifs. The map is never
+// nil; it is empty when ctx ended (ctx's error) or the reactor closed
+// (ErrClosed) first.
+func (r *Reactor) WaitNotifs(ctx context.Context) (map[string][][]byte, error) {
+	for {
+		ch := *r.waitCh.Load()
+		r.waiters.Add(1)
+		if m := r.Notifs(); len(m) > 0 {
+			r.waiters.Add(-1)
+			return m, nil
+		}
+		select {
+		case <-ch:
+			r.waiters.Add(-1)
+		case <-ctx.Done():
+			r.waiters.Add(-1)
+			return map[string][][]byte{}, ctx.Err()
+		case <-r.done:
+			r.waiters.Add(-1)
+			return map[string][][]byte{}, ErrClosed
+		}
+	}
 }
 
 // Peer returns the published peer of that name, or nil.
