@@ -6,9 +6,9 @@
 // would make callers contend on one lock word and park/unpark each other
 // through the scheduler on every submission; on a two-core machine that cost
 // dominates a sub-microsecond transfer request. The rings here instead let a
-// producer publish an item with one compare-and-swap (MPSC) or one plain
-// store (SPSC), and let the reactor take a whole batch of items per loop turn
-// with no atomic read-modify-write at all.
+// producer claim a place with one atomic add (MPSC Push), one compare-and-swap
+// (MPSC TryPush) or no atomic read-modify-write at all (SPSC), and let the
+// reactor take a whole batch of items per loop turn with none either.
 //
 // Both rings are bounded, with a power-of-two capacity so that a position maps
 // to a slot with a mask. Positions are 64-bit counters that never wrap in

@@ -36,8 +36,10 @@ type MPSC[T any] struct {
 	slots []mpscSlot[T]
 	mask  uint64
 	_     cpu.CacheLinePad
-	// tail is the next position a producer will claim. Producers move it
-	// with CAS; the consumer never reads it except in Len.
+	// tail is the next position a producer will claim. Push moves it with
+	// an atomic add, TryPush and TryPushBatch with CAS; the consumer never
+	// reads it except in Len. It can run ahead of head+Cap by the number of
+	// Pushes waiting on a full ring.
 	tail atomic.Uint64
 	_    cpu.CacheLinePad
 	// head is the next position the consumer will read. Only the consumer
@@ -66,7 +68,8 @@ func (q *MPSC[T]) Cap() int { return len(q.slots) }
 
 // Len returns the number of items claimed by producers and not yet drained.
 // Under concurrency it is a snapshot that may already be stale, but it is
-// always between 0 and Cap.
+// always between 0 and Cap: Pushes waiting on a full ring hold positions
+// beyond Cap, and Len does not count them.
 func (q *MPSC[T]) Len() int {
 	// head first: tail can only grow after it is read, and tail >= head holds
 	// at every instant, so the later tail read cannot be behind this head.
@@ -107,15 +110,45 @@ func (q *MPSC[T]) TryPush(v T) bool {
 	}
 }
 
-// Push appends v, waiting while the ring is full. It first retries in a tight
-// loop, then yields the processor with runtime.Gosched, then sleeps for short
-// doubling intervals (1µs up to 100µs) until the consumer makes room. It
-// never gives up, so the consumer must keep draining.
+// Push appends v, waiting while the ring is full. It never gives up, so the
+// consumer must keep draining.
+//
+// Unlike TryPush, Push takes its position with one atomic add, which cannot
+// fail, instead of a compare-and-swap that producers racing for the same
+// position must retry: under contention every Push costs one transfer of
+// the tail's cache line, not one per attempt. Since an add cannot be taken
+// back, a Push that finds the ring full keeps its position and waits for
+// that position's slot to be freed, first retrying in a tight loop, then
+// yielding the processor with runtime.Gosched, then sleeping for short
+// doubling intervals (1µs up to 100µs). Two consequences:
+//
+//   - Pushes blocked on a full ring are served in the order they were
+//     called, and TryPush and TryPushBatch report full while any of them
+//     waits, so a waiting Push cannot be overtaken or starved.
+//   - While a blocked Push waits, the consumer can drain every item before
+//     its position but none after it. Once the consumer frees its slot, the
+//     item appears within one backoff interval (at most 100µs, usually far
+//     less, as a Push spins and yields before it sleeps).
 func (q *MPSC[T]) Push(v T) {
-	var b backoff
-	for !q.TryPush(v) {
-		b.wait()
+	capacity := uint64(len(q.slots))
+	pos := q.tail.Add(1) - 1
+	// Acquire, as in TryPush: observing head = h with pos-h < capacity means
+	// the consumer has read and zeroed the slot's previous occupant
+	// (position pos-capacity) before storing h, so our write below is
+	// ordered after its last access. The difference cannot underflow: head
+	// never passes a position whose item is not yet written, so h <= pos.
+	if pos-q.head.Load() >= capacity {
+		var b backoff
+		for pos-q.head.Load() >= capacity {
+			b.wait()
+		}
 	}
+	// pos is ours alone, and the consumer does not touch the slot until seq
+	// says pos+1.
+	s := &q.slots[pos&q.mask]
+	s.val = v
+	// Publish, as in TryPush.
+	s.seq.Store(pos + 1)
 }
 
 // TryPushBatch appends a prefix of vs, as long as fits, with a single claim

@@ -359,6 +359,69 @@ func TestMPSCDrainStopsAtUnwrittenSlot(t *testing.T) {
 	}
 }
 
+// A Push that finds the ring full keeps the position it claimed: blocked
+// Pushes complete in call order, nothing claimed later (TryPush,
+// TryPushBatch) overtakes them, and Len never exceeds Cap meanwhile.
+func TestMPSCPushKeepsItsPlace(t *testing.T) {
+	q := NewMPSC[int](4)
+	for i := 0; i < 4; i++ {
+		q.Push(i)
+	}
+	waitTail := func(want uint64) {
+		t.Helper()
+		deadline := time.Now().Add(20 * time.Second)
+		for q.tail.Load() != want {
+			if time.Now().After(deadline) {
+				t.Fatalf("tail = %d, want %d: a Push did not claim its place", q.tail.Load(), want)
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}
+	first, second := make(chan struct{}), make(chan struct{})
+	go func() { q.Push(10); close(first) }()
+	waitTail(5)
+	go func() { q.Push(11); close(second) }()
+	waitTail(6)
+	if l := q.Len(); l != q.Cap() {
+		t.Fatalf("Len with two Pushes waiting = %d, want Cap = %d", l, q.Cap())
+	}
+	one := make([]int, 1)
+	if n := q.Drain(one); n != 1 || one[0] != 0 {
+		t.Fatalf("Drain(1) = %d %v; want [0]", n, one)
+	}
+	// The first waiter's slot is free, but the ring is still full for
+	// anyone who arrives now: the second waiter is ahead of them.
+	if q.TryPush(99) {
+		t.Fatal("TryPush overtook a waiting Push")
+	}
+	if n := q.TryPushBatch([]int{99, 98}); n != 0 {
+		t.Fatalf("TryPushBatch overtook a waiting Push: pushed %d", n)
+	}
+	waitClosed(t, first, "first waiting Push")
+	select {
+	case <-second:
+		t.Fatal("second Push returned before its slot was freed")
+	default:
+	}
+	var got []int
+	dst := make([]int, 8)
+	deadline := time.Now().Add(20 * time.Second)
+	for len(got) < 5 && time.Now().Before(deadline) {
+		n := q.Drain(dst)
+		got = append(got, dst[:n]...)
+		if n == 0 {
+			time.Sleep(100 * time.Microsecond)
+		}
+	}
+	waitClosed(t, second, "second waiting Push")
+	if want := []int{1, 2, 3, 10, 11}; !slices.Equal(got, want) {
+		t.Fatalf("drained %v, want %v", got, want)
+	}
+	if !q.TryPush(12) || q.Len() != 1 {
+		t.Fatalf("after draining everything: Len = %d, want 1 after one TryPush", q.Len())
+	}
+}
+
 // item identifies a value by producer, the producer's sequence number, and
 // the push call that carried it (a batch call carries several items).
 type item struct {
