@@ -10,10 +10,11 @@ import (
 // The benchmarks move b.N ints from N producer goroutines to one consumer
 // goroutine (the benchmark goroutine) through a queue of benchCap slots, and
 // report the wall time per item. Every variant moves the same items through
-// the same capacity; the batch-capable consumers take up to benchBatch items
-// per call, the channel consumer receives one at a time as a channel must.
-// Producers that find the queue full use the package's Push backoff (the
-// channel blocks in the runtime instead).
+// the same capacity. BenchmarkChan's consumer receives one item at a time, as
+// a blocking channel receive must; every other consumer takes up to
+// benchBatch items per call. Producers that find the queue full wait in the
+// queue's Push (the mutex slice uses the rings' backoff; the channel blocks
+// in the runtime).
 const (
 	benchCap   = 1024
 	benchBatch = 128
@@ -71,9 +72,69 @@ func runBench(b *testing.B, producers int, push func(v int), consume func(total 
 	}
 }
 
-// consumeBatches drains total items through drain in batches of benchBatch,
-// yielding the processor whenever the queue is empty.
+// The consumer of the rings stands in for the reactor: a locked thread that,
+// each loop turn, drains what is queued and then does its own work (polls
+// the transfer engine), yielding the processor only after a long idle
+// stretch. Polling an empty ring in a tight loop would instead keep pulling
+// the cache line a producer is writing; giving up the processor on every
+// empty poll would hand the consumer's core to producers, which then race
+// each other for the tail across both cores. BenchmarkMPSCYieldingConsumer
+// measures that second consumer too.
+const (
+	// turnWork is the spin count of the stand-in for one engine poll,
+	// about 0.1µs here (BenchmarkTurnWork measures it).
+	turnWork = 400
+	// idleTurns empty turns in a row (about 50µs, the reactor's default
+	// SpinFor) before the consumer yields once.
+	idleTurns = 500
+)
+
+// spinSink keeps the stand-in work from being optimised away.
+var spinSink int
+
+//go:noinline
+func spin(n int) {
+	s := 0
+	for i := 0; i < n; i++ {
+		s += i
+	}
+	spinSink += s
+}
+
+func BenchmarkTurnWork(b *testing.B) {
+	for i := 0; i < b.N; i++ {
+		spin(turnWork)
+	}
+}
+
+// consumeBatches drains total items through drain in batches of benchBatch
+// the way the reactor does (see turnWork).
 func consumeBatches(total int, drain func([]int) int) (sum, calls int) {
+	dst := make([]int, benchBatch)
+	idle := 0
+	for got := 0; got < total; {
+		n := drain(dst)
+		if n == 0 {
+			spin(turnWork)
+			if idle++; idle == idleTurns {
+				runtime.Gosched()
+				idle = 0
+			}
+			continue
+		}
+		idle = 0
+		calls++
+		for _, v := range dst[:n] {
+			sum += v
+		}
+		got += n
+	}
+	return sum, calls
+}
+
+// consumeYielding drains like consumeBatches but gives up the processor on
+// every empty poll.
+func consumeYielding(total int, drain func([]int) int) (sum, calls int) {
 	dst := make([]int, benchBatch)
 	for got := 0; got < total; {
 		n := drain(dst)
@@ -101,6 +162,21 @@ func BenchmarkMPSC(b *testing.B) {
 	}
 }
 
+// BenchmarkMPSCYieldingConsumer is BenchmarkMPSC with a consumer that
+// yields the processor whenever the ring is empty.
+func BenchmarkMPSCYieldingConsumer(b *testing.B) {
+	for _, p := range benchProducers {
+		b.Run(fmt.Sprintf("producers=%d", p), func(b *testing.B) {
+			q := NewMPSC[int](benchCap)
+			runBench(b, p, q.Push, func(total int) (int, int) {
+				return consumeYielding(total, q.Drain)
+			})
+		})
+	}
+}
+
+// BenchmarkChan is the channel with its natural consumer, a blocking
+// receive per item. BenchmarkChanPolling drains it like the rings instead.
 func BenchmarkChan(b *testing.B) {
 	for _, p := range benchProducers {
 		b.Run(fmt.Sprintf("producers=%d", p), func(b *testing.B) {
@@ -110,6 +186,29 @@ func BenchmarkChan(b *testing.B) {
 					sum += <-ch
 				}
 				return sum, total
+			})
+		})
+	}
+}
+
+// BenchmarkChanPolling drains the channel with the rings' consumer, taking
+// up to benchBatch items per turn with non-blocking receives.
+func BenchmarkChanPolling(b *testing.B) {
+	for _, p := range benchProducers {
+		b.Run(fmt.Sprintf("producers=%d", p), func(b *testing.B) {
+			ch := make(chan int, benchCap)
+			drain := func(dst []int) int {
+				for n := range dst {
+					select {
+					case dst[n] = <-ch:
+					default:
+						return n
+					}
+				}
+				return len(dst)
+			}
+			runBench(b, p, func(v int) { ch <- v }, func(total int) (int, int) {
+				return consumeBatches(total, drain)
 			})
 		})
 	}
