@@ -306,7 +306,10 @@ func (t *Transport) ReleaseXferHandle(h Handle) error {
 }
 
 // Wait blocks until the READ leaves PROC or ctx ends. It returns nil for
-// DONE, the READ's error for ERR, ctx's error when ctx ends first.
+// DONE, the READ's error for ERR, ctx's error when ctx ends first. It
+// checks the READ between yields of the processor for up to
+// Config.Reactor.WaitSpin (default 50µs) before it sleeps: waking a
+// sleeping goroutine can cost more than a short READ takes.
 func (t *Transport) Wait(ctx context.Context, h Handle) error {
 	return t.r.Wait(ctx, uint64(h))
 }

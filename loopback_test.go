@@ -336,6 +336,46 @@ func TestWaitWokenByAbort(t *testing.T) {
 	require.NoError(t, cons.ReleaseXferHandle(h))
 }
 
+// Wait spins for WaitSpin and then blocks; a completion wakes a blocked Wait.
+func TestWaitSpinThenBlock(t *testing.T) {
+	for _, c := range []struct {
+		name       string
+		spin       time.Duration
+		delay      time.Duration
+		wantBlocks bool
+	}{
+		// Reads finish in microseconds: a Wait that spins up to a minute
+		// sees every one of them without blocking.
+		{"spin", time.Minute, 0, false},
+		// Reads take 5ms: a Wait that spins 1µs blocks for each and is
+		// woken by its completion.
+		{"block", time.Microsecond, 5 * time.Millisecond, true},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			_, cons, pname := loopbackPair(t, 512, 8, func(cfg *Config) {
+				cfg.Reactor.WaitSpin = c.spin
+			})
+			engine(t, cons).SetDelay(c.delay)
+			const reads = 5
+			for i := 0; i < reads; i++ {
+				h, err := cons.PostRead([]int{i}, pname, []int{i}, nil)
+				require.NoError(t, err)
+				require.NoError(t, cons.Wait(context.Background(), h))
+				st, err := cons.CheckXferState(h)
+				require.NoError(t, err)
+				require.Equal(t, StateDone, st)
+				require.NoError(t, cons.ReleaseXferHandle(h))
+			}
+			blocks := cons.Stats().WaitBlocks
+			if c.wantBlocks {
+				require.Equal(t, uint64(reads), blocks)
+			} else {
+				require.Zero(t, blocks)
+			}
+		})
+	}
+}
+
 // A producer can block for its notifications instead of polling NewNotifs.
 func TestWaitNotifs(t *testing.T) {
 	prod, cons, pname := loopbackPair(t, 512, 8)

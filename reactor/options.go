@@ -65,6 +65,13 @@ type Options struct {
 	YieldFor    time.Duration
 	ParkTimeout time.Duration
 
+	// WaitSpin is how long Wait keeps checking a transfer, yielding the
+	// processor between checks, before it blocks (default 50µs). Waking a
+	// blocked goroutine costs tens of microseconds on a machine whose
+	// other cores are idle, so a transfer that completes within WaitSpin
+	// is seen without that cost.
+	WaitSpin time.Duration
+
 	// BatchSize is the most submissions one loop turn takes (default 64).
 	BatchSize int
 	// SubmitRing is the submission ring's capacity (default 4096).
@@ -82,6 +89,9 @@ type Options struct {
 func (o Options) withDefaults() (Options, error) {
 	if o.SpinFor == 0 {
 		o.SpinFor = 50 * time.Microsecond
+	}
+	if o.WaitSpin == 0 {
+		o.WaitSpin = 50 * time.Microsecond
 	}
 	if o.YieldFor == 0 {
 		o.YieldFor = time.Millisecond
@@ -104,6 +114,8 @@ func (o Options) withDefaults() (Options, error) {
 	switch {
 	case o.SpinFor < 0 || o.YieldFor < 0 || o.ParkTimeout < 0:
 		return o, fmt.Errorf("%w: negative idle threshold", errUnsupportedOption)
+	case o.WaitSpin < 0:
+		return o, fmt.Errorf("%w: negative WaitSpin", errUnsupportedOption)
 	case o.Idle > IdlePark:
 		return o, fmt.Errorf("%w: idle strategy %d", errUnsupportedOption, o.Idle)
 	case o.BatchSize < 0 || o.BatchSize > 1<<16:

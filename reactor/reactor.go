@@ -381,16 +381,29 @@ func (r *Reactor) Release(h uint64) error {
 	}
 }
 
-// Wait blocks until the transfer leaves Proc or ctx ends, without spinning
-// the caller's CPU for more than a few microseconds.
+// Wait blocks until the transfer leaves Proc or ctx ends. For the first
+// Options.WaitSpin it checks the transfer's state between yields of the
+// processor; after that it sleeps until the reactor reports a transfer
+// ended.
 func (r *Reactor) Wait(ctx context.Context, h uint64) error {
-	for i := 0; i < 64; i++ {
+	var start time.Time
+	for i := 0; ; i++ {
 		st, err := r.State(h)
 		if st != Proc {
 			return err
 		}
+		// Read the clock on every 16th check only: a check is a few
+		// nanoseconds, a clock read tens.
+		if i%16 == 0 {
+			if i == 0 {
+				start = time.Now()
+			} else if time.Since(start) >= r.opts.WaitSpin {
+				break
+			}
+		}
 		runtime.Gosched()
 	}
+	r.st.waitBlocks.Add(1)
 	for {
 		ch := *r.waitCh.Load()
 		r.waiters.Add(1)

@@ -10,6 +10,8 @@ type counters struct {
 	engineErrors                   atomic.Uint64
 	loops, parks                   atomic.Uint64
 	latency                        Histogram
+	// waitBlocks is the exception: callers of Wait count it.
+	waitBlocks atomic.Uint64
 }
 
 // Stats is a snapshot of the reactor's counters, taken without stopping it.
@@ -27,6 +29,7 @@ type Stats struct {
 	Peers          int          // peers currently known
 	LoopTurns      uint64       // event loop turns
 	Parks          uint64       // times the reactor slept
+	WaitBlocks     uint64       // times Wait spun for WaitSpin and then blocked
 	Latency        HistSnapshot // post → DONE
 }
 
@@ -46,6 +49,7 @@ func (r *Reactor) Stats() Stats {
 		Peers:          len(*r.peers.Load()),
 		LoopTurns:      r.st.loops.Load(),
 		Parks:          r.st.parks.Load(),
+		WaitBlocks:     r.st.waitBlocks.Load(),
 		Latency:        r.st.latency.Snapshot(),
 	}
 }

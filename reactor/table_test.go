@@ -144,6 +144,7 @@ func TestOptions(t *testing.T) {
 		{SubmitRing: -3},
 		{Idle: 9},
 		{SpinFor: -1},
+		{WaitSpin: -1},
 		{PinCPU: true, CPU: -1},
 		{BindNUMA: true, NUMANode: -2},
 		{MaxNotif: -1},
