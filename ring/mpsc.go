@@ -122,13 +122,13 @@ func (q *MPSC[T]) TryPush(v T) bool {
 // yielding the processor with runtime.Gosched, then sleeping for short
 // doubling intervals (1µs up to 100µs). Two consequences:
 //
-//   - Pushes blocked on a full ring are served in the order they were
-//     called, and TryPush and TryPushBatch report full while any of them
-//     waits, so a waiting Push cannot be overtaken or starved.
+//   - Pushes blocked on a full ring are served in the order of their
+//     claims, and TryPush and TryPushBatch report full while any of them
+//     waits, so a waiting Push is neither overtaken nor starved.
 //   - While a blocked Push waits, the consumer can drain every item before
 //     its position but none after it. Once the consumer frees its slot, the
-//     item appears within one backoff interval (at most 100µs, usually far
-//     less, as a Push spins and yields before it sleeps).
+//     item appears about one backoff interval later at most (a sleep of up
+//     to 100µs; usually far less, as a Push spins and yields first).
 func (q *MPSC[T]) Push(v T) {
 	capacity := uint64(len(q.slots))
 	pos := q.tail.Add(1) - 1
