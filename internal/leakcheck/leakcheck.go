@@ -25,13 +25,17 @@ type TB interface {
 
 // Snapshot is a baseline of goroutines and open file descriptors.
 type Snapshot struct {
-	goroutines int
+	goroutines map[string]bool // IDs of the goroutines alive at Take
 	fds        map[string]string
 }
 
-// Take records the current goroutine count and open descriptors.
+// Take records the goroutines alive now and the open descriptors.
 func Take() Snapshot {
-	return Snapshot{goroutines: runtime.NumGoroutine(), fds: openFDs()}
+	base := map[string]bool{}
+	for _, g := range goroutines() {
+		base[g.id] = true
+	}
+	return Snapshot{goroutines: base, fds: openFDs()}
 }
 
 // Check registers a cleanup that fails t unless goroutines and descriptors
@@ -48,9 +52,11 @@ func Check(t TB) {
 	})
 }
 
-// Wait polls until the goroutine count is back at or below the baseline and
-// no descriptor opened since the baseline is still open, or the timeout
-// passes; it reports what is left over.
+// Wait polls until every goroutine started since the baseline has exited
+// and no descriptor opened since the baseline is still open, or the timeout
+// passes; it reports what is left over. Goroutines are told apart by ID,
+// not counted: a baseline goroutine that exits meanwhile cannot hide a new
+// one.
 func (s Snapshot) Wait(timeout time.Duration) error {
 	deadline := time.Now().Add(timeout)
 	for {
@@ -64,10 +70,15 @@ func (s Snapshot) Wait(timeout time.Duration) error {
 
 func (s Snapshot) compare() error {
 	var problems []string
-	if n := runtime.NumGoroutine(); n > s.goroutines {
-		buf := make([]byte, 1<<16)
-		buf = buf[:runtime.Stack(buf, true)]
-		problems = append(problems, fmt.Sprintf("%d goroutines, baseline %d:\n%s", n, s.goroutines, buf))
+	var leaked []string
+	for _, g := range goroutines() {
+		if !s.goroutines[g.id] {
+			leaked = append(leaked, g.stack)
+		}
+	}
+	if len(leaked) > 0 {
+		problems = append(problems, fmt.Sprintf("%d goroutines started since the baseline are still running:\n%s",
+			len(leaked), strings.Join(leaked, "\n\n")))
 	}
 	var extra []string
 	for fd, target := range openFDs() {
@@ -83,6 +94,39 @@ func (s Snapshot) compare() error {
 		return nil
 	}
 	return fmt.Errorf("%s", strings.Join(problems, "; "))
+}
+
+// goroutine is one goroutine of a stack dump: its ID and its whole record.
+type goroutine struct {
+	id, stack string
+}
+
+// goroutines lists every goroutine runtime.Stack reports, the caller's own
+// included.
+func goroutines() []goroutine {
+	buf := make([]byte, 1<<16)
+	for {
+		n := runtime.Stack(buf, true)
+		if n < len(buf) {
+			buf = buf[:n]
+			break
+		}
+		buf = make([]byte, 2*len(buf)) // the dump was cut short
+	}
+	var out []goroutine
+	for _, rec := range strings.Split(string(buf), "\n\n") {
+		// A record starts "goroutine 42 [running]:".
+		rest, ok := strings.CutPrefix(rec, "goroutine ")
+		if !ok {
+			continue
+		}
+		id, _, ok := strings.Cut(rest, " ")
+		if !ok {
+			continue
+		}
+		out = append(out, goroutine{id: id, stack: rec})
+	}
+	return out
 }
 
 // FDCount returns the number of open descriptors of the process.
