@@ -110,38 +110,28 @@ func BenchmarkTurnWork(b *testing.B) {
 // consumeBatches drains total items through drain in batches of benchBatch
 // the way the reactor does (see turnWork).
 func consumeBatches(total int, drain func([]int) int) (sum, calls int) {
-	dst := make([]int, benchBatch)
-	idle := 0
-	for got := 0; got < total; {
-		n := drain(dst)
-		if n == 0 {
-			spin(turnWork)
-			if idle++; idle == idleTurns {
-				runtime.Gosched()
-				idle = 0
-			}
-			continue
+	return consumeIdling(total, drain, func(empty int) {
+		spin(turnWork)
+		if empty%idleTurns == 0 {
+			runtime.Gosched()
 		}
-		idle = 0
-		calls++
-		for _, v := range dst[:n] {
-			sum += v
-		}
-		got += n
-	}
-	return sum, calls
+	})
 }
 
-// consumeYielding drains like consumeBatches but gives up the processor on
-// every empty poll.
-func consumeYielding(total int, drain func([]int) int) (sum, calls int) {
+// consumeIdling drains total items through drain in batches of benchBatch,
+// calling idle after every poll that found the queue empty with the number
+// of empty polls in a row.
+func consumeIdling(total int, drain func([]int) int, idle func(empty int)) (sum, calls int) {
 	dst := make([]int, benchBatch)
+	empty := 0
 	for got := 0; got < total; {
 		n := drain(dst)
 		if n == 0 {
-			runtime.Gosched()
+			empty++
+			idle(empty)
 			continue
 		}
+		empty = 0
 		calls++
 		for _, v := range dst[:n] {
 			sum += v
@@ -169,7 +159,7 @@ func BenchmarkMPSCYieldingConsumer(b *testing.B) {
 		b.Run(fmt.Sprintf("producers=%d", p), func(b *testing.B) {
 			q := NewMPSC[int](benchCap)
 			runBench(b, p, q.Push, func(total int) (int, int) {
-				return consumeYielding(total, q.Drain)
+				return consumeIdling(total, q.Drain, func(int) { runtime.Gosched() })
 			})
 		})
 	}
