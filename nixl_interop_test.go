@@ -18,6 +18,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/ecxfer/ecxfer/internal/ctrl"
 	"github.com/ecxfer/ecxfer/internal/leakcheck"
 	"github.com/ecxfer/ecxfer/nixl/libnixl"
 )
@@ -111,12 +112,9 @@ func startPyPeer(t *testing.T, role, name string, bs, nb int, seed uint64) *pyPe
 		strconv.Itoa(bs), strconv.Itoa(nb), strconv.FormatUint(seed, 10))
 	p := &pyPeer{t: t, name: name, lines: make(chan []string, 16), stderr: &lockedBuffer{}}
 	cmd.Stderr = p.stderr
-	var err error
-	p.stdin, err = cmd.StdinPipe()
+	stdin, stdout, err := ctrl.StartPiped(cmd)
 	require.NoError(t, err)
-	stdout, err := cmd.StdoutPipe()
-	require.NoError(t, err)
-	require.NoError(t, cmd.Start())
+	p.stdin = stdin
 	go func() {
 		sc := bufio.NewScanner(stdout)
 		sc.Buffer(nil, 16<<20)

@@ -314,12 +314,8 @@ func startRole(t testing.TB, prefix []string, role string, env ...string) *roleP
 	argv := append(append([]string(nil), prefix...), exe, "-test.run=^$")
 	cmd := exec.Command(argv[0], argv[1:]...)
 	cmd.Env = append(append(os.Environ(), roleEnv+"="+role), env...)
-	cmd.Stderr = os.Stderr
-	stdin, err := cmd.StdinPipe()
+	stdin, stdout, err := ctrl.StartPiped(cmd)
 	require.NoError(t, err)
-	stdout, err := cmd.StdoutPipe()
-	require.NoError(t, err)
-	require.NoError(t, cmd.Start())
 	p := &roleProc{t: t, cmd: cmd, conn: ctrl.New(stdout, stdin), stdin: stdin, exited: make(chan struct{})}
 	go func() { _ = cmd.Wait(); close(p.exited) }()
 	t.Cleanup(func() {

@@ -135,12 +135,8 @@ func startProducer(t *testing.T, name string, bs, nb int, seed uint64, region st
 		"ECX_BS="+strconv.Itoa(bs), "ECX_NB="+strconv.Itoa(nb),
 		"ECX_SEED="+strconv.FormatUint(seed, 10), "ECX_REGION="+region)
 	cmd.Env = append(cmd.Env, extraEnv...)
-	cmd.Stderr = os.Stderr
-	stdin, err := cmd.StdinPipe()
+	stdin, stdout, err := ctrl.StartPiped(cmd)
 	require.NoError(t, err)
-	stdout, err := cmd.StdoutPipe()
-	require.NoError(t, err)
-	require.NoError(t, cmd.Start())
 	p := &producerProc{cmd: cmd, conn: ctrl.New(stdout, stdin), stdin: stdin}
 	t.Cleanup(func() {
 		_ = stdin.Close()

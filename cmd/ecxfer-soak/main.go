@@ -156,16 +156,8 @@ func startProducer(name string, seed uint64, bs int, region string) (*exec.Cmd, 
 	cmd := exec.Command(exe)
 	cmd.Env = append(os.Environ(), roleEnv+"=producer", "ECX_NAME="+name,
 		"ECX_BS="+strconv.Itoa(bs), "ECX_SEED="+strconv.FormatUint(seed, 10), "ECX_REGION="+region)
-	cmd.Stderr = os.Stderr
-	stdin, err := cmd.StdinPipe()
+	stdin, stdout, err := ctrl.StartPiped(cmd)
 	if err != nil {
-		return nil, nil, nil, ctrl.Message{}, err
-	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		return nil, nil, nil, ctrl.Message{}, err
-	}
-	if err := cmd.Start(); err != nil {
 		return nil, nil, nil, ctrl.Message{}, err
 	}
 	exited := make(chan struct{})

@@ -5,9 +5,14 @@ import (
 	"encoding/binary"
 	"errors"
 	"io"
+	"os"
+	"os/exec"
+	"runtime/debug"
 	"testing"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/ecxfer/ecxfer/internal/leakcheck"
 )
 
 func TestRoundTrip(t *testing.T) {
@@ -78,4 +83,36 @@ func FuzzDecode(f *testing.F) {
 		require.NoError(t, err)
 		require.Equal(t, m.Kind, again.Kind)
 	})
+}
+
+func TestStartPiped(t *testing.T) {
+	leakcheck.Check(t)
+	cmd := exec.Command("cat")
+	stdin, stdout, err := StartPiped(cmd)
+	require.NoError(t, err)
+	require.Equal(t, os.Stderr, cmd.Stderr)
+	c := New(stdout, stdin)
+	require.NoError(t, c.Send(Message{Kind: "echo", Name: "x"}))
+	m, err := c.Expect("echo")
+	require.NoError(t, err)
+	require.Equal(t, "x", m.Name)
+	require.NoError(t, stdin.Close())
+	require.NoError(t, cmd.Wait())
+}
+
+// A command that cannot start and one whose pipes are already taken leave
+// no descriptor open. The collector is off meanwhile: it would close an
+// unreachable pipe's descriptors itself and hide the leak.
+func TestStartPipedFailures(t *testing.T) {
+	defer debug.SetGCPercent(debug.SetGCPercent(-1))
+	before := leakcheck.FDCount()
+	_, _, err := StartPiped(exec.Command("/nonexistent/ecxfer-ctrl-test"))
+	require.Error(t, err)
+	require.Equal(t, before, leakcheck.FDCount(), "descriptors after a failed start")
+
+	cmd := exec.Command("cat")
+	cmd.Stdout = io.Discard // StdoutPipe refuses a command with a Stdout
+	_, _, err = StartPiped(cmd)
+	require.Error(t, err)
+	require.Equal(t, before, leakcheck.FDCount(), "descriptors after a refused stdout pipe")
 }

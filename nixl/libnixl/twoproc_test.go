@@ -16,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/ecxfer/ecxfer/descriptors"
+	"github.com/ecxfer/ecxfer/internal/ctrl"
 	"github.com/ecxfer/ecxfer/nixl"
 )
 
@@ -99,12 +100,8 @@ func startChild(t *testing.T, name string, bs, nb int, seed int64) *child {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	cmd.Env = append(os.Environ(), fmt.Sprintf("%s=%s,%d,%d,%d", childEnv, name, bs, nb, seed))
-	cmd.Stderr = os.Stderr
-	stdin, err := cmd.StdinPipe()
+	stdin, stdout, err := ctrl.StartPiped(cmd)
 	require.NoError(t, err)
-	stdout, err := cmd.StdoutPipe()
-	require.NoError(t, err)
-	require.NoError(t, cmd.Start())
 	c := &child{cmd: cmd, stdin: stdin, lines: make(chan string, 1024)}
 	t.Cleanup(func() {
 		_ = c.stdin.Close()

@@ -16,6 +16,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ecxfer/ecxfer/descriptors"
+	"github.com/ecxfer/ecxfer/internal/ctrl"
 	"github.com/ecxfer/ecxfer/nixl"
 )
 
@@ -247,12 +248,8 @@ func startChild(t testing.TB, o childOpts) *child {
 	if o.tls != "" {
 		cmd.Env = append(cmd.Env, "UCX_TLS="+o.tls)
 	}
-	cmd.Stderr = os.Stderr
-	stdin, err := cmd.StdinPipe()
+	stdin, stdout, err := ctrl.StartPiped(cmd)
 	require.NoError(t, err)
-	stdout, err := cmd.StdoutPipe()
-	require.NoError(t, err)
-	require.NoError(t, cmd.Start())
 	c := &child{t: t, cmd: cmd, stdin: stdin, notifs: make(chan frame, 1024), acks: make(chan frame, 16)}
 	typ, md, err := readFrame(stdout)
 	require.NoError(t, err)
