@@ -9,7 +9,7 @@ DEBS      := libucx-dev ucx-utils pkg-config iproute2 python3-msgpack
 SOAK      ?= 60s
 BENCHTIME ?= 1s
 
-.PHONY: all deps build test vet fmt-check cgo-guard fuzz-seed fuzz run bench soak clean
+.PHONY: all deps build test vet staticcheck fmt-check cgo-guard fuzz-seed fuzz run bench soak clean
 
 all: build
 
@@ -36,6 +36,12 @@ fmt-check:
 
 vet:
 	$(GO) vet $(PKGS)
+
+# staticcheck at a pinned version, fetched through the Go module proxy; it
+# is a tool, so it stays out of go.mod and out of every importer's build.
+STATICCHECK ?= honnef.co/go/tools/cmd/staticcheck@v0.8.2
+staticcheck:
+	$(GO) run $(STATICCHECK) $(PKGS)
 
 # Only the engine packages under nixl/ may use cgo.
 cgo-guard:
@@ -65,7 +71,7 @@ fuzz:
 # UCX_LOG_LEVEL=error: the tests kill peers on purpose, and UCX then warns
 # about every request it could not return; the warnings say nothing new.
 test: export UCX_LOG_LEVEL ?= error
-test: deps fmt-check cgo-guard vet
+test: deps fmt-check cgo-guard vet staticcheck
 	$(GO) test -race -count=1 -timeout 20m $(PKGS)
 	$(GO) test -count=1 -run 'Allocs' $(PKGS)
 	@$(MAKE) --no-print-directory fuzz-seed

@@ -376,12 +376,11 @@ func cellDesc(c cell) string {
 
 // subStats is one submitter's tally for one pass.
 type subStats struct {
-	lat     []time.Duration
-	reads   int64
-	blocks  int64
-	verify  time.Duration
-	early   int64 // notif: seen before the reader saw DONE
-	scratch struct{ local, remote []int }
+	lat    []time.Duration
+	reads  int64
+	blocks int64
+	verify time.Duration
+	early  int64 // notif: seen before the reader saw DONE
 }
 
 func (s *session) runCell(d driver, mode string, c cell, seed uint64) (Result, error) {
