@@ -246,6 +246,32 @@ func rssBytes() int64 {
 	return 0
 }
 
+// soakRun is one soak: the consumer, its producers and the tallies.
+type soakRun struct {
+	duration, restart time.Duration
+	nwork, chaos      int
+	bs, rssBound      int
+
+	cons     *ecxfer.Transport
+	prods    []*producer
+	seedSeq  atomic.Uint64
+	tot      totals
+	stop     atomic.Bool
+	failures atomic.Int64 // fail is called from the restarter too
+}
+
+func (s *soakRun) fail(format string, args ...any) {
+	s.failures.Add(1)
+	fmt.Fprintf(os.Stderr, "ecxfer-soak: FAIL: "+format+"\n", args...)
+}
+
+// samples are the resource figures taken while the workers run.
+type samples struct {
+	rss0, rssMax, rssEnd int64
+	maps0, maps1         int
+	mapSize0, mapSize1   int64
+}
+
 func soak(duration time.Duration, nprod, nwork int, restart time.Duration, bs, rssBound int) bool {
 	// The runtime opens its poller's descriptors on first use and keeps
 	// them: open them before the baseline.
@@ -254,95 +280,130 @@ func soak(duration time.Duration, nprod, nwork int, restart time.Duration, bs, r
 		_ = w.Close()
 	}
 	base := leakcheck.Take()
-	failures := 0
-	fail := func(format string, args ...any) {
-		failures++
-		fmt.Fprintf(os.Stderr, "ecxfer-soak: FAIL: "+format+"\n", args...)
-	}
-
-	cons, err := ecxfer.New(ecxfer.Config{AgentName: fmt.Sprintf("soak-consumer-%d", os.Getpid()), BlockSize: bs, NumBlocks: nwork * maxRead})
-	if err != nil {
-		fmt.Fprintf(os.Stderr, "ecxfer-soak: consumer: %v\n", err)
+	s := &soakRun{duration: duration, restart: restart, nwork: nwork, chaos: max(1, nwork/4), bs: bs, rssBound: rssBound}
+	if err := s.start(nprod); err != nil {
+		fmt.Fprintf(os.Stderr, "ecxfer-soak: %v\n", err)
 		return false
 	}
-	var seedSeq atomic.Uint64
-	seedSeq.Store(uint64(time.Now().UnixNano()))
-	prods := make([]*producer, nprod)
-	for i := range prods {
-		p := &producer{name: fmt.Sprintf("soak-producer-%d-%d", os.Getpid(), i), seed: seedSeq.Add(1), region: []string{"alloc", "mmap"}[i%2]}
-		var hello ctrl.Message
-		p.cmd, p.stdin, p.exited, hello, err = startProducer(p.name, p.seed, bs, p.region)
-		if err == nil {
-			_, err = cons.AddRemotePeer(hello.Metadata, hello.MemDesc)
-		}
-		if err != nil {
-			fmt.Fprintf(os.Stderr, "ecxfer-soak: %v\n", err)
-			return false
-		}
-		prods[i] = p
-	}
 
-	var tot totals
-	var stop atomic.Bool
+	start := time.Now()
 	var wg sync.WaitGroup
-	chaos := max(1, nwork/4)
 	for w := 0; w < nwork; w++ {
 		wg.Add(1)
 		go func(w int) {
 			defer wg.Done()
-			worker(cons, prods, w, w < chaos, bs, &tot, &stop)
+			s.worker(w)
 		}(w)
 	}
 	restartDone := make(chan struct{})
 	go func() {
 		defer close(restartDone)
-		if restart <= 0 {
+		s.restarter()
+	}()
+	smp := s.monitor(start)
+	s.stop.Store(true)
+	end := time.Now()
+	wg.Wait()
+	<-restartDone
+	fmt.Printf("ecxfer-soak: workers and restarter stopped in %v\n", time.Since(end).Round(time.Millisecond))
+	smp.rssEnd = rssBytes()
+	smp.maps1, smp.mapSize1 = sharedMaps()
+	smp.rssMax = max(smp.rssMax, smp.rssEnd)
+
+	st := s.teardown()
+	leakErr := base.Wait(10 * time.Second)
+	fmt.Printf("ecxfer-soak: torn down in %v\n", time.Since(end).Round(time.Millisecond))
+	s.report(time.Since(start), st, smp)
+	s.check(st, smp, leakErr)
+	if n := s.failures.Load(); n > 0 {
+		fmt.Printf("ecxfer-soak: FAIL (%d checks)\n", n)
+		return false
+	}
+	fmt.Println("ecxfer-soak: ok")
+	return true
+}
+
+// start creates the consumer and the first incarnation of every producer.
+func (s *soakRun) start(nprod int) error {
+	cons, err := ecxfer.New(ecxfer.Config{AgentName: fmt.Sprintf("soak-consumer-%d", os.Getpid()), BlockSize: s.bs, NumBlocks: s.nwork * maxRead})
+	if err != nil {
+		return fmt.Errorf("consumer: %w", err)
+	}
+	s.cons = cons
+	s.seedSeq.Store(uint64(time.Now().UnixNano()))
+	s.prods = make([]*producer, nprod)
+	for i := range s.prods {
+		p := &producer{name: fmt.Sprintf("soak-producer-%d-%d", os.Getpid(), i), seed: s.seedSeq.Add(1), region: []string{"alloc", "mmap"}[i%2]}
+		var hello ctrl.Message
+		p.cmd, p.stdin, p.exited, hello, err = startProducer(p.name, p.seed, s.bs, p.region)
+		if err == nil {
+			_, err = cons.AddRemotePeer(hello.Metadata, hello.MemDesc)
+		}
+		if err != nil {
+			for _, q := range s.prods[:i] {
+				q.stop(false)
+			}
+			_ = cons.Deregister()
+			return err
+		}
+		s.prods[i] = p
+	}
+	return nil
+}
+
+// restarter replaces one producer every s.restart, alternately killing it
+// and letting it exit, and re-adds it under the same name.
+func (s *soakRun) restarter() {
+	if s.restart <= 0 {
+		return
+	}
+	tick := time.NewTicker(s.restart)
+	defer tick.Stop()
+	for k := 0; ; k++ {
+		select {
+		case <-tick.C:
+		case <-time.After(s.duration + time.Minute):
+		}
+		if s.stop.Load() {
 			return
 		}
-		tick := time.NewTicker(restart)
-		defer tick.Stop()
-		for k := 0; ; k++ {
-			select {
-			case <-tick.C:
-			case <-time.After(duration + time.Minute):
-			}
-			if stop.Load() {
-				return
-			}
-			p := prods[k%len(prods)]
-			p.stop(k%2 == 0)
-			seed := seedSeq.Add(1)
-			cmd, stdin, exited, hello, err := startProducer(p.name, seed, bs, p.region)
-			if err != nil {
-				fail("restarting %s: %v", p.name, err)
-				stop.Store(true)
-				return
-			}
-			p.mu.Lock()
-			p.cmd, p.stdin, p.exited = cmd, stdin, exited
-			name, err := cons.AddRemotePeer(hello.Metadata, hello.MemDesc)
-			if err == nil {
-				p.seed = seed
-			}
-			p.mu.Unlock()
-			if err != nil || name != p.name {
-				fail("re-adding %s: %q, %v", p.name, name, err)
-				stop.Store(true)
-				return
-			}
-			tot.restarts.Add(1)
+		p := s.prods[k%len(s.prods)]
+		p.stop(k%2 == 0)
+		seed := s.seedSeq.Add(1)
+		cmd, stdin, exited, hello, err := startProducer(p.name, seed, s.bs, p.region)
+		if err != nil {
+			s.fail("restarting %s: %v", p.name, err)
+			s.stop.Store(true)
+			return
 		}
-	}()
+		p.mu.Lock()
+		p.cmd, p.stdin, p.exited = cmd, stdin, exited
+		name, err := s.cons.AddRemotePeer(hello.Metadata, hello.MemDesc)
+		if err == nil {
+			p.seed = seed
+		}
+		p.mu.Unlock()
+		if err != nil || name != p.name {
+			s.fail("re-adding %s: %q, %v", p.name, name, err)
+			s.stop.Store(true)
+			return
+		}
+		s.tot.restarts.Add(1)
+	}
+}
 
-	start := time.Now()
-	warm := min(10*time.Second, duration/4)
+// monitor prints progress once a second until the run is over and returns
+// the resource figures it sampled.
+func (s *soakRun) monitor(start time.Time) samples {
+	var smp samples
+	warm := min(10*time.Second, s.duration/4)
 	time.Sleep(warm)
-	rss0 := rssBytes()
-	maps0, mapSize0 := sharedMaps()
-	var rssMax int64
-	for time.Since(start) < duration && !stop.Load() {
-		time.Sleep(min(time.Second, duration-time.Since(start)))
-		rssMax = max(rssMax, rssBytes())
+	smp.rss0 = rssBytes()
+	smp.maps0, smp.mapSize0 = sharedMaps()
+	tot := &s.tot
+	for time.Since(start) < s.duration && !s.stop.Load() {
+		time.Sleep(min(time.Second, s.duration-time.Since(start)))
+		smp.rssMax = max(smp.rssMax, rssBytes())
 		var ms runtime.MemStats
 		runtime.ReadMemStats(&ms)
 		fmt.Printf("ecxfer-soak: %4.0fs accepted %d done %d failed %d released %d restarts %d; RSS %.1f MiB, Go %.1f MiB\n",
@@ -356,34 +417,32 @@ func soak(duration time.Duration, nprod, nwork int, restart time.Duration, bs, r
 			_ = out.Close()
 		}
 	}
-	stop.Store(true)
-	end := time.Now()
-	wg.Wait()
-	<-restartDone
-	fmt.Printf("ecxfer-soak: workers and restarter stopped in %v\n", time.Since(end).Round(time.Millisecond))
-	rssEnd := rssBytes()
-	maps1, mapSize1 := sharedMaps()
-	rssMax = max(rssMax, rssEnd)
+	return smp
+}
 
-	// A READ released in flight is freed by the reactor shortly after.
+// teardown waits for READs released in flight to be freed, deregisters the
+// consumer and stops the producers. It returns the consumer's final stats.
+func (s *soakRun) teardown() ecxfer.Stats {
 	deadline := time.Now().Add(10 * time.Second)
-	st := cons.Stats()
+	st := s.cons.Stats()
 	for (st.LiveHandles != 0 || st.InFlight != 0) && time.Now().Before(deadline) {
 		time.Sleep(time.Millisecond)
-		st = cons.Stats()
+		st = s.cons.Stats()
 	}
-	if err := cons.Deregister(); err != nil {
-		fail("Deregister: %v", err)
+	if err := s.cons.Deregister(); err != nil {
+		s.fail("Deregister: %v", err)
 	}
-	for _, p := range prods {
+	for _, p := range s.prods {
 		p.stop(false)
 	}
-	leakErr := base.Wait(10 * time.Second)
-	fmt.Printf("ecxfer-soak: torn down in %v\n", time.Since(end).Round(time.Millisecond))
+	return st
+}
 
+func (s *soakRun) report(elapsed time.Duration, st ecxfer.Stats, smp samples) {
+	tot := &s.tot
 	acc, done, failed, rel := tot.accepted.Load(), tot.done.Load(), tot.failed.Load(), tot.releasedInFlight.Load()
 	fmt.Printf("\necxfer-soak: %v, %d producers (%d restarts), %d workers (%d releasing at random)\n",
-		time.Since(start).Round(time.Millisecond), nprod, tot.restarts.Load(), nwork, chaos)
+		elapsed.Round(time.Millisecond), len(s.prods), tot.restarts.Load(), s.nwork, s.chaos)
 	fmt.Printf("  READs accepted          %d\n", acc)
 	fmt.Printf("    done                  %d (%d blocks verified, %.1f GiB)\n", done, tot.verifiedBlocks.Load(), float64(tot.bytes.Load())/(1<<30))
 	fmt.Printf("    failed                %d (disconnect %d, timeout %d, canceled %d, other %d)\n", failed,
@@ -393,55 +452,55 @@ func soak(duration time.Duration, nprod, nwork int, restart time.Duration, bs, r
 	fmt.Printf("  reactor                 posted %d done %d failed %d canceled %d, live %d, in flight %d\n",
 		st.ReadsPosted, st.ReadsDone, st.ReadsFailed, st.ReadsCanceled, st.LiveHandles, st.InFlight)
 	fmt.Printf("  RSS                     %.1f MiB after warm-up, %.1f MiB peak, %.1f MiB at the end (bound +%d MiB)\n",
-		float64(rss0)/(1<<20), float64(rssMax)/(1<<20), float64(rssEnd)/(1<<20), rssBound)
-
+		float64(smp.rss0)/(1<<20), float64(smp.rssMax)/(1<<20), float64(smp.rssEnd)/(1<<20), s.rssBound)
 	fmt.Printf("  shared mappings         %d (%.1f MiB) after warm-up, %d (%.1f MiB) at the end\n",
-		maps0, float64(mapSize0)/(1<<20), maps1, float64(mapSize1)/(1<<20))
-
-	if done+failed+rel != acc {
-		fail("accounting: done %d + failed %d + released %d != accepted %d", done, failed, rel, acc)
-	}
-	if n := tot.stuck.Load(); n > 0 {
-		fail("%d READs in flight after %v", n, waitSlow)
-	}
-	if n := tot.corrupt.Load(); n > 0 {
-		fail("%d verified blocks held the wrong bytes", n)
-	}
-	if n := tot.otherErr.Load(); n > 0 {
-		fail("%d READs failed with an unexpected error", n)
-	}
-	if n := tot.badRelease.Load(); n > 0 {
-		fail("%d releases failed", n)
-	}
-	if st.LiveHandles != 0 || st.InFlight != 0 {
-		fail("%d live handles, %d in flight at the end", st.LiveHandles, st.InFlight)
-	}
-	if int64(st.ReadsDone) < done || int64(st.ReadsDone) > done+rel {
-		fail("the reactor counts %d done, the workers %d (+%d released in flight)", st.ReadsDone, done, rel)
-	}
-	if acc == 0 || done == 0 {
-		fail("nothing was read")
-	}
-	if growth := rssMax - rss0; growth > int64(rssBound)<<20 {
-		fail("RSS grew by %.1f MiB after warm-up (bound %d MiB)", float64(growth)/(1<<20), rssBound)
-	}
-	if leakErr != nil {
-		fail("leak: %v", leakErr)
-	}
-	if failures > 0 {
-		fmt.Printf("ecxfer-soak: FAIL (%d checks)\n", failures)
-		return false
-	}
-	fmt.Println("ecxfer-soak: ok")
-	return true
+		smp.maps0, float64(smp.mapSize0)/(1<<20), smp.maps1, float64(smp.mapSize1)/(1<<20))
 }
 
-func worker(cons *ecxfer.Transport, prods []*producer, w int, chaos bool, bs int, tot *totals, stop *atomic.Bool) {
+// check applies the soak's pass criteria.
+func (s *soakRun) check(st ecxfer.Stats, smp samples, leakErr error) {
+	tot := &s.tot
+	acc, done, failed, rel := tot.accepted.Load(), tot.done.Load(), tot.failed.Load(), tot.releasedInFlight.Load()
+	if done+failed+rel != acc {
+		s.fail("accounting: done %d + failed %d + released %d != accepted %d", done, failed, rel, acc)
+	}
+	if n := tot.stuck.Load(); n > 0 {
+		s.fail("%d READs in flight after %v", n, waitSlow)
+	}
+	if n := tot.corrupt.Load(); n > 0 {
+		s.fail("%d verified blocks held the wrong bytes", n)
+	}
+	if n := tot.otherErr.Load(); n > 0 {
+		s.fail("%d READs failed with an unexpected error", n)
+	}
+	if n := tot.badRelease.Load(); n > 0 {
+		s.fail("%d releases failed", n)
+	}
+	if st.LiveHandles != 0 || st.InFlight != 0 {
+		s.fail("%d live handles, %d in flight at the end", st.LiveHandles, st.InFlight)
+	}
+	if int64(st.ReadsDone) < done || int64(st.ReadsDone) > done+rel {
+		s.fail("the reactor counts %d done, the workers %d (+%d released in flight)", st.ReadsDone, done, rel)
+	}
+	if acc == 0 || done == 0 {
+		s.fail("nothing was read")
+	}
+	if growth := smp.rssMax - smp.rss0; growth > int64(s.rssBound)<<20 {
+		s.fail("RSS grew by %.1f MiB after warm-up (bound %d MiB)", float64(growth)/(1<<20), s.rssBound)
+	}
+	if leakErr != nil {
+		s.fail("leak: %v", leakErr)
+	}
+}
+
+// worker posts READs of random blocks of random producers until the run
+// stops. A chaos worker releases most of its READs at random moments.
+func (s *soakRun) worker(w int) {
 	rng := rand.New(rand.NewSource(int64(w) + time.Now().UnixNano()))
-	region := cons.Region()
 	notif := []byte(fmt.Sprintf("soak-%d", w))
-	for !stop.Load() {
-		p := prods[rng.Intn(len(prods))]
+	chaos := w < s.chaos
+	for !s.stop.Load() {
+		p := s.prods[rng.Intn(len(s.prods))]
 		n := 1 + rng.Intn(maxRead)
 		if rng.Intn(4) == 0 {
 			n = maxRead
@@ -457,68 +516,78 @@ func worker(cons *ecxfer.Transport, prods []*producer, w int, chaos bool, bs int
 		}
 		p.mu.RLock()
 		seed := p.seed
-		h, err := cons.PostRead(local, p.name, remote, msg)
+		h, err := s.cons.PostRead(local, p.name, remote, msg)
 		p.mu.RUnlock()
 		if err != nil {
-			tot.rejected.Add(1)
+			s.tot.rejected.Add(1)
 			if !errors.Is(err, ecxfer.ErrBusy) {
 				fmt.Fprintf(os.Stderr, "ecxfer-soak: PostRead: %v\n", err)
 			}
 			time.Sleep(time.Millisecond)
 			continue
 		}
-		tot.accepted.Add(1)
-
+		s.tot.accepted.Add(1)
 		if chaos && rng.Intn(3) > 0 {
-			// Release at a random moment, in flight or not.
-			if d := rng.Intn(3); d > 0 {
-				time.Sleep(time.Duration(rng.Intn(2000*d)) * time.Microsecond)
-			}
-			st, serr := cons.CheckXferState(h)
-			switch st {
-			case ecxfer.StateProc:
-				tot.releasedInFlight.Add(1)
-			case ecxfer.StateDone:
-				tot.done.Add(1)
-			default:
-				tot.failed.Add(1)
-				tot.classify(serr)
-			}
-			if err := cons.ReleaseXferHandle(h); err != nil {
-				tot.badRelease.Add(1)
-				fmt.Fprintf(os.Stderr, "ecxfer-soak: release: %v\n", err)
-			}
+			s.releaseAtRandom(h, rng)
 			continue
 		}
+		s.waitAndVerify(h, local, remote, seed, !chaos)
+	}
+}
 
-		ctx, cancel := context.WithTimeout(context.Background(), waitSlow)
-		err = cons.Wait(ctx, h)
-		cancel()
-		switch {
-		case errors.Is(err, context.DeadlineExceeded):
-			tot.stuck.Add(1)
-			tot.releasedInFlight.Add(1)
-		case err != nil:
-			tot.failed.Add(1)
-			tot.classify(err)
-		default:
-			tot.done.Add(1)
-			tot.bytes.Add(int64(n * bs))
-			if !chaos {
-				// A chaos worker's canceled gets may still land later in
-				// its own blocks; only the others verify.
-				for i := range local {
-					b := region[local[i]*bs : (local[i]+1)*bs]
-					if ok, _ := pattern.Check(b, seed, remote[i]); !ok {
-						tot.corrupt.Add(1)
-					}
+// releaseAtRandom releases h at a random moment, in flight or not, and
+// tallies the state it was in.
+func (s *soakRun) releaseAtRandom(h ecxfer.Handle, rng *rand.Rand) {
+	if d := rng.Intn(3); d > 0 {
+		time.Sleep(time.Duration(rng.Intn(2000*d)) * time.Microsecond)
+	}
+	st, serr := s.cons.CheckXferState(h)
+	switch st {
+	case ecxfer.StateProc:
+		s.tot.releasedInFlight.Add(1)
+	case ecxfer.StateDone:
+		s.tot.done.Add(1)
+	default:
+		s.tot.failed.Add(1)
+		s.tot.classify(serr)
+	}
+	s.release(h)
+}
+
+// waitAndVerify waits for h, tallies its outcome and, when verify is set,
+// checks every byte it read. A chaos worker's canceled gets may still land
+// later in its own blocks, so only the others verify.
+func (s *soakRun) waitAndVerify(h ecxfer.Handle, local, remote []int, seed uint64, verify bool) {
+	ctx, cancel := context.WithTimeout(context.Background(), waitSlow)
+	err := s.cons.Wait(ctx, h)
+	cancel()
+	switch {
+	case errors.Is(err, context.DeadlineExceeded):
+		s.tot.stuck.Add(1)
+		s.tot.releasedInFlight.Add(1)
+	case err != nil:
+		s.tot.failed.Add(1)
+		s.tot.classify(err)
+	default:
+		s.tot.done.Add(1)
+		s.tot.bytes.Add(int64(len(local) * s.bs))
+		if verify {
+			region, bs := s.cons.Region(), s.bs
+			for i := range local {
+				b := region[local[i]*bs : (local[i]+1)*bs]
+				if ok, _ := pattern.Check(b, seed, remote[i]); !ok {
+					s.tot.corrupt.Add(1)
 				}
-				tot.verifiedBlocks.Add(int64(n))
 			}
+			s.tot.verifiedBlocks.Add(int64(len(local)))
 		}
-		if err := cons.ReleaseXferHandle(h); err != nil {
-			tot.badRelease.Add(1)
-			fmt.Fprintf(os.Stderr, "ecxfer-soak: release: %v\n", err)
-		}
+	}
+	s.release(h)
+}
+
+func (s *soakRun) release(h ecxfer.Handle) {
+	if err := s.cons.ReleaseXferHandle(h); err != nil {
+		s.tot.badRelease.Add(1)
+		fmt.Fprintf(os.Stderr, "ecxfer-soak: release: %v\n", err)
 	}
 }
