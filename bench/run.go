@@ -190,75 +190,105 @@ func sortResults(rs []Result) {
 func (s *session) startProducer(ctx context.Context) (func() error, error) {
 	var c *ctrl.Conn
 	var stop func() error
+	var err error
 	switch {
 	case s.cfg.Connect != "":
-		var d net.Dialer
-		dctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-		nc, err := d.DialContext(dctx, "tcp", s.cfg.Connect)
-		cancel()
-		if err != nil {
-			return nil, fmt.Errorf("connecting to the producer: %w", err)
-		}
-		c = ctrl.New(nc, nc)
-		stop = nc.Close
+		c, stop, err = dialProducer(ctx, s.cfg.Connect)
 	case s.cfg.Backend == "loopback":
-		cr, cw := io.Pipe() // consumer -> producer
-		pr, pw := io.Pipe() // producer -> consumer
-		done := make(chan error, 1)
-		go func() {
-			err := Serve(ctrl.New(cr, pw), "loopback")
-			_ = pw.Close()
-			done <- err
-		}()
-		c = ctrl.New(pr, cw)
-		stop = func() error {
-			_ = cw.Close()
-			return <-done
-		}
+		c, stop = inProcessProducer()
 	default:
-		exe := s.cfg.ProducerExe
-		if exe == "" {
-			var err error
-			if exe, err = os.Executable(); err != nil {
-				return nil, fmt.Errorf("finding this executable: %w", err)
-			}
-		}
-		cr, cw, err := os.Pipe()
-		if err != nil {
-			return nil, err
-		}
-		pr, pw, err := os.Pipe()
-		if err != nil {
-			return nil, err
-		}
-		cmd := exec.Command(exe)
-		cmd.Env = append(os.Environ(), RoleEnv+"=producer", BackendEnv+"="+s.cfg.Backend)
-		cmd.ExtraFiles = []*os.File{cr, pw}
-		cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
-		if err := cmd.Start(); err != nil {
-			return nil, fmt.Errorf("starting the producer child: %w", err)
-		}
-		_ = cr.Close()
+		c, stop, err = forkProducer(s.cfg.ProducerExe, s.cfg.Backend)
+	}
+	if err != nil {
+		return nil, err
+	}
+	s.attach(c)
+	return stop, nil
+}
+
+// dialProducer connects to a producer served elsewhere (ecxfer-bench serve).
+func dialProducer(ctx context.Context, addr string) (*ctrl.Conn, func() error, error) {
+	var d net.Dialer
+	dctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	nc, err := d.DialContext(dctx, "tcp", addr)
+	cancel()
+	if err != nil {
+		return nil, nil, fmt.Errorf("connecting to the producer: %w", err)
+	}
+	return ctrl.New(nc, nc), nc.Close, nil
+}
+
+// inProcessProducer serves a loopback producer on a goroutine of this
+// process: loopback agents only reach each other within one process.
+func inProcessProducer() (*ctrl.Conn, func() error) {
+	cr, cw := io.Pipe() // consumer -> producer
+	pr, pw := io.Pipe() // producer -> consumer
+	done := make(chan error, 1)
+	go func() {
+		err := Serve(ctrl.New(cr, pw), "loopback")
 		_ = pw.Close()
-		c = ctrl.New(pr, cw)
-		stop = func() error {
-			_ = cw.Close()
-			done := make(chan error, 1)
-			go func() { done <- cmd.Wait() }()
-			var err error
-			select {
-			case err = <-done:
-			case <-time.After(10 * time.Second):
-				_ = cmd.Process.Kill()
-				err = fmt.Errorf("producer child did not exit: %v", <-done)
-			}
-			_ = pr.Close()
-			if err != nil {
-				return fmt.Errorf("producer child: %w", err)
-			}
-			return nil
+		done <- err
+	}()
+	return ctrl.New(pr, cw), func() error {
+		_ = cw.Close()
+		return <-done
+	}
+}
+
+// forkProducer starts exe (this executable when empty) in the producer role
+// with the control channel on descriptors 3 and 4.
+func forkProducer(exe, backend string) (*ctrl.Conn, func() error, error) {
+	if exe == "" {
+		var err error
+		if exe, err = os.Executable(); err != nil {
+			return nil, nil, fmt.Errorf("finding this executable: %w", err)
 		}
 	}
+	cr, cw, err := os.Pipe()
+	if err != nil {
+		return nil, nil, err
+	}
+	pr, pw, err := os.Pipe()
+	if err != nil {
+		_ = cr.Close()
+		_ = cw.Close()
+		return nil, nil, err
+	}
+	cmd := exec.Command(exe)
+	cmd.Env = append(os.Environ(), RoleEnv+"=producer", BackendEnv+"="+backend)
+	cmd.ExtraFiles = []*os.File{cr, pw}
+	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+	err = cmd.Start()
+	_ = cr.Close()
+	_ = pw.Close()
+	if err != nil {
+		_ = cw.Close()
+		_ = pr.Close()
+		return nil, nil, fmt.Errorf("starting the producer child: %w", err)
+	}
+	stop := func() error {
+		_ = cw.Close()
+		done := make(chan error, 1)
+		go func() { done <- cmd.Wait() }()
+		var err error
+		select {
+		case err = <-done:
+		case <-time.After(10 * time.Second):
+			_ = cmd.Process.Kill()
+			err = fmt.Errorf("producer child did not exit: %v", <-done)
+		}
+		_ = pr.Close()
+		if err != nil {
+			return fmt.Errorf("producer child: %w", err)
+		}
+		return nil
+	}
+	return ctrl.New(pr, cw), stop, nil
+}
+
+// attach makes c the session's control channel: sends are serialized and
+// a goroutine forwards what the producer sends to s.msgs.
+func (s *session) attach(c *ctrl.Conn) {
 	var sendMu sync.Mutex
 	s.send = func(m ctrl.Message) error {
 		sendMu.Lock()
@@ -277,7 +307,6 @@ func (s *session) startProducer(ctx context.Context) (func() error, error) {
 			s.msgs <- m
 		}
 	}()
-	return stop, nil
 }
 
 // expect waits for a message of kind from the producer.
@@ -462,15 +491,57 @@ func (s *session) pass(d driver, c cell, seed uint64, dur time.Duration, passNo 
 // cycle through.
 const scatterSets = 8
 
-func (s *session) submitter(d driver, c cell, g int, seed uint64, rng *rand.Rand, end time.Time, stop *atomic.Bool, st *subStats) error {
-	nrem := s.cfg.remoteBlocks(c.bs)
-	var sets [scatterSets][2][]int
+// indexPlan builds the index lists of a cell's READs.
+type indexPlan struct {
+	c    cell
+	g    int // the submitter
+	nrem int // blocks at the producer
+	sets [scatterSets][2][]int
+}
+
+func newIndexPlan(c cell, g, nrem int, rng *rand.Rand) *indexPlan {
+	p := &indexPlan{c: c, g: g, nrem: nrem}
 	if c.workload == "image" && !c.contiguous {
-		for i := range sets {
-			sets[i][0] = rng.Perm(LocalBlocks)[:c.blocks]
-			sets[i][1] = rng.Perm(nrem)[:c.blocks]
+		for i := range p.sets {
+			p.sets[i][0] = rng.Perm(LocalBlocks)[:c.blocks]
+			p.sets[i][1] = rng.Perm(nrem)[:c.blocks]
 		}
 	}
+	return p
+}
+
+// next appends READ k's local and remote indices.
+func (p *indexPlan) next(k int64, rng *rand.Rand, local, remote []int) ([]int, []int) {
+	c := p.c
+	switch {
+	case c.workload == "fanin":
+		n := 1 + rng.Intn(FaninMaxBlocks)
+		for i := 0; i < n; i++ {
+			local = append(local, p.g*FaninMaxBlocks+i)
+			remote = append(remote, rng.Intn(p.nrem))
+		}
+	case c.blocks == 1:
+		local = append(local, int(k%LocalBlocks))
+		remote = append(remote, rng.Intn(p.nrem))
+	case c.contiguous:
+		base := int(k*int64(c.blocks)) % (p.nrem - c.blocks + 1)
+		for i := 0; i < c.blocks; i++ {
+			local = append(local, i)
+			remote = append(remote, base+i)
+		}
+	default:
+		set := &p.sets[k%scatterSets]
+		local = append(local, set[0]...)
+		remote = append(remote, set[1]...)
+	}
+	return local, remote
+}
+
+// submitter posts the cell's READs one after another until end or stop,
+// each waited for and released; every VerifyEvery-th READ is checked
+// byte for byte (outside the timed part).
+func (s *session) submitter(d driver, c cell, g int, seed uint64, rng *rand.Rand, end time.Time, stop *atomic.Bool, st *subStats) error {
+	plan := newIndexPlan(c, g, s.cfg.remoteBlocks(c.bs), rng)
 	local := make([]int, 0, max(c.blocks, FaninMaxBlocks))
 	remote := make([]int, 0, max(c.blocks, FaninMaxBlocks))
 	var notif [16]byte
@@ -481,28 +552,7 @@ func (s *session) submitter(d driver, c cell, g int, seed uint64, rng *rand.Rand
 	}
 	region := d.region()
 	for k := int64(0); !stop.Load() && time.Now().Before(end); k++ {
-		local, remote = local[:0], remote[:0]
-		switch {
-		case c.workload == "fanin":
-			n := 1 + rng.Intn(FaninMaxBlocks)
-			for i := 0; i < n; i++ {
-				local = append(local, g*FaninMaxBlocks+i)
-				remote = append(remote, rng.Intn(nrem))
-			}
-		case c.blocks == 1:
-			local = append(local, int(k%LocalBlocks))
-			remote = append(remote, rng.Intn(nrem))
-		case c.contiguous:
-			base := int(k*int64(c.blocks)) % (nrem - c.blocks + 1)
-			for i := 0; i < c.blocks; i++ {
-				local = append(local, i)
-				remote = append(remote, base+i)
-			}
-		default:
-			set := &sets[k%scatterSets]
-			local = append(local, set[0]...)
-			remote = append(remote, set[1]...)
-		}
+		local, remote = plan.next(k, rng, local[:0], remote[:0])
 		check := k%VerifyEvery == 0
 		if check {
 			t := time.Now()
@@ -531,17 +581,8 @@ func (s *session) submitter(d driver, c cell, g int, seed uint64, rng *rand.Rand
 			return fmt.Errorf("release: %w", err)
 		}
 		if c.workload == "notif" {
-			m, err := s.expect("seen", readLimit)
-			if err != nil {
+			if lat, err = s.notifLatency(msg, doneAt, st); err != nil {
 				return err
-			}
-			if !bytes.Equal(m.Data, msg) {
-				return fmt.Errorf("notification %x, want %x", m.Data, msg)
-			}
-			lat = time.Duration(m.Ints["t"] - doneAt)
-			if lat < 0 {
-				st.early++
-				lat = 0
 			}
 		}
 		st.lat = append(st.lat, lat)
@@ -549,12 +590,40 @@ func (s *session) submitter(d driver, c cell, g int, seed uint64, rng *rand.Rand
 		st.blocks += int64(len(local))
 		if check {
 			t := time.Now()
-			for i, l := range local {
-				if ok, off := pattern.Check(region[l*c.bs:(l+1)*c.bs], seed, remote[i]); !ok {
-					return fmt.Errorf("VERIFY FAILED: READ %d, local block %d (remote block %d) differs at byte %d", k, l, remote[i], off)
-				}
+			if err := verifyRead(region, c.bs, seed, k, local, remote); err != nil {
+				return err
 			}
 			st.verify += time.Since(t)
+		}
+	}
+	return nil
+}
+
+// notifLatency waits for the producer to report msg and returns how long
+// after doneAt (this process's monotonic clock, shared with the producer
+// on one host) it saw it.
+func (s *session) notifLatency(msg []byte, doneAt int64, st *subStats) (time.Duration, error) {
+	m, err := s.expect("seen", readLimit)
+	if err != nil {
+		return 0, err
+	}
+	if !bytes.Equal(m.Data, msg) {
+		return 0, fmt.Errorf("notification %x, want %x", m.Data, msg)
+	}
+	lat := time.Duration(m.Ints["t"] - doneAt)
+	if lat < 0 {
+		st.early++
+		lat = 0
+	}
+	return lat, nil
+}
+
+// verifyRead checks the blocks READ k landed in local against the pattern
+// of the producer's remote blocks.
+func verifyRead(region []byte, bs int, seed uint64, k int64, local, remote []int) error {
+	for i, l := range local {
+		if ok, off := pattern.Check(region[l*bs:(l+1)*bs], seed, remote[i]); !ok {
+			return fmt.Errorf("VERIFY FAILED: READ %d, local block %d (remote block %d) differs at byte %d", k, l, remote[i], off)
 		}
 	}
 	return nil
