@@ -5,16 +5,19 @@ GO        ?= go
 PKGS      ?= ./...
 FUZZTIME  ?= 20000x
 LONGFUZZ  ?= 2000000x
-DEBS      := libucx-dev ucx-utils pkg-config iproute2 python3-msgpack
+DEBS      := libucx-dev ucx-utils pkg-config iproute2 python3-msgpack python3-venv
 SOAK      ?= 60s
 BENCHTIME ?= 1s
 
-.PHONY: all deps build test vet staticcheck fmt-check cgo-guard fuzz-seed fuzz run bench soak clean
+.PHONY: all deps debs venv build test vet staticcheck fmt-check cgo-guard fuzz-seed fuzz run bench soak clean
 
 all: build
 
-# Install the Debian packages ecxfer needs, only those that are missing.
-deps:
+# Install the Debian packages ecxfer needs, only those that are missing,
+# then the project's Python virtual environment.
+deps: debs venv
+
+debs:
 	@missing=""; for p in $(DEBS); do \
 		dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
 	done; \
@@ -26,6 +29,23 @@ deps:
 	echo "deps: installing$$missing"; \
 	export DEBIAN_FRONTEND=noninteractive; \
 	apt-get update -qq && apt-get install -y -qq --no-install-recommends $$missing
+
+# The project's one Python virtual environment (.venv), for its Python
+# tools and tests: every file in VENV_REQS, pinned, from PyPI. It is
+# rebuilt only when a requirements file changes (the stamp records them),
+# so a second run does nothing and needs no network.
+PYTHON3   ?= python3
+VENV      := .venv
+VENV_PY   := $(VENV)/bin/python
+VENV_REQS ?= requirements-dev.txt
+VENV_STAMP := $(VENV)/.installed
+
+venv: $(VENV_STAMP)
+
+$(VENV_STAMP): $(VENV_REQS) | debs
+	@test -x $(VENV_PY) || $(PYTHON3) -m venv $(VENV)
+	$(VENV_PY) -m pip install -q --disable-pip-version-check $(addprefix -r ,$(VENV_REQS))
+	@cat $(VENV_REQS) > $@
 
 build: deps
 	$(GO) build $(PKGS)
