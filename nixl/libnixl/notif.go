@@ -1,0 +1,70 @@
+package libnixl
+
+/*
+#include <stdlib.h>
+#include "dl.h"
+*/
+import "C"
+
+import (
+	"unsafe"
+
+	"github.com/ecxfer/ecxfer/nixl"
+	"github.com/ecxfer/ecxfer/nixl/internal/enginekit"
+)
+
+// ----------------------------------------------------------- notifications
+
+// SendNotif implements nixl.Agent.
+func (a *Agent) SendNotif(peerName string, msg []byte) error {
+	if a.closed {
+		return errClosed
+	}
+	if _, err := enginekit.LivePeer(kit, a.peers, peerName); err != nil {
+		return err
+	}
+	if err := kit.CheckNotif(len(msg), a.cfg.MaxNotif); err != nil {
+		return err
+	}
+	cname := C.CString(peerName)
+	defer C.free(unsafe.Pointer(cname))
+	var m unsafe.Pointer
+	if len(msg) > 0 {
+		m = unsafe.Pointer(&msg[0])
+	}
+	st := C.ecx_dl_send_notif(a.lib.c, a.c, cname, C.size_t(len(peerName)), m, C.size_t(len(msg)))
+	return codeErr(int32(st), "sending a notification to %q", peerName)
+}
+
+// GetNotifs implements nixl.Agent. Each call progresses NIXL (its UCX
+// worker), which is also what serves peers' reads of this agent's memory.
+func (a *Agent) GetNotifs(dst map[string][][]byte) int {
+	if a.closed {
+		return 0
+	}
+	total := 0
+	for {
+		var used, count C.size_t
+		st := C.ecx_dl_notifs(a.lib.c, a.c, a.nbuf, C.size_t(a.ncap), &used, &count)
+		if nixl.Status(st) == nixl.ErrInvalidParam && count == 0 && int(used) > a.ncap {
+			C.free(a.nbuf)
+			a.ncap = int(used)
+			a.nbuf = C.malloc(C.size_t(a.ncap))
+			continue
+		}
+		if count == 0 {
+			return total
+		}
+		buf := unsafe.Slice((*byte)(a.nbuf), int(used))
+		off := 0
+		for i := 0; i < int(count); i++ {
+			hl := int(*(*uint32)(unsafe.Pointer(&buf[off])))
+			ml := int(*(*uint32)(unsafe.Pointer(&buf[off+4])))
+			name := string(buf[off+8 : off+8+hl])
+			msg := append([]byte(nil), buf[off+8+hl:off+8+hl+ml]...)
+			dst[name] = append(dst[name], msg)
+			off += (8 + hl + ml + 7) &^ 7
+		}
+		total += int(count)
+	}
+}

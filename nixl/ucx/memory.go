@@ -1,0 +1,97 @@
+package ucx
+
+/*
+#include <stdlib.h>
+#include "ecx.h"
+*/
+import "C"
+
+import (
+	"unsafe"
+
+	"github.com/ecxfer/ecxfer/nixl"
+	"github.com/ecxfer/ecxfer/nixl/internal/enginekit"
+)
+
+// ---------------------------------------------------------------- memory
+
+// RegisterMem registers caller memory (outside the Go heap) with
+// ucp_mem_map. Regions may not overlap one another.
+func (a *Agent) RegisterMem(buf []byte, mem nixl.MemType, devID uint64) (nixl.MemID, error) {
+	if a.closed {
+		return 0, errClosed
+	}
+	if err := kit.CheckRegister(buf, mem); err != nil {
+		return 0, err
+	}
+	addr := uint64(uintptr(unsafe.Pointer(&buf[0])))
+	if err := a.mems.CheckOverlap(addr, uint64(len(buf))); err != nil {
+		return 0, err
+	}
+	var memh C.ucp_mem_h
+	var out unsafe.Pointer
+	st := C.ecx_mem_map(a.c, unsafe.Pointer(&buf[0]), C.size_t(len(buf)), 0, &memh, &out)
+	if st != 0 {
+		return 0, ucsErr(st, "ucx: mem_map")
+	}
+	return a.addMem(memh, addr, uint64(len(buf)), false)
+}
+
+// AllocMem allocates memory through UCX (UCP_MEM_MAP_ALLOCATE), which on
+// shared-memory transports lets peers read it without this agent
+// progressing. The pages are touched before it returns.
+func (a *Agent) AllocMem(length int, mem nixl.MemType, devID uint64) (nixl.MemID, []byte, error) {
+	if a.closed {
+		return 0, nil, errClosed
+	}
+	if err := kit.CheckAlloc(length, mem); err != nil {
+		return 0, nil, err
+	}
+	var memh C.ucp_mem_h
+	var out unsafe.Pointer
+	st := C.ecx_mem_map(a.c, nil, C.size_t(length), 1, &memh, &out)
+	if st != 0 {
+		return 0, nil, ucsErr(st, "ucx: mem_map(allocate)")
+	}
+	addr := uint64(uintptr(out))
+	if err := a.mems.CheckOverlap(addr, uint64(length)); err != nil {
+		C.ecx_mem_unmap(a.c, memh)
+		return 0, nil, err
+	}
+	id, err := a.addMem(memh, addr, uint64(length), true)
+	if err != nil {
+		return 0, nil, err
+	}
+	return id, unsafe.Slice((*byte)(out), length), nil
+}
+
+func (a *Agent) addMem(memh C.ucp_mem_h, addr, n uint64, alloc bool) (nixl.MemID, error) {
+	buf := C.malloc(maxRkeyLen)
+	rl := C.ecx_rkey_pack(a.c, memh, buf, maxRkeyLen)
+	if rl <= 0 {
+		C.free(buf)
+		C.ecx_mem_unmap(a.c, memh)
+		return 0, ucsErr(C.int(rl), "ucx: rkey_pack")
+	}
+	m := &memRegion{Region: enginekit.Region{ID: nixl.MemID(a.newID()), Addr: addr, Len: n}, memh: memh,
+		rkey: C.GoBytes(buf, C.int(rl)), alloc: alloc}
+	C.free(buf)
+	a.mems.Add(m)
+	return m.ID, nil
+}
+
+// DeregisterMem implements nixl.Agent.
+func (a *Agent) DeregisterMem(id nixl.MemID) error {
+	if a.closed {
+		return errClosed
+	}
+	m, err := a.mems.Removable(id)
+	if err != nil {
+		return err
+	}
+	a.mems.Remove(id)
+	if st := C.ecx_mem_unmap(a.c, m.memh); st != 0 {
+		return ucsErr(st, "ucx: mem_unmap")
+	}
+	return nil
+}

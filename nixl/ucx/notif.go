@@ -1,0 +1,54 @@
+package ucx
+
+/*
+#include <stdlib.h>
+#include "ecx.h"
+*/
+import "C"
+
+import (
+	"unsafe"
+
+	"github.com/ecxfer/ecxfer/nixl/internal/enginekit"
+)
+
+// ----------------------------------------------------------- notifications
+
+// SendNotif implements nixl.Agent.
+func (a *Agent) SendNotif(peerName string, msg []byte) error {
+	if a.closed {
+		return errClosed
+	}
+	p, err := enginekit.LivePeer(kit, a.peers, peerName)
+	if err != nil {
+		return err
+	}
+	if err := kit.CheckNotif(len(msg), a.cfg.MaxNotif); err != nil {
+		return err
+	}
+	var buf unsafe.Pointer
+	if len(msg) > 0 {
+		buf = C.CBytes(msg)
+	}
+	st := C.ecx_send_notif(a.c, p.ep, buf, C.uint32_t(len(msg)))
+	C.free(buf)
+	return ucsErr(st, "ucx: send notification")
+}
+
+// GetNotifs implements nixl.Agent.
+func (a *Agent) GetNotifs(dst map[string][][]byte) int {
+	if a.closed || a.c.notif_head == nil {
+		return 0
+	}
+	list := C.ecx_notif_take(a.c)
+	n := 0
+	for e := list; e != nil; e = e.next {
+		data := unsafe.Add(unsafe.Pointer(e), C.ECX_NOTIF_DATA_OFF)
+		name := C.GoStringN((*C.char)(data), C.int(e.hlen))
+		msg := C.GoBytes(unsafe.Add(data, e.hlen), C.int(e.plen))
+		dst[name] = append(dst[name], msg)
+		n++
+	}
+	C.ecx_notif_free(list)
+	return n
+}

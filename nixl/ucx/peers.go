@@ -1,0 +1,266 @@
+package ucx
+
+/*
+#include <stdlib.h>
+#include "ecx.h"
+*/
+import "C"
+
+import (
+	"bytes"
+	"errors"
+	"sort"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ecxfer/ecxfer/nixl"
+	"github.com/ecxfer/ecxfer/nixl/internal/enginekit"
+)
+
+// -------------------------------------------------------------- metadata
+
+// LocalMetadata implements nixl.Agent.
+func (a *Agent) LocalMetadata() ([]byte, error) {
+	if a.closed {
+		return nil, errClosed
+	}
+	m := &metadata{
+		Name: a.name, Host: a.host, Pid: uint64(a.pid), Start: a.start, UCX: a.ucxVer,
+		Worker: a.worker,
+	}
+	for _, r := range a.mems.Sorted() {
+		m.Region = append(m.Region, region{Addr: r.Addr, Len: r.Len, Rkey: r.rkey})
+	}
+	return encodeMetadata(m)
+}
+
+// LoadRemoteMetadata implements nixl.Agent; ErrNotAllowed (other metadata
+// under a loaded name) comes with that name. The blob is decoded and
+// validated in Go (structure, limits, checksum, UCX version and address
+// format) before any of its bytes reach UCX.
+func (a *Agent) LoadRemoteMetadata(md []byte) (string, error) {
+	if a.closed {
+		return "", errClosed
+	}
+	m, err := decodeMetadata(md)
+	if err != nil {
+		return "", err
+	}
+	if old := a.peers[m.Name]; old != nil {
+		if bytes.Equal(old.blob, md) {
+			return m.Name, nil
+		}
+		return m.Name, kit.OtherMetadata(m.Name)
+	}
+	if m.UCX>>16 != a.ucxVer>>16 {
+		return "", nixl.Errorf(nixl.ErrInvalidParam, "ucx: peer %q runs UCX %d.%d, this is %d.%d",
+			m.Name, m.UCX>>16, m.UCX&0xffff, a.ucxVer>>16, a.ucxVer&0xffff)
+	}
+	// The low nibble of a packed UCP worker address is its format version;
+	// a peer built against the same UCX writes the same one.
+	if m.Worker[0]&0xf != a.worker[0]&0xf {
+		return "", nixl.Errorf(nixl.ErrInvalidParam, "ucx: peer %q: worker address format %d, want %d",
+			m.Name, m.Worker[0]&0xf, a.worker[0]&0xf)
+	}
+	sameHost := m.Host == a.host
+	p := &peer{name: m.Name, blob: append([]byte(nil), md...), md: m, pidfd: -1,
+		inflight: map[nixl.XferID]*xfer{}, dlists: map[nixl.DlistID]*dlist{}}
+	switch a.cfg.ErrMode {
+	case ErrModePeer:
+		p.peerMode = true
+	case ErrModeAuto:
+		p.peerMode = !sameHost
+	}
+	if sameHost && !a.cfg.noPidfd {
+		fd, err := unix.PidfdOpen(int(m.Pid), unix.PIDFD_NONBLOCK)
+		if err != nil {
+			return "", nixl.Errorf(nixl.ErrRemoteDisconnect, "ucx: peer %q (pid %d): %v", m.Name, m.Pid, err)
+		}
+		// The pid may have been recycled; the start time tells.
+		if st, err := procStart(int(m.Pid)); err != nil || st != m.Start {
+			unix.Close(fd)
+			return "", nixl.Errorf(nixl.ErrRemoteDisconnect, "ucx: peer %q (pid %d) is gone", m.Name, m.Pid)
+		}
+		p.pidfd = fd
+	}
+	spans := make([]nixl.Span, len(m.Region))
+	p.regions = make([]peerRegion, len(m.Region))
+	for i, r := range m.Region {
+		spans[i] = nixl.Span{Addr: r.Addr, Len: r.Len}
+		p.regions[i] = peerRegion{addr: r.Addr, len: r.Len, rkey: uint32(i)}
+	}
+	sort.Slice(p.regions, func(i, j int) bool { return p.regions[i].addr < p.regions[j].addr })
+	if p.spans, err = nixl.NewSpanIndex(spans); err != nil {
+		a.closePidfd(p)
+		return "", err
+	}
+
+	a.nextTag++
+	p.tag = a.nextTag
+	waddr := C.CBytes(m.Worker)
+	mode := C.int(0)
+	if p.peerMode {
+		mode = 1
+	}
+	st := C.ecx_ep_create(a.c, waddr, mode, C.uint64_t(p.tag), &p.ep, &p.eparg)
+	C.free(waddr)
+	if st != 0 {
+		a.closePidfd(p)
+		return "", ucsErr(st, "ucx: ep_create")
+	}
+	if n := len(m.Region); n > 0 {
+		p.rkeys = (*C.ucp_rkey_h)(C.calloc(C.size_t(n), C.size_t(unsafe.Sizeof(C.ucp_rkey_h(nil)))))
+		rk := unsafe.Slice(p.rkeys, n)
+		for i, r := range m.Region {
+			buf := C.CBytes(r.Rkey)
+			st := C.ecx_rkey_unpack(p.ep, buf, &rk[i])
+			C.free(buf)
+			if st != 0 {
+				C.ecx_ep_close_rkeys(a.c, p.ep, p.eparg, 1, p.rkeys, C.uint32_t(n))
+				a.closePidfd(p)
+				return "", nixl.Errorf(nixl.ErrInvalidParam, "ucx: peer %q region %d: rkey_unpack: %s",
+					m.Name, i, C.GoString(C.ecx_status_string(st)))
+			}
+		}
+	}
+	if p.pidfd >= 0 {
+		if err := unix.EpollCtl(a.epfd, unix.EPOLL_CTL_ADD, p.pidfd,
+			&unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(p.pidfd)}); err != nil {
+			C.ecx_ep_close_rkeys(a.c, p.ep, p.eparg, 1, p.rkeys, C.uint32_t(len(m.Region)))
+			a.closePidfd(p)
+			return "", nixl.Errorf(nixl.ErrBackend, "ucx: epoll add pidfd: %v", err)
+		}
+		a.pidPeers = append(a.pidPeers, p)
+	}
+	a.peers[p.name] = p
+	a.peerTags[p.tag] = p
+	return p.name, nil
+}
+
+func (a *Agent) closePidfd(p *peer) {
+	if p.pidfd < 0 {
+		return
+	}
+	for i, q := range a.pidPeers {
+		if q == p {
+			a.pidPeers = append(a.pidPeers[:i], a.pidPeers[i+1:]...)
+			unix.EpollCtl(a.epfd, unix.EPOLL_CTL_DEL, p.pidfd, nil)
+			break
+		}
+	}
+	unix.Close(p.pidfd)
+	p.pidfd = -1
+}
+
+// failPeer ends every in-flight transfer to p with err and closes p's
+// endpoint (forced when the peer is dead or in PEER mode, flushed
+// otherwise), releasing its rkeys once nothing can use them.
+func (a *Agent) failPeer(p *peer, err error, force bool) {
+	if p.dead != nil {
+		return
+	}
+	p.dead = err
+	for id, x := range p.inflight {
+		a.failXfer(x, err)
+		delete(p.inflight, id)
+	}
+	f := C.int(0)
+	if force || p.peerMode {
+		f = 1
+	}
+	C.ecx_ep_close_rkeys(a.c, p.ep, p.eparg, f, p.rkeys, C.uint32_t(len(p.regions)))
+	p.ep, p.eparg, p.rkeys = nil, nil, nil
+	a.closePidfd(p)
+	delete(a.peerTags, p.tag)
+}
+
+func (a *Agent) failXfer(x *xfer, err error) {
+	if x.post != nil {
+		C.ecx_post_cancel(a.c, x.post)
+		x.post = nil
+	}
+	x.state = enginekit.Done
+	x.err = err
+	a.pending.Push(x.id, x.gen, err)
+}
+
+// pidAlive polls p's pidfd once.
+func pidAlive(p *peer) bool {
+	if p.pidfd < 0 {
+		return true
+	}
+	fds := [1]unix.PollFd{{Fd: int32(p.pidfd), Events: unix.POLLIN}}
+	n, err := unix.Poll(fds[:], 0)
+	return err != nil || n == 0
+}
+
+// InvalidateRemoteMetadata implements nixl.Agent.
+func (a *Agent) InvalidateRemoteMetadata(name string) error {
+	if a.closed {
+		return errClosed
+	}
+	p := a.peers[name]
+	if p == nil {
+		return kit.PeerNotFound(name)
+	}
+	alive := pidAlive(p)
+	a.failPeer(p, kit.Invalidated(name), !alive)
+	for _, d := range p.dlists {
+		d.valid = false
+	}
+	delete(a.peers, name)
+	return nil
+}
+
+// checkPids polls every pidfd once and fails the peers that died.
+func (a *Agent) checkPids() bool {
+	a.lastPoll = time.Now()
+	if len(a.pidPeers) == 0 {
+		return false
+	}
+	a.pollfds = a.pollfds[:0]
+	for _, p := range a.pidPeers {
+		a.pollfds = append(a.pollfds, unix.PollFd{Fd: int32(p.pidfd), Events: unix.POLLIN})
+	}
+	n, err := unix.Poll(a.pollfds, 0)
+	if err != nil || n == 0 {
+		return false
+	}
+	var died []*peer
+	for i, fd := range a.pollfds {
+		if fd.Revents != 0 {
+			died = append(died, a.pidPeers[i])
+		}
+	}
+	for _, p := range died {
+		a.failPeer(p, nixl.Errorf(nixl.ErrRemoteDisconnect, "ucx: peer %q (pid %d) exited", p.name, p.md.Pid), true)
+	}
+	return len(died) > 0
+}
+
+// drainPeerErrors handles endpoint errors UCX reported (PEER mode).
+func (a *Agent) drainPeerErrors() bool {
+	list := C.ecx_err_take(a.c)
+	if list == nil {
+		return false
+	}
+	for e := list; e != nil; e = e.next {
+		if p := a.peerTags[uint64(e.peer)]; p != nil {
+			a.failPeer(p, ucsErrDisconnect(C.int(e.status), "ucx: peer "+p.name), true)
+		}
+	}
+	C.ecx_err_free(list)
+	return true
+}
+
+// ucsErrDisconnect is ucsErr, but any failure of a whole endpoint is a
+// disconnect.
+func ucsErrDisconnect(st C.int, what string) error {
+	err := ucsErr(st, what)
+	if errors.Is(err, nixl.ErrRemoteDisconnect) {
+		return err
+	}
+	return nixl.Errorf(nixl.ErrRemoteDisconnect, "%s: %s", what, C.GoString(C.ecx_status_string(st)))
+}

@@ -1,0 +1,299 @@
+package ucx
+
+/*
+#include <stdlib.h>
+#include "ecx.h"
+*/
+import "C"
+
+import (
+	"fmt"
+	"sort"
+	"unsafe"
+
+	"github.com/ecxfer/ecxfer/descriptors"
+	"github.com/ecxfer/ecxfer/nixl"
+	"github.com/ecxfer/ecxfer/nixl/internal/enginekit"
+)
+
+// ----------------------------------------------------------------- dlists
+
+// PrepDlist implements nixl.Agent. Remote lists are checked against the
+// regions the peer advertised: the target does not bounds-check emulated
+// gets, so this check is what protects it.
+func (a *Agent) PrepDlist(peerName string, descs descriptors.List, mem nixl.MemType) (nixl.DlistID, error) {
+	if a.closed {
+		return 0, errClosed
+	}
+	if err := kit.CheckMem(mem); err != nil {
+		return 0, err
+	}
+	d := &dlist{descs: append(descriptors.List(nil), descs...), valid: true}
+	if peerName == "" {
+		if err := a.mems.Spans().CheckList(descs); err != nil {
+			return 0, err
+		}
+		d.mems, _ = a.mems.Covering(descs) // every descriptor was just checked
+		enginekit.AddRefs(d.mems, 1)
+	} else {
+		p, err := enginekit.LivePeer(kit, a.peers, peerName)
+		if err != nil {
+			return 0, err
+		}
+		if err := p.spans.CheckList(descs); err != nil {
+			return 0, err
+		}
+		d.peer = p
+		d.region = make([]uint32, len(descs))
+		for i, ds := range descs {
+			d.region[i] = uint32(p.regionAt(ds.Addr))
+		}
+	}
+	d.id = nixl.DlistID(a.newID())
+	a.dlists[d.id] = d
+	if d.peer != nil {
+		d.peer.dlists[d.id] = d
+	}
+	return d.id, nil
+}
+
+// regionAt returns the index in p.regions of the region containing addr.
+func (p *peer) regionAt(addr uint64) int {
+	return sort.Search(len(p.regions), func(i int) bool { return p.regions[i].addr > addr }) - 1
+}
+
+// ReleaseDlist implements nixl.Agent.
+func (a *Agent) ReleaseDlist(id nixl.DlistID) error {
+	if a.closed {
+		return errClosed
+	}
+	d := a.dlists[id]
+	if d == nil {
+		return kit.DlistNotFound(id)
+	}
+	enginekit.AddRefs(d.mems, -1)
+	if d.peer != nil {
+		delete(d.peer.dlists, id)
+	}
+	delete(a.dlists, id)
+	return nil
+}
+
+// -------------------------------------------------------------- transfers
+
+// MakeXfer implements nixl.Agent. Runs are merged (descriptors.MergeRuns)
+// and split again wherever they would cross from one remote region (one
+// rkey) into the next; the result is kept in C memory for PostXfer.
+func (a *Agent) MakeXfer(op nixl.Op, local nixl.DlistID, localIdx []int, remote nixl.DlistID, remoteIdx []int, notif []byte) (nixl.XferID, error) {
+	if a.closed {
+		return 0, errClosed
+	}
+	ld, rd, err := enginekit.XferLists(kit, a.dlists, op, local, remote, len(notif), a.cfg.MaxNotif)
+	if err != nil {
+		return 0, err
+	}
+	rs, err := kit.MergeRuns(&a.rangeBuf, ld.descs, rd.descs, localIdx, remoteIdx)
+	if err != nil {
+		return 0, err
+	}
+	p := rd.peer
+	// Count the pieces after splitting at remote region ends.
+	n := 0
+	for _, r := range rs {
+		n += p.pieces(r)
+	}
+	// Released requests are recycled with their C range arrays, so a
+	// steady stream of reads allocates nothing on the Go heap.
+	var x *xfer
+	if k := len(a.spare); k > 0 {
+		x = a.spare[k-1]
+		a.spare[k-1] = nil
+		a.spare = a.spare[:k-1]
+	} else {
+		x = &xfer{}
+	}
+	*x = xfer{id: nixl.XferID(a.newID()), op: op, peer: p, nranges: n, nlen: len(notif),
+		ranges: x.ranges, rcap: x.rcap}
+	if n > x.rcap {
+		C.free(unsafe.Pointer(x.ranges))
+		x.rcap = max(n, 16)
+		x.ranges = (*C.ecx_range_t)(C.malloc(C.size_t(x.rcap) * C.sizeof_ecx_range_t))
+	}
+	if n > 0 {
+		out := unsafe.Slice(x.ranges, n)
+		k := 0
+		for _, r := range rs {
+			for r.Len > 0 {
+				i := p.regionAt(r.Remote)
+				reg := p.regions[i]
+				l := min(r.Len, reg.addr+reg.len-r.Remote)
+				out[k] = C.ecx_range_t{local: C.uint64_t(r.Local), remote: C.uint64_t(r.Remote),
+					len: C.uint64_t(l), rkey: C.uint32_t(reg.rkey)}
+				k++
+				r.Local += l
+				r.Remote += l
+				r.Len -= l
+			}
+		}
+	}
+	if len(notif) > 0 {
+		x.notif = (*C.char)(C.CBytes(notif))
+	}
+	x.mems = ld.mems
+	enginekit.AddRefs(x.mems, 1)
+	a.xfers[x.id] = x
+	return x.id, nil
+}
+
+// pieces returns into how many gets r splits at remote region boundaries.
+func (p *peer) pieces(r descriptors.Range) int {
+	n := 0
+	for r.Len > 0 {
+		reg := p.regions[p.regionAt(r.Remote)]
+		l := min(r.Len, reg.addr+reg.len-r.Remote)
+		r.Remote += l
+		r.Len -= l
+		n++
+	}
+	return n
+}
+
+// PostXfer implements nixl.Agent: every get (or put) of the request is
+// posted by one cgo call.
+func (a *Agent) PostXfer(id nixl.XferID) error {
+	if a.closed {
+		return errClosed
+	}
+	x := a.xfers[id]
+	if x == nil {
+		return kit.XferNotFound(id)
+	}
+	if err := kit.CheckPost(id, x.state); err != nil {
+		return err
+	}
+	p := x.peer
+	if p.dead != nil {
+		return p.dead
+	}
+	op := C.int(C.ECX_OP_READ)
+	if x.op == nixl.Write {
+		op = C.ECX_OP_WRITE
+	}
+	// The out parameter lives in C memory: a Go variable whose address
+	// goes to C would escape to the heap on every post.
+	st := C.ecx_post(a.c, C.uint64_t(x.id), p.ep, op, x.ranges, C.uint32_t(x.nranges), p.rkeys,
+		unsafe.Pointer(x.notif), C.uint32_t(x.nlen), a.postOut)
+	if st != 0 {
+		return ucsErr(st, "ucx: post")
+	}
+	x.post = *a.postOut
+	x.state = enginekit.Inflight
+	x.err = nil
+	x.gen++
+	p.inflight[x.id] = x
+	return nil
+}
+
+// drainC moves completions from the C queue to the pending queue.
+func (a *Agent) drainC() {
+	buf := unsafe.Slice(a.compBuf, compBufLen)
+	for a.c.comp_head != nil {
+		n := int(C.ecx_drain(a.c, a.compBuf, compBufLen))
+		for _, e := range buf[:n] {
+			x := a.xfers[nixl.XferID(e.id)]
+			if x == nil || x.state != enginekit.Inflight {
+				continue
+			}
+			x.post = nil
+			x.state = enginekit.Done
+			if e.status != 0 {
+				x.err = ucsErr(C.int(e.status), fmt.Sprintf("ucx: xfer %d", x.id))
+			}
+			delete(x.peer.inflight, x.id)
+			a.pending.Push(x.id, x.gen, x.err)
+		}
+	}
+	if n := a.pending.Len(); n > 1024 && n > 2*len(a.xfers) {
+		a.pending.Compact(a.live)
+	}
+}
+
+// live reports whether a queued completion of post gen of request id may
+// still be reported.
+func (a *Agent) live(id nixl.XferID, gen uint64) bool {
+	x := a.xfers[id]
+	return x != nil && x.gen == gen && x.state == enginekit.Done
+}
+
+// XferStatus implements nixl.Agent. A request that was never posted reports
+// (false, ErrNotPosted).
+func (a *Agent) XferStatus(id nixl.XferID) (bool, error) {
+	if a.closed {
+		return true, errClosed
+	}
+	if a.c.comp_head != nil {
+		a.drainC()
+	}
+	x := a.xfers[id]
+	if x == nil {
+		return true, kit.XferNotFound(id)
+	}
+	switch x.state {
+	case enginekit.Idle:
+		return false, nixl.ErrNotPosted
+	case enginekit.Inflight:
+		return false, nil
+	}
+	return true, x.err
+}
+
+// ReleaseXfer implements nixl.Agent. An in-flight request is cancelled: its
+// outstanding UCX operations are asked to cancel and the C side frees the
+// request once every one of them has called back; no notification is sent.
+// Gets already on the wire may still land in local memory.
+func (a *Agent) ReleaseXfer(id nixl.XferID) error {
+	if a.closed {
+		return errClosed
+	}
+	x := a.xfers[id]
+	if x == nil {
+		return kit.XferNotFound(id)
+	}
+	if x.post != nil {
+		C.ecx_post_cancel(a.c, x.post)
+		x.post = nil
+	}
+	delete(x.peer.inflight, id)
+	a.freeXfer(x)
+	delete(a.xfers, id)
+	x.peer, x.err = nil, nil
+	if len(a.spare) < maxSpare {
+		a.spare = append(a.spare, x)
+	} else {
+		C.free(unsafe.Pointer(x.ranges))
+	}
+	return nil
+}
+
+// maxSpare bounds the released requests kept for reuse.
+const maxSpare = 1024
+
+func (a *Agent) freeXfer(x *xfer) {
+	if x.notif != nil {
+		C.free(unsafe.Pointer(x.notif))
+		x.notif = nil
+	}
+	enginekit.AddRefs(x.mems, -1)
+	x.mems = nil
+}
+
+// PollCompletions implements nixl.Agent.
+func (a *Agent) PollCompletions(dst []nixl.Completion) int {
+	if a.closed {
+		return 0
+	}
+	if a.c.comp_head != nil {
+		a.drainC()
+	}
+	return a.pending.Poll(dst, a.live)
+}
