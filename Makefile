@@ -9,13 +9,13 @@ DEBS      := libucx-dev ucx-utils pkg-config iproute2 python3-msgpack python3-ve
 SOAK      ?= 60s
 BENCHTIME ?= 1s
 
-.PHONY: all deps debs venv build test vet staticcheck fmt-check cgo-guard fuzz-seed fuzz run bench soak clean
+.PHONY: all deps debs venv nixl-venv build test vet staticcheck fmt-check cgo-guard fuzz-seed fuzz run bench soak clean
 
 all: build
 
 # Install the Debian packages ecxfer needs, only those that are missing,
 # then the project's Python virtual environment.
-deps: debs venv
+deps: debs venv nixl-venv
 
 debs:
 	@missing=""; for p in $(DEBS); do \
@@ -46,6 +46,19 @@ $(VENV_STAMP): $(VENV_REQS) | debs
 	@test -x $(VENV_PY) || $(PYTHON3) -m venv $(VENV)
 	$(VENV_PY) -m pip install -q --disable-pip-version-check $(addprefix -r ,$(VENV_REQS))
 	@cat $(VENV_REQS) > $@
+
+# NIXL's wheel in the same .venv (requirements-nixl.txt). --no-deps: the
+# wheel names torch (and with it CUDA) as a dependency, which nothing here
+# uses; the file lists what is needed instead. Its own stamp, so a second
+# run does nothing and needs no network.
+NIXL_REQS  := requirements-nixl.txt
+NIXL_STAMP := $(VENV)/.installed-nixl
+
+nixl-venv: $(NIXL_STAMP)
+
+$(NIXL_STAMP): $(NIXL_REQS) $(VENV_STAMP)
+	$(VENV_PY) -m pip install -q --disable-pip-version-check --no-deps -r $(NIXL_REQS)
+	@cat $(NIXL_REQS) > $@
 
 build: deps
 	$(GO) build $(PKGS)
