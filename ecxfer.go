@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"sync/atomic"
 	"time"
 	"unsafe"
@@ -82,7 +83,27 @@ type Config struct {
 	// Reactor tunes the event loop: CPU and NUMA pinning, idle strategy,
 	// batch size, ring and table sizes.
 	Reactor reactor.Options
+	// Logger receives structured events (the Event* constants: peers
+	// added, replaced, removed or dead, READs timed out, engine errors,
+	// the reactor's start and stop), never one per READ. Records carry an
+	// "agent" attribute with AgentName. Nil means silent. It is handed to
+	// the reactor unless Reactor.Logger is already set.
+	Logger *slog.Logger
 }
+
+// The structured events a Transport logs through Config.Logger: the
+// record's message is the event name. reactor's documentation lists each
+// event's attributes.
+const (
+	EventReactorStart = reactor.EventReactorStart
+	EventReactorStop  = reactor.EventReactorStop
+	EventPeerAdded    = reactor.EventPeerAdded
+	EventPeerReplaced = reactor.EventPeerReplaced
+	EventPeerRemoved  = reactor.EventPeerRemoved
+	EventPeerDead     = reactor.EventPeerDead
+	EventReadTimeout  = reactor.EventReadTimeout
+	EventEngineError  = reactor.EventEngineError
+)
 
 // DefaultXferTimeout is the XferTimeout used when Config leaves it zero.
 const DefaultXferTimeout = 20 * time.Second
@@ -111,6 +132,9 @@ func New(cfg Config) (*Transport, error) {
 	}
 	if err := checkConfig(&cfg); err != nil {
 		return nil, err
+	}
+	if cfg.Logger != nil && cfg.Reactor.Logger == nil {
+		cfg.Reactor.Logger = cfg.Logger.With(slog.String("agent", cfg.AgentName))
 	}
 	agent, err := newAgent(cfg)
 	if err != nil {

@@ -3,6 +3,7 @@ package reactor
 import (
 	"errors"
 	"fmt"
+	"log/slog"
 	"runtime"
 	"time"
 
@@ -24,6 +25,8 @@ func (r *Reactor) run(ready chan<- error) {
 		return
 	}
 	ready <- nil
+	r.logStart()
+	defer r.logStop()
 
 	events := make([]unix.EpollEvent, 4)
 	last := r.now()
@@ -148,7 +151,7 @@ func (r *Reactor) turn() bool {
 	if did, err := r.agent.Progress(); did {
 		work = true
 	} else if err != nil {
-		r.st.engineErrors.Add(1)
+		r.engineError("progress", err)
 	}
 	completed := 0
 	for {
@@ -225,7 +228,7 @@ func (r *Reactor) submit(h uint64) {
 		}
 	}
 	if err != nil {
-		r.st.engineErrors.Add(1)
+		r.engineError("post", err)
 		r.fail(h, s, codeOf(err))
 		return
 	}
@@ -320,7 +323,14 @@ func (r *Reactor) complete(c nixl.Completion) {
 	s := &r.tab.slots[h&r.tab.mask]
 	if c.Err != nil {
 		r.st.failed.Add(1)
-		r.finish(h, s, codeOf(c.Err))
+		code := codeOf(c.Err)
+		switch code {
+		case codeRemoteDisconnect:
+			r.peerDead(s.peer, c.Err.Error())
+		case codeEngine:
+			r.logEngineError("xfer", c.Err)
+		}
+		r.finish(h, s, code)
 		return
 	}
 	r.st.done.Add(1)
@@ -374,6 +384,7 @@ func (r *Reactor) onCancel(h uint64) {
 // needs looking at.
 func (r *Reactor) expire() int {
 	n := 0
+	peer := ""
 	for r.dlLen > 0 {
 		d := r.deadlines[r.dlHead]
 		s, w := r.tab.lookup(d.h)
@@ -385,10 +396,14 @@ func (r *Reactor) expire() int {
 		r.dlHead = (r.dlHead + 1) % len(r.deadlines)
 		r.dlLen--
 		if live {
+			if n == 0 {
+				peer = s.peer.Name
+			}
 			r.abort(d.h, codeTimeout)
 			n++
 		}
 	}
+	r.logTimeouts(n, peer)
 	return n
 }
 
@@ -414,10 +429,12 @@ func (r *Reactor) AddPeer(md []byte, descs descriptors.List) (string, error) {
 
 func (r *Reactor) addPeer(md []byte, descs descriptors.List) (string, error) {
 	name, err := r.agent.LoadRemoteMetadata(md)
+	restarted, failed := false, 0
 	if errors.Is(err, nixl.ErrNotAllowed) && name != "" {
 		// Changed metadata under a loaded name: the peer restarted.
 		if old := r.Peer(name); old != nil {
-			r.dropPeer(old, codeRemoteDisconnect)
+			failed = r.dropPeer(old, codeRemoteDisconnect)
+			restarted = true
 		} else if ierr := r.agent.InvalidateRemoteMetadata(name); ierr != nil {
 			return "", fmt.Errorf("%w: replacing %q: %v", ErrBadMetadata, name, ierr)
 		}
@@ -447,10 +464,20 @@ func (r *Reactor) addPeer(md []byte, descs descriptors.List) (string, error) {
 		// Same agent, a new block list: reads posted against the old list
 		// keep it until they finish, so it is released only when idle.
 		old.gone.Store(codeRemoteDisconnect)
-		r.failPeerReads(old, codeRemoteDisconnect)
+		failed = r.failPeerReads(old, codeRemoteDisconnect)
 		_ = r.agent.ReleaseDlist(old.dlist)
 	}
 	r.publishPeer(name, p)
+	switch {
+	case restarted:
+		r.logPeer(EventPeerReplaced, name, slog.String("why", "restarted"),
+			slog.Int("blocks", len(descs)), slog.Int("reads_failed", failed))
+	case old != nil:
+		r.logPeer(EventPeerReplaced, name, slog.String("why", "new block list"),
+			slog.Int("blocks", len(descs)), slog.Int("reads_failed", failed))
+	default:
+		r.logPeer(EventPeerAdded, name, slog.Int("blocks", len(descs)))
+	}
 	return name, nil
 }
 
@@ -465,25 +492,32 @@ func (r *Reactor) RemovePeer(name string) error {
 		if p == nil {
 			return wrapf(ErrUnknownPeer, "%q", name)
 		}
-		r.dropPeer(p, codeCanceled)
+		n := r.dropPeer(p, codeCanceled)
+		r.logPeer(EventPeerRemoved, name, slog.Int("reads_canceled", n))
 		return nil
 	})
 }
 
-func (r *Reactor) dropPeer(p *Peer, code uint64) {
+// dropPeer forgets p, ending its reads in flight with code; it returns how
+// many there were.
+func (r *Reactor) dropPeer(p *Peer, code uint64) int {
 	p.gone.Store(code)
-	r.failPeerReads(p, code)
+	n := r.failPeerReads(p, code)
 	_ = r.agent.ReleaseDlist(p.dlist)
 	_ = r.agent.InvalidateRemoteMetadata(p.Name)
 	r.publishPeer(p.Name, nil)
+	return n
 }
 
-func (r *Reactor) failPeerReads(p *Peer, code uint64) {
+func (r *Reactor) failPeerReads(p *Peer, code uint64) int {
+	n := 0
 	for _, h := range r.xfers {
 		if r.tab.slots[h&r.tab.mask].peer == p {
 			r.abort(h, code)
+			n++
 		}
 	}
+	return n
 }
 
 func (r *Reactor) publishPeer(name string, p *Peer) {

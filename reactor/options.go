@@ -2,6 +2,7 @@ package reactor
 
 import (
 	"fmt"
+	"log/slog"
 	"time"
 )
 
@@ -84,6 +85,12 @@ type Options struct {
 	WaitWhenBusy bool
 	// MaxNotif is the longest notification accepted (default 64 KiB).
 	MaxNotif int
+
+	// Logger receives the reactor's structured events (the Event*
+	// constants); nil means silent. Records are emitted on the reactor
+	// thread, rarely (never per READ), so a slow handler only delays the
+	// loop when something noteworthy happens.
+	Logger *slog.Logger
 }
 
 func (o Options) withDefaults() (Options, error) {

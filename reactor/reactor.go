@@ -37,6 +37,8 @@ type Peer struct {
 	md    []byte
 	dlist nixl.DlistID
 	gone  atomic.Uint64 // 0 while usable; else the error code its reads end with
+
+	deadLogged bool // loop only: EventPeerDead was logged
 }
 
 type local struct {
@@ -84,6 +86,7 @@ type Reactor struct {
 	waiters atomic.Int32
 
 	st counters
+	ev events
 
 	// Loop-only state.
 	stop      bool
@@ -122,6 +125,7 @@ func Start(agent nixl.Agent, opts Options) (*Reactor, error) {
 		notifTmp: map[string][][]byte{},
 		wakeFD:   -1,
 		epollFD:  -1,
+		ev:       events{log: o.Logger},
 	}
 	// Every slot can be released in flight at most once before the reactor
 	// frees it, so a cancel ring as large as the table is never full.
