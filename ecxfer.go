@@ -7,7 +7,6 @@ import (
 	"log/slog"
 	"sync/atomic"
 	"time"
-	"unsafe"
 
 	"github.com/ecxfer/ecxfer/descriptors"
 	"github.com/ecxfer/ecxfer/internal/affinity"
@@ -208,7 +207,7 @@ func (t *Transport) setup() error {
 				return fmt.Errorf("%w: %v", ErrConfig, err)
 			}
 		}
-		base := uint64(uintptr(unsafe.Pointer(unsafe.SliceData(region))))
+		base := nixl.Addr(region)
 		descs := descriptors.BuildBlockDescs(base, t.cfg.NumBlocks, uint64(t.cfg.BlockSize), 0)
 		dl, err := a.PrepDlist("", descs, nixl.DRAM)
 		if err != nil {

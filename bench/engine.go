@@ -6,7 +6,6 @@ import (
 	"runtime"
 	"sync"
 	"time"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -50,7 +49,7 @@ func openBare(backend, name string, bs, nblocks int) (*bareSide, error) {
 		_ = a.Close()
 		return nil, fmt.Errorf("allocating %d bytes: %w", bs*nblocks, err)
 	}
-	base := uint64(uintptr(unsafe.Pointer(unsafe.SliceData(region))))
+	base := nixl.Addr(region)
 	return &bareSide{agent: a, region: region, descs: descriptors.BuildBlockDescs(base, nblocks, uint64(bs), 0)}, nil
 }
 

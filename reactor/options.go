@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"log/slog"
 	"time"
+
+	"github.com/ecxfer/ecxfer/nixl"
 )
 
 // IdleStrategy says what the reactor does when a loop turn found no work.
@@ -83,7 +85,8 @@ type Options struct {
 	// WaitWhenBusy makes Post wait for room instead of returning ErrBusy
 	// when the ring or the table is full.
 	WaitWhenBusy bool
-	// MaxNotif is the longest notification accepted (default 64 KiB).
+	// MaxNotif is the longest notification accepted (default
+	// nixl.DefaultMaxNotif, 64 KiB).
 	MaxNotif int
 
 	// Logger receives the reactor's structured events (the Event*
@@ -116,7 +119,7 @@ func (o Options) withDefaults() (Options, error) {
 		o.Handles = 4096
 	}
 	if o.MaxNotif == 0 {
-		o.MaxNotif = 64 << 10
+		o.MaxNotif = nixl.DefaultMaxNotif
 	}
 	switch {
 	case o.SpinFor < 0 || o.YieldFor < 0 || o.ParkTimeout < 0:

@@ -20,9 +20,6 @@ import (
 	"github.com/ecxfer/ecxfer/nixl/internal/enginekit"
 )
 
-// DefaultMaxNotif is the default limit on notification size.
-const DefaultMaxNotif = 64 << 10
-
 // maxNameLen bounds agent names.
 const maxNameLen = 256
 
@@ -39,7 +36,7 @@ type Config struct {
 	// values may not contain '=' or newlines. Nil: taken from
 	// $ECXFER_NIXL_PARAMS ("key=value,key=value"), if set.
 	BackendParams map[string]string
-	// MaxNotif limits notification size; 0 means DefaultMaxNotif.
+	// MaxNotif limits notification size; 0 means nixl.DefaultMaxNotif.
 	MaxNotif int
 }
 
@@ -147,7 +144,7 @@ var _ nixl.Agent = (*Agent)(nil)
 // found the error wraps ErrNotInstalled; when it cannot be used,
 // ErrBadLibrary.
 func New(cfg Config) (*Agent, error) {
-	if err := kit.CheckConfig(cfg.Name, maxNameLen, &cfg.MaxNotif, DefaultMaxNotif); err != nil {
+	if err := kit.CheckConfig(cfg.Name, maxNameLen, &cfg.MaxNotif, nixl.DefaultMaxNotif); err != nil {
 		return nil, err
 	}
 	if cfg.BackendParams == nil {

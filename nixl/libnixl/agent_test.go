@@ -237,7 +237,7 @@ func TestAgentBadXfers(t *testing.T) {
 	}
 	_, err := cons.a.MakeXfer(nixl.Read, rdl, []int{0}, cons.local, []int{0}, nil)
 	require.ErrorIs(t, err, nixl.ErrInvalidParam)
-	_, err = cons.a.MakeXfer(nixl.Read, cons.local, []int{0}, rdl, []int{0}, make([]byte, DefaultMaxNotif+1))
+	_, err = cons.a.MakeXfer(nixl.Read, cons.local, []int{0}, rdl, []int{0}, make([]byte, nixl.DefaultMaxNotif+1))
 	require.ErrorIs(t, err, nixl.ErrInvalidParam)
 	id, err := cons.a.MakeXfer(nixl.Read, cons.local, []int{0}, rdl, []int{0}, nil)
 	require.NoError(t, err)

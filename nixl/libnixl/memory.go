@@ -7,8 +7,6 @@ package libnixl
 import "C"
 
 import (
-	"unsafe"
-
 	"golang.org/x/sys/unix"
 
 	"github.com/ecxfer/ecxfer/nixl"
@@ -30,7 +28,7 @@ func (a *Agent) RegisterMem(buf []byte, mem nixl.MemType, devID uint64) (nixl.Me
 }
 
 func (a *Agent) register(buf []byte, devID uint64, mapped []byte) (nixl.MemID, error) {
-	addr := uint64(uintptr(unsafe.Pointer(unsafe.SliceData(buf))))
+	addr := nixl.Addr(buf)
 	n := uint64(len(buf))
 	if err := a.mems.CheckOverlap(addr, n); err != nil {
 		return 0, err

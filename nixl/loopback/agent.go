@@ -8,7 +8,6 @@ import (
 	"time"
 	"unicode"
 	"unicode/utf8"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -209,8 +208,6 @@ func checkMemType(mem nixl.MemType) error {
 	return nixl.Errorf(nixl.ErrInvalidParam, "loopback: unknown memory type %d", uint8(mem))
 }
 
-func bufAddr(b []byte) uint64 { return uint64(uintptr(unsafe.Pointer(unsafe.SliceData(b)))) }
-
 // RegisterMem registers buf (DRAM only). The agent keeps the slice, so Go
 // heap memory works too, unlike with the real engines. Empty buffers and
 // buffers overlapping a registered region fail with nixl.ErrInvalidParam.
@@ -252,7 +249,7 @@ func (a *Agent) AllocMem(length int, mem nixl.MemType, devID uint64) (nixl.MemID
 }
 
 func (a *Agent) addRegion(buf []byte, mapped bool) (nixl.MemID, error) {
-	addr := bufAddr(buf)
+	addr := nixl.Addr(buf)
 	n := uint64(len(buf))
 	if addr+n < addr {
 		return 0, nixl.Errorf(nixl.ErrInvalidParam, "loopback: buffer at %#x wraps", addr)

@@ -158,7 +158,7 @@ func TestMemory(t *testing.T) {
 			buf[i] = byte(i) // writable
 		}
 		// A prepared list pins the region.
-		d, err := a.PrepDlist("", descriptors.List{{Addr: bufAddr(buf) + 10, Len: 100}}, nixl.DRAM)
+		d, err := a.PrepDlist("", descriptors.List{{Addr: nixl.Addr(buf) + 10, Len: 100}}, nixl.DRAM)
 		must(t, err)
 		mustIs(t, a.DeregisterMem(id), nixl.ErrNotAllowed)
 		must(t, a.ReleaseDlist(d))
@@ -170,9 +170,9 @@ func TestPrepDlist(t *testing.T) {
 	p := newSide(t, "prep-p")
 	c := newSide(t, "prep-c")
 	link(t, c, p)
-	base := bufAddr(p.buf)
+	base := nixl.Addr(p.buf)
 	size := uint64(len(p.buf))
-	cbase := bufAddr(c.buf)
+	cbase := nixl.Addr(c.buf)
 
 	tests := []struct {
 		name  string

@@ -99,7 +99,7 @@ func newSide(t testing.TB, name string, opts ...Option) *side {
 	a := newAgent(t, name, opts...)
 	mem, buf, err := a.AllocMem(blockSize*numBlocks, nixl.DRAM, 0)
 	must(t, err)
-	s := &side{a: a, mem: mem, buf: buf, descs: descriptors.BuildBlockDescs(bufAddr(buf), numBlocks, blockSize, 0)}
+	s := &side{a: a, mem: mem, buf: buf, descs: descriptors.BuildBlockDescs(nixl.Addr(buf), numBlocks, blockSize, 0)}
 	s.dlocal, err = a.PrepDlist("", s.descs, nixl.DRAM)
 	must(t, err)
 	return s

@@ -65,7 +65,7 @@ func TestMetadataRoundTrip(t *testing.T) {
 	if m.name != "md-a" || m.inc != a.Incarnation() {
 		t.Fatalf("decoded %q/%d", m.name, m.inc)
 	}
-	for _, sp := range []nixl.Span{{Addr: bufAddr(b1), Len: 4096}, {Addr: bufAddr(heap), Len: 100}} {
+	for _, sp := range []nixl.Span{{Addr: nixl.Addr(b1), Len: 4096}, {Addr: nixl.Addr(heap), Len: 100}} {
 		if !m.spans.Contains(sp.Addr, sp.Len) || m.spans.Contains(sp.Addr, sp.Len+1) {
 			t.Fatalf("span %+v not advertised exactly", sp)
 		}
@@ -215,7 +215,7 @@ func TestLoadDeadIncarnation(t *testing.T) {
 	// Loads, but the peer is unreachable.
 	name, err := c.a.LoadRemoteMetadata(md)
 	must(t, err)
-	d, err := c.a.PrepDlist(name, descriptors.List{{Addr: bufAddr(buf), Len: blockSize}}, nixl.DRAM)
+	d, err := c.a.PrepDlist(name, descriptors.List{{Addr: nixl.Addr(buf), Len: blockSize}}, nixl.DRAM)
 	must(t, err)
 	x, err := c.a.MakeXfer(nixl.Read, c.dlocal, []int{0}, d, []int{0}, []byte("n"))
 	must(t, err)

@@ -49,11 +49,6 @@ func (m ErrMode) String() string {
 	return fmt.Sprintf("ErrMode(%d)", int(m))
 }
 
-// DefaultMaxNotif is the default limit on notification size. Notifications
-// are sent eagerly and copied by the receiver inside its handler; the limit
-// keeps that copy small.
-const DefaultMaxNotif = 64 << 10
-
 // Config configures New. UCX itself is tuned only through its own
 // environment variables (UCX_TLS, UCX_NET_DEVICES, ...), read by UCX.
 type Config struct {
@@ -61,7 +56,7 @@ type Config struct {
 	Name string
 	// ErrMode picks the error-handling mode of endpoints (see ErrMode).
 	ErrMode ErrMode
-	// MaxNotif limits notification size; 0 means DefaultMaxNotif. At most
+	// MaxNotif limits notification size; 0 means nixl.DefaultMaxNotif. At most
 	// 1 MiB.
 	MaxNotif int
 	// LivenessPoll is how often Progress polls the pidfds of same-host
@@ -180,7 +175,7 @@ var _ nixl.Agent = (*Agent)(nil)
 // New creates an agent: one UCP context (RMA, AM, WAKEUP), one worker in
 // single-thread mode and an epoll set for EventFD.
 func New(cfg Config) (*Agent, error) {
-	if err := kit.CheckConfig(cfg.Name, maxNameLen, &cfg.MaxNotif, DefaultMaxNotif); err != nil {
+	if err := kit.CheckConfig(cfg.Name, maxNameLen, &cfg.MaxNotif, nixl.DefaultMaxNotif); err != nil {
 		return nil, err
 	}
 	if cfg.LivenessPoll <= 0 {

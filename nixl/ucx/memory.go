@@ -24,7 +24,7 @@ func (a *Agent) RegisterMem(buf []byte, mem nixl.MemType, devID uint64) (nixl.Me
 	if err := kit.CheckRegister(buf, mem); err != nil {
 		return 0, err
 	}
-	addr := uint64(uintptr(unsafe.Pointer(&buf[0])))
+	addr := nixl.Addr(buf)
 	if err := a.mems.CheckOverlap(addr, uint64(len(buf))); err != nil {
 		return 0, err
 	}

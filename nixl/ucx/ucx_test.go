@@ -250,7 +250,7 @@ func TestValidation(t *testing.T) {
 	require.ErrorIs(t, err, nixl.ErrInvalidParam)
 	_, err = c.MakeXfer(nixl.Read, p.local, []int{1}, p.remote, []int{testBlocks}, nil)
 	require.ErrorIs(t, err, nixl.ErrInvalidParam)
-	_, err = c.MakeXfer(nixl.Read, p.local, []int{1}, p.remote, []int{1}, make([]byte, DefaultMaxNotif+1))
+	_, err = c.MakeXfer(nixl.Read, p.local, []int{1}, p.remote, []int{1}, make([]byte, nixl.DefaultMaxNotif+1))
 	require.ErrorIs(t, err, nixl.ErrInvalidParam)
 	_, err = c.MakeXfer(nixl.Read, p.remote, []int{1}, p.local, []int{1}, nil)
 	require.ErrorIs(t, err, nixl.ErrInvalidParam)
@@ -258,7 +258,7 @@ func TestValidation(t *testing.T) {
 	require.NoError(t, err)
 	_, err = c.MakeXfer(nixl.Read, half, []int{0}, p.remote, []int{0}, nil)
 	require.ErrorIs(t, err, nixl.ErrMismatch)
-	require.ErrorIs(t, c.SendNotif("producer", make([]byte, DefaultMaxNotif+1)), nixl.ErrInvalidParam)
+	require.ErrorIs(t, c.SendNotif("producer", make([]byte, nixl.DefaultMaxNotif+1)), nixl.ErrInvalidParam)
 
 	// Memory in use by a list cannot be deregistered.
 	mid, buf, err := c.AllocMem(4096, nixl.DRAM, 0)
