@@ -1,0 +1,264 @@
+package shmview
+
+import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+
+	"golang.org/x/sys/unix"
+)
+
+// ErrBadAdvert reports advertisement bytes that do not decode.
+var ErrBadAdvert = errors.New("shmview: bad advertisement")
+
+// Kind says how a consumer reaches an advertised region.
+type Kind uint8
+
+const (
+	// KindFile: map the file Path at Offset.
+	KindFile Kind = 1
+	// KindProc: no file; read the producer's memory with a kernel copy
+	// (process_vm_readv) at Base.
+	KindProc Kind = 2
+)
+
+func (k Kind) String() string {
+	switch k {
+	case KindFile:
+		return "file"
+	case KindProc:
+		return "proc"
+	}
+	return "Kind(" + strconv.Itoa(int(k)) + ")"
+}
+
+// Host identifies a kernel and the namespaces a process sees: two processes
+// with equal Hosts can open each other's /proc entries and files.
+type Host struct {
+	Boot  string // /proc/sys/kernel/random/boot_id
+	NetNS uint64 // inode of /proc/self/ns/net
+	PidNS uint64 // inode of /proc/self/ns/pid
+	MntNS uint64 // inode of /proc/self/ns/mnt
+}
+
+// LocalHost returns this process's Host.
+func LocalHost() (Host, error) {
+	boot, err := os.ReadFile("/proc/sys/kernel/random/boot_id")
+	if err != nil {
+		return Host{}, fmt.Errorf("shmview: %w", err)
+	}
+	h := Host{Boot: strings.TrimSpace(string(boot))}
+	if len(h.Boot) > maxBoot {
+		h.Boot = h.Boot[:maxBoot]
+	}
+	for _, ns := range []struct {
+		name string
+		dst  *uint64
+	}{{"net", &h.NetNS}, {"pid", &h.PidNS}, {"mnt", &h.MntNS}} {
+		var st unix.Stat_t
+		if err := unix.Stat("/proc/self/ns/"+ns.name, &st); err != nil {
+			return Host{}, fmt.Errorf("shmview: stat /proc/self/ns/%s: %w", ns.name, err)
+		}
+		*ns.dst = st.Ino
+	}
+	return h, nil
+}
+
+// Advert is what a producer publishes about its region.
+type Advert struct {
+	Kind  Kind
+	Host  Host
+	PID   uint32 // the producer's process
+	Start uint64 // its start time (clock ticks after boot): pid plus start names one process
+	Base  uint64 // the region's address in the producer; descriptors are relative to it
+	Size  uint64 // the region's length
+	// KindFile only.
+	Path   string
+	Offset uint64 // file offset of the region's first byte
+	Dev    uint64 // the file's identity, checked after opening Path
+	Ino    uint64
+}
+
+const (
+	advMagic   = "ECXA"
+	advVersion = 1
+	maxBoot    = 64
+	maxPath    = 4096
+	advFixed   = 4 + 1 + 1 + 4 + 8*10 // magic, version, kind, pid, ten u64
+	// trailer after the advertisement in wrapped metadata
+	wrapMagic = "ECXDIRv1"
+	wrapTail  = 4 + len(wrapMagic)
+)
+
+// Append appends the encoded advertisement to b.
+func (a *Advert) Append(b []byte) []byte {
+	b = append(b, advMagic...)
+	b = append(b, advVersion, byte(a.Kind))
+	b = binary.LittleEndian.AppendUint32(b, a.PID)
+	for _, v := range [...]uint64{a.Start, a.Base, a.Size, a.Offset, a.Dev, a.Ino,
+		a.Host.NetNS, a.Host.PidNS, a.Host.MntNS, 0} {
+		b = binary.LittleEndian.AppendUint64(b, v)
+	}
+	b = append(b, byte(len(a.Host.Boot)))
+	b = append(b, a.Host.Boot...)
+	b = binary.LittleEndian.AppendUint16(b, uint16(len(a.Path)))
+	return append(b, a.Path...)
+}
+
+// Validate checks the fields an encoder or a decoder must agree on.
+func (a *Advert) Validate() error {
+	bad := func(format string, args ...any) error {
+		return fmt.Errorf("%w: "+format, append([]any{ErrBadAdvert}, args...)...)
+	}
+	switch {
+	case a.Kind != KindFile && a.Kind != KindProc:
+		return bad("kind %d", a.Kind)
+	case a.PID == 0 || a.PID > 1<<22:
+		return bad("pid %d", a.PID)
+	case a.Size == 0:
+		return bad("empty region")
+	case a.Base+a.Size < a.Base:
+		return bad("region [%#x, +%d) wraps", a.Base, a.Size)
+	case len(a.Host.Boot) == 0 || len(a.Host.Boot) > maxBoot || !printable(a.Host.Boot):
+		return bad("boot id %q", a.Host.Boot)
+	}
+	if a.Kind == KindProc {
+		if a.Path != "" || a.Offset != 0 || a.Dev != 0 || a.Ino != 0 {
+			return bad("process advertisement carries file fields")
+		}
+		return nil
+	}
+	switch {
+	case len(a.Path) == 0 || len(a.Path) > maxPath || a.Path[0] != '/' || strings.IndexByte(a.Path, 0) >= 0:
+		return bad("path %q", a.Path)
+	case a.Offset+a.Size < a.Offset || a.Offset+a.Size > 1<<62:
+		return bad("file window [%d, +%d)", a.Offset, a.Size)
+	}
+	return nil
+}
+
+func printable(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if s[i] < '!' || s[i] > '~' {
+			return false
+		}
+	}
+	return true
+}
+
+// DecodeAdvert decodes exactly one advertisement. It is strict: unknown
+// versions, trailing bytes and inconsistent fields are errors.
+func DecodeAdvert(b []byte) (Advert, error) {
+	var a Advert
+	if len(b) < advFixed+1+2 || string(b[:4]) != advMagic {
+		return a, fmt.Errorf("%w: %d bytes, no header", ErrBadAdvert, len(b))
+	}
+	if b[4] != advVersion {
+		return a, fmt.Errorf("%w: version %d", ErrBadAdvert, b[4])
+	}
+	a.Kind = Kind(b[5])
+	a.PID = binary.LittleEndian.Uint32(b[6:])
+	var u [10]uint64
+	for i := range u {
+		u[i] = binary.LittleEndian.Uint64(b[10+8*i:])
+	}
+	a.Start, a.Base, a.Size, a.Offset, a.Dev, a.Ino = u[0], u[1], u[2], u[3], u[4], u[5]
+	a.Host.NetNS, a.Host.PidNS, a.Host.MntNS = u[6], u[7], u[8]
+	if u[9] != 0 {
+		return Advert{}, fmt.Errorf("%w: reserved field set", ErrBadAdvert)
+	}
+	rest := b[advFixed:]
+	n := int(rest[0])
+	if len(rest) < 1+n+2 {
+		return Advert{}, fmt.Errorf("%w: boot id truncated", ErrBadAdvert)
+	}
+	a.Host.Boot = string(rest[1 : 1+n])
+	rest = rest[1+n:]
+	m := int(binary.LittleEndian.Uint16(rest))
+	rest = rest[2:]
+	if len(rest) != m {
+		return Advert{}, fmt.Errorf("%w: path of %d bytes, %d left", ErrBadAdvert, m, len(rest))
+	}
+	a.Path = string(rest)
+	if err := a.Validate(); err != nil {
+		return Advert{}, err
+	}
+	return a, nil
+}
+
+// Wrap returns the engine metadata md with the advertisement appended in a
+// trailer that Split recognises. md itself is not modified.
+func Wrap(md []byte, a *Advert) []byte {
+	out := make([]byte, 0, len(md)+advFixed+3+len(a.Host.Boot)+len(a.Path)+wrapTail)
+	out = append(out, md...)
+	n := len(out)
+	out = a.Append(out)
+	out = binary.LittleEndian.AppendUint32(out, uint32(len(out)-n))
+	return append(out, wrapMagic...)
+}
+
+// Split takes a trailer added by Wrap off metadata. Metadata without one
+// comes back whole with a nil advertisement; a trailer that does not decode
+// is an error.
+func Split(b []byte) ([]byte, *Advert, error) {
+	if len(b) < wrapTail || !bytes.HasSuffix(b, []byte(wrapMagic)) {
+		return b, nil, nil
+	}
+	n := uint64(binary.LittleEndian.Uint32(b[len(b)-wrapTail:]))
+	if n > uint64(len(b)-wrapTail) {
+		return nil, nil, fmt.Errorf("%w: trailer claims %d bytes of %d", ErrBadAdvert, n, len(b)-wrapTail)
+	}
+	end := len(b) - wrapTail
+	a, err := DecodeAdvert(b[end-int(n) : end])
+	if err != nil {
+		return nil, nil, err
+	}
+	return b[:end-int(n)], &a, nil
+}
+
+// SameHost reports whether h and o are one kernel and one set of
+// namespaces.
+func (h Host) SameHost(o Host) bool { return h == o }
+
+// procStart returns the start time of pid (field 22 of /proc/<pid>/stat).
+func procStart(pid int) (uint64, error) {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return 0, err
+	}
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return 0, fmt.Errorf("/proc/%d/stat: no ')'", pid)
+	}
+	f := strings.Fields(string(b[i+1:]))
+	if len(f) < 20 {
+		return 0, fmt.Errorf("/proc/%d/stat: %d fields", pid, len(f))
+	}
+	return strconv.ParseUint(f[19], 10, 64)
+}
+
+// Self fills the host and process fields of an advertisement for this
+// process.
+func Self(a *Advert) error {
+	h, err := LocalHost()
+	if err != nil {
+		return err
+	}
+	start, err := procStart(os.Getpid())
+	if err != nil {
+		return fmt.Errorf("shmview: %w", err)
+	}
+	a.Host, a.PID, a.Start = h, uint32(os.Getpid()), start
+	return nil
+}
+
+// Alive reports whether the advertised process still runs (the pid exists
+// and has the advertised start time).
+func (a *Advert) Alive() bool {
+	s, err := procStart(int(a.PID))
+	return err == nil && s == a.Start
+}

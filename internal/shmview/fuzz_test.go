@@ -1,0 +1,60 @@
+package shmview
+
+import (
+	"bytes"
+	"strings"
+	"testing"
+)
+
+func FuzzDecodeAdvert(f *testing.F) {
+	a := testAdvert()
+	f.Add(a.Append(nil))
+	p := Advert{Kind: KindProc, Host: Host{Boot: "b"}, PID: 7, Base: 4096, Size: 10}
+	f.Add(p.Append(nil))
+	f.Add([]byte("ECXA"))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		got, err := DecodeAdvert(b)
+		if err != nil {
+			return
+		}
+		// What decodes re-encodes to the same bytes and validates.
+		if !bytes.Equal(got.Append(nil), b) {
+			t.Fatalf("re-encoding differs")
+		}
+		if got.Validate() != nil {
+			t.Fatal("decoded advert does not validate")
+		}
+	})
+}
+
+func FuzzSplit(f *testing.F) {
+	a := testAdvert()
+	f.Add(Wrap([]byte("md"), &a))
+	f.Add([]byte("plain metadata"))
+	f.Add([]byte("ECXDIRv1"))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		md, adv, err := Split(b)
+		if err != nil || adv == nil {
+			return
+		}
+		if !bytes.Equal(Wrap(md, adv), b) {
+			t.Fatal("Wrap(Split(b)) != b")
+		}
+	})
+}
+
+func FuzzParseMapsLine(f *testing.F) {
+	f.Add("7f0000000000-7f0000010000 rw-s 00000000 00:1a 42  /dev/shm/a file")
+	f.Add("7f0000030000-7f0000040000 rw-s 00000000 00:01 44  /memfd:x (deleted)")
+	f.Add("00400000-00452000 r-xp 00000000 08:02 173521")
+	f.Fuzz(func(t *testing.T, line string) {
+		m, err := parseMapsLine(line)
+		if err != nil {
+			return
+		}
+		if m.hi <= m.lo {
+			t.Fatalf("accepted empty range %+v", m)
+		}
+		_, _ = findIn(strings.NewReader(line+"\n"), m.lo, m.hi)
+	})
+}

@@ -1,0 +1,444 @@
+package shmview
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ecxfer/ecxfer/internal/leakcheck"
+)
+
+const childEnv = "SHMVIEW_TEST_CHILD"
+
+func TestMain(m *testing.M) {
+	if os.Getenv(childEnv) == "write-view" {
+		childWriteView()
+		return
+	}
+	os.Exit(m.Run())
+}
+
+// shmFile creates a /dev/shm file of size bytes mapped MAP_SHARED, like
+// vLLM's region, and removes it at the end of the test.
+func shmFile(t testing.TB, size int) ([]byte, string) {
+	t.Helper()
+	path := filepath.Join("/dev/shm", fmt.Sprintf("ecxfer_shmview_test_%d_%s", os.Getpid(), strings.ReplaceAll(t.Name(), "/", "_")))
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_TRUNC, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if err := f.Truncate(int64(size)); err != nil {
+		t.Fatal(err)
+	}
+	mem, err := unix.Mmap(int(f.Fd()), 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = unix.Munmap(mem); _ = os.Remove(path) })
+	return mem, path
+}
+
+func fill(b []byte, seed byte) {
+	for i := range b {
+		b[i] = seed + byte(i*7)
+	}
+}
+
+func TestFindSharedFile(t *testing.T) {
+	mem, path := shmFile(t, 1<<20)
+	b, err := Find(mem[8192:16384])
+	if err != nil {
+		t.Fatal(err)
+	}
+	var st unix.Stat_t
+	if err := unix.Stat(path, &st); err != nil {
+		t.Fatal(err)
+	}
+	if b.Path != path || b.Offset != 8192 || b.Dev != st.Dev || b.Ino != st.Ino {
+		t.Fatalf("Find = %+v, want %s at 8192 (%#x, %d)", b, path, st.Dev, st.Ino)
+	}
+}
+
+func TestFindRefuses(t *testing.T) {
+	anon, err := unix.Mmap(-1, 0, 1<<16, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_ANONYMOUS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(anon)
+	if _, err := Find(anon); !errors.Is(err, ErrNoFile) {
+		t.Errorf("anonymous shared memory: %v, want ErrNoFile", err)
+	}
+	heap := make([]byte, 100)
+	if _, err := Find(heap); !errors.Is(err, ErrNoFile) {
+		t.Errorf("Go heap: %v, want ErrNoFile", err)
+	}
+	if _, err := Find(nil); !errors.Is(err, ErrNoFile) {
+		t.Errorf("empty: %v, want ErrNoFile", err)
+	}
+	// A private mapping of a file is not shared with anyone.
+	_, path := shmFile(t, 1<<16)
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	priv, err := unix.Mmap(int(f.Fd()), 0, 1<<16, unix.PROT_READ, unix.MAP_PRIVATE)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(priv)
+	if _, err := Find(priv); !errors.Is(err, ErrNoFile) {
+		t.Errorf("private file mapping: %v, want ErrNoFile", err)
+	}
+}
+
+func TestFindInListing(t *testing.T) {
+	const maps = `00400000-00452000 r-xp 00000000 08:02 173521      /usr/bin/dbus-daemon
+7f0000000000-7f0000010000 rw-s 00000000 00:1a 42  /dev/shm/a file
+7f0000010000-7f0000020000 r--s 00010000 00:1a 42  /dev/shm/a file
+7f0000020000-7f0000030000 rw-s 00000000 00:1a 43  /dev/shm/b
+7f0000030000-7f0000040000 rw-s 00000000 00:01 44  /memfd:x (deleted)
+7f0000040000-7f0000050000 rw-p 00000000 00:00 0
+`
+	cases := []struct {
+		lo, hi uint64
+		want   Backing
+		err    bool
+	}{
+		{0x7f0000000000, 0x7f0000020000, Backing{"/dev/shm/a file", 0, unix.Mkdev(0, 0x1a), 42}, false},
+		{0x7f0000008000, 0x7f0000018000, Backing{"/dev/shm/a file", 0x8000, unix.Mkdev(0, 0x1a), 42}, false},
+		{0x7f0000018000, 0x7f0000028000, Backing{}, true}, // two files
+		{0x7f0000030000, 0x7f0000031000, Backing{}, true}, // deleted
+		{0x7f0000040000, 0x7f0000041000, Backing{}, true}, // private anonymous
+		{0x7f0000050000, 0x7f0000051000, Backing{}, true}, // unmapped
+		{0x7f000004f000, 0x7f0000051000, Backing{}, true}, // runs off the end
+	}
+	for _, c := range cases {
+		got, err := findIn(strings.NewReader(maps), c.lo, c.hi)
+		if c.err != (err != nil) || (!c.err && got != c.want) {
+			t.Errorf("[%#x, %#x): %+v, %v; want %+v (error %v)", c.lo, c.hi, got, err, c.want, c.err)
+		}
+	}
+	if _, err := findIn(strings.NewReader("zzz\n"), 1, 2); err == nil {
+		t.Error("garbage listing accepted")
+	}
+}
+
+func testAdvert() Advert {
+	return Advert{Kind: KindFile, Host: Host{Boot: "2b4e1c5a-0000-4000-8000-000000000001", NetNS: 1, PidNS: 2, MntNS: 3},
+		PID: 1234, Start: 99, Base: 0x7f0000000000, Size: 1 << 20, Path: "/dev/shm/vllm_ec_x.mmap", Offset: 4096, Dev: 5, Ino: 6}
+}
+
+func TestAdvertRoundTrip(t *testing.T) {
+	for _, a := range []Advert{testAdvert(), {Kind: KindProc, Host: Host{Boot: "b"}, PID: 7, Base: 4096, Size: 10}} {
+		b := a.Append(nil)
+		got, err := DecodeAdvert(b)
+		if err != nil || got != a {
+			t.Fatalf("round trip of %+v: %+v, %v", a, got, err)
+		}
+		md := []byte("engine metadata")
+		w := Wrap(md, &a)
+		m, p, err := Split(w)
+		if err != nil || p == nil || *p != a || !bytes.Equal(m, md) {
+			t.Fatalf("Split(Wrap) = %q, %+v, %v", m, p, err)
+		}
+	}
+	m, p, err := Split([]byte("plain"))
+	if err != nil || p != nil || string(m) != "plain" {
+		t.Fatalf("Split of plain metadata = %q, %v, %v", m, p, err)
+	}
+}
+
+func TestAdvertHostile(t *testing.T) {
+	a := testAdvert()
+	good := a.Append(nil)
+	mut := func(f func(b []byte) []byte) []byte { return f(append([]byte(nil), good...)) }
+	cases := map[string][]byte{
+		"empty":      nil,
+		"short":      good[:20],
+		"magic":      mut(func(b []byte) []byte { b[0] = 'X'; return b }),
+		"version":    mut(func(b []byte) []byte { b[4] = 2; return b }),
+		"kind":       mut(func(b []byte) []byte { b[5] = 9; return b }),
+		"trailing":   append(append([]byte(nil), good...), 0),
+		"truncated":  good[:len(good)-1],
+		"reserved":   mut(func(b []byte) []byte { b[10+8*9] = 1; return b }),
+		"zero size":  (&Advert{Kind: KindFile, Host: a.Host, PID: 1, Base: 1, Path: "/x"}).Append(nil),
+		"wraps":      (&Advert{Kind: KindFile, Host: a.Host, PID: 1, Base: ^uint64(0), Size: 2, Path: "/x"}).Append(nil),
+		"rel path":   (&Advert{Kind: KindFile, Host: a.Host, PID: 1, Base: 1, Size: 2, Path: "x"}).Append(nil),
+		"nul path":   (&Advert{Kind: KindFile, Host: a.Host, PID: 1, Base: 1, Size: 2, Path: "/x\x00"}).Append(nil),
+		"no boot":    (&Advert{Kind: KindFile, PID: 1, Base: 1, Size: 2, Path: "/x"}).Append(nil),
+		"pid 0":      (&Advert{Kind: KindFile, Host: a.Host, Base: 1, Size: 2, Path: "/x"}).Append(nil),
+		"proc+path":  (&Advert{Kind: KindProc, Host: a.Host, PID: 1, Base: 1, Size: 2, Path: "/x"}).Append(nil),
+		"file range": (&Advert{Kind: KindFile, Host: a.Host, PID: 1, Base: 1, Size: 2, Offset: ^uint64(0), Path: "/x"}).Append(nil),
+	}
+	for name, b := range cases {
+		if _, err := DecodeAdvert(b); !errors.Is(err, ErrBadAdvert) {
+			t.Errorf("%s: %v, want ErrBadAdvert", name, err)
+		}
+	}
+	w := Wrap([]byte("md"), &a)
+	w[len(w)-wrapTail] = 0xff // length larger than the blob
+	if _, _, err := Split(w); !errors.Is(err, ErrBadAdvert) {
+		t.Errorf("oversized trailer: %v", err)
+	}
+	w = Wrap([]byte("md"), &a)
+	w[2] = 'Y' // corrupt the advertisement's magic
+	if _, _, err := Split(w); !errors.Is(err, ErrBadAdvert) {
+		t.Errorf("corrupt trailer: %v", err)
+	}
+}
+
+func TestSelfAlive(t *testing.T) {
+	a, err := ProcAdvert(make([]byte, 10))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !a.Alive() {
+		t.Fatal("this process is not alive")
+	}
+	h, err := LocalHost()
+	if err != nil || !h.SameHost(a.Host) {
+		t.Fatalf("LocalHost %+v, %v; advert %+v", h, err, a.Host)
+	}
+	a.Start++
+	if a.Alive() {
+		t.Fatal("a different start time counts as alive")
+	}
+}
+
+func TestOpenMemfd(t *testing.T) {
+	leakcheck.Check(t)
+	base := Mapped()
+	r, err := Alloc("test", 3*4096+100)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	fill(r.Mem, 1)
+	a, err := r.Advert()
+	if err != nil {
+		t.Fatal(err)
+	}
+	v, err := Open(&a)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(v.Bytes(), r.Mem) {
+		t.Fatal("view differs from the region")
+	}
+	r.Mem[5000] = 0xAB // the view is shared, not a snapshot
+	got, ok := v.Slice(a.Base+5000, 1)
+	if !ok || got[0] != 0xAB {
+		t.Fatalf("Slice = %v, %v", got, ok)
+	}
+	for _, c := range []struct{ addr, n uint64 }{
+		{a.Base - 1, 1}, {a.Base + a.Size, 1}, {a.Base + a.Size - 1, 2}, {a.Base, a.Size + 1}, {a.Base + 10, ^uint64(0)},
+	} {
+		if _, ok := v.Slice(c.addr, c.n); ok || a.Contains(c.addr, c.n) {
+			t.Errorf("[%#x, +%d) outside the region accepted", c.addr, c.n)
+		}
+	}
+	if Mapped() != base+1 {
+		t.Fatalf("Mapped = %d, want %d", Mapped(), base+1)
+	}
+	v.Close()
+	v.Close()
+	if Mapped() != base {
+		t.Fatalf("Mapped = %d after Close, want %d", Mapped(), base)
+	}
+}
+
+func TestOpenSharedFileAtOffset(t *testing.T) {
+	mem, _ := shmFile(t, 1<<20)
+	fill(mem, 3)
+	region := mem[4096+512 : 4096+512+10000] // not page aligned
+	a, err := FileAdvert(region)
+	if err != nil {
+		t.Fatal(err)
+	}
+	v, err := Open(&a)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer v.Close()
+	if !bytes.Equal(v.Bytes(), region) {
+		t.Fatal("view of an unaligned window differs")
+	}
+}
+
+func TestOpenRefuses(t *testing.T) {
+	leakcheck.Check(t)
+	r, err := Alloc("test", 8192)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	a, _ := r.Advert()
+	for name, f := range map[string]func(a *Advert){
+		"other inode": func(a *Advert) { a.Ino++ },
+		"other dev":   func(a *Advert) { a.Dev++ },
+		"too large":   func(a *Advert) { a.Size = 8193 },
+		"past end":    func(a *Advert) { a.Offset = 4096 },
+		"no file":     func(a *Advert) { a.Path = "/nonexistent/x" },
+		"directory":   func(a *Advert) { a.Path = "/dev/shm" },
+		"proc kind":   func(a *Advert) { *a = Advert{Kind: KindProc, Host: a.Host, PID: a.PID, Base: a.Base, Size: a.Size} },
+	} {
+		b := a
+		f(&b)
+		if v, err := Open(&b); err == nil {
+			v.Close()
+			t.Errorf("%s: opened", name)
+		}
+	}
+}
+
+func TestRefcount(t *testing.T) {
+	r, err := Alloc("test", 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	fill(r.Mem, 9)
+	a, _ := r.Advert()
+	base := Mapped()
+	v, err := Open(&a)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !v.Acquire() {
+		t.Fatal("Acquire failed on an open view")
+	}
+	v.Close()
+	if v.Acquire() {
+		t.Fatal("Acquire succeeded after Close")
+	}
+	// The running copy still reads the mapping.
+	dst := make([]byte, 4096)
+	if err := Copy(dst, v.Bytes()); err != nil || !bytes.Equal(dst, r.Mem) {
+		t.Fatalf("copy after Close: %v", err)
+	}
+	if Mapped() != base+1 {
+		t.Fatal("unmapped under a running copy")
+	}
+	v.Release()
+	if Mapped() != base {
+		t.Fatal("not unmapped after the last release")
+	}
+}
+
+func TestRefcountRace(t *testing.T) {
+	r, err := Alloc("test", 1<<16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	a, _ := r.Advert()
+	base := Mapped()
+	for range 50 {
+		v, err := Open(&a)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var wg sync.WaitGroup
+		for range 4 {
+			wg.Go(func() {
+				dst := make([]byte, 1<<16)
+				for range 20 {
+					if !v.Acquire() {
+						return
+					}
+					if err := Copy(dst, v.Bytes()); err != nil {
+						t.Error(err)
+					}
+					v.Release()
+				}
+			})
+		}
+		v.Close()
+		wg.Wait()
+	}
+	if Mapped() != base {
+		t.Fatalf("Mapped = %d, want %d", Mapped(), base)
+	}
+}
+
+// A producer that truncates its file makes the consumer's next read of the
+// lost pages fault; Copy turns that into ErrFault.
+func TestCopyTruncated(t *testing.T) {
+	r, err := Alloc("test", 1<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	fill(r.Mem, 5)
+	a, _ := r.Advert()
+	v, err := Open(&a)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer v.Close()
+	dst := make([]byte, 1<<20)
+	if err := Copy(dst, v.Bytes()); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Ftruncate(r.FD(), 4096); err != nil {
+		t.Fatal(err)
+	}
+	if err := Copy(dst[:4096], v.Bytes()[:4096]); err != nil {
+		t.Fatalf("copy of the page that is left: %v", err)
+	}
+	if err := Copy(dst, v.Bytes()); !errors.Is(err, ErrFault) {
+		t.Fatalf("copy past the truncation: %v, want ErrFault", err)
+	}
+	// The goroutine's setting is restored.
+	func() {
+		defer func() {
+			if recover() == nil {
+				t.Error("nil dereference did not panic")
+			}
+		}()
+		var p *int
+		_ = *p
+	}()
+}
+
+func childWriteView() {
+	r, err := Alloc("child", 4096)
+	if err != nil {
+		fmt.Println("alloc:", err)
+		os.Exit(2)
+	}
+	a, _ := r.Advert()
+	v, err := Open(&a)
+	if err != nil {
+		fmt.Println("open:", err)
+		os.Exit(2)
+	}
+	fmt.Println("writing")
+	v.Bytes()[0] = 1 // must fault: the view is PROT_READ
+	fmt.Println("wrote")
+	os.Exit(0)
+}
+
+// The consumer's view is read-only: a write through it kills the writer
+// (here a child process), and the producer's bytes are untouched.
+func TestViewReadOnly(t *testing.T) {
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), childEnv+"=write-view", "GOTRACEBACK=single")
+	out, err := cmd.CombinedOutput()
+	if err == nil || !strings.Contains(string(out), "writing") || strings.Contains(string(out), "wrote") {
+		t.Fatalf("write through the view: err %v, output:\n%s", err, out)
+	}
+	if !strings.Contains(string(out), "SIGSEGV") && !strings.Contains(string(out), "unexpected fault") {
+		t.Fatalf("child did not die of a fault:\n%s", out)
+	}
+}

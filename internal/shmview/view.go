@@ -1,0 +1,131 @@
+package shmview
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"sync/atomic"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// ErrIdentity reports a file that is not the one advertised, or too small
+// for the advertised window.
+var ErrIdentity = errors.New("shmview: advertised file does not match")
+
+// View is a read-only mapping of a peer's region. It is reference counted:
+// the opener holds one reference, each copy that Acquires it another, and
+// the mapping goes away when the last is released.
+type View struct {
+	adv  Advert
+	mem  []byte // the whole mapping, page aligned
+	data []byte // the region: data[0] is the byte at adv.Base
+	refs atomic.Int64
+	shut atomic.Bool
+}
+
+// mapped counts the views currently mapped in this process (leak checks).
+var mapped atomic.Int64
+
+// Mapped returns how many views are mapped right now.
+func Mapped() int64 { return mapped.Load() }
+
+func baseOf(b []byte) uint64 { return uint64(uintptr(unsafe.Pointer(unsafe.SliceData(b)))) }
+
+// Open maps an advertised file region read-only. The opened file must have
+// the advertised identity and hold the whole window.
+func Open(a *Advert) (*View, error) {
+	if err := a.Validate(); err != nil {
+		return nil, err
+	}
+	if a.Kind != KindFile {
+		return nil, fmt.Errorf("%w: %s advertisement has no file", ErrNoFile, a.Kind)
+	}
+	if uint64(int(a.Size)) != a.Size || int(a.Size) < 0 {
+		return nil, fmt.Errorf("%w: region of %d bytes", ErrBadAdvert, a.Size)
+	}
+	fd, err := unix.Open(a.Path, unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NOCTTY, 0)
+	if err != nil {
+		return nil, fmt.Errorf("shmview: open %s: %w", a.Path, err)
+	}
+	defer unix.Close(fd)
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return nil, fmt.Errorf("shmview: fstat %s: %w", a.Path, err)
+	}
+	switch {
+	case st.Dev != a.Dev || st.Ino != a.Ino:
+		return nil, fmt.Errorf("%w: %s is (%#x, %d), advertised (%#x, %d)", ErrIdentity, a.Path, st.Dev, st.Ino, a.Dev, a.Ino)
+	case st.Mode&unix.S_IFMT != unix.S_IFREG:
+		return nil, fmt.Errorf("%w: %s is not a regular file", ErrIdentity, a.Path)
+	case st.Size < 0 || uint64(st.Size) < a.Offset+a.Size:
+		return nil, fmt.Errorf("%w: %s has %d bytes, window ends at %d", ErrIdentity, a.Path, st.Size, a.Offset+a.Size)
+	}
+	page := uint64(os.Getpagesize())
+	skew := a.Offset % page
+	mem, err := unix.Mmap(fd, int64(a.Offset-skew), int(a.Size+skew), unix.PROT_READ, unix.MAP_SHARED)
+	if err != nil {
+		return nil, fmt.Errorf("shmview: mmap %s: %w", a.Path, err)
+	}
+	v := &View{adv: *a, mem: mem, data: mem[skew : skew+a.Size : skew+a.Size]}
+	v.refs.Store(1)
+	mapped.Add(1)
+	return v, nil
+}
+
+// Advert returns the advertisement the view was opened from.
+func (v *View) Advert() Advert { return v.adv }
+
+// Bytes returns the whole mapped region. It is valid while the caller
+// holds a reference.
+func (v *View) Bytes() []byte { return v.data }
+
+// Slice returns the n bytes at producer address addr, or false when they
+// are not all inside the advertised region.
+func (v *View) Slice(addr, n uint64) ([]byte, bool) {
+	off := addr - v.adv.Base
+	if addr < v.adv.Base || off > v.adv.Size || n > v.adv.Size-off {
+		return nil, false
+	}
+	return v.data[off : off+n : off+n], true
+}
+
+// Contains reports whether [addr, addr+n) is inside the advertised region.
+func (a *Advert) Contains(addr, n uint64) bool {
+	off := addr - a.Base
+	return addr >= a.Base && off <= a.Size && n <= a.Size-off
+}
+
+// Acquire takes a reference for a copy. It fails once Close has been
+// called: a closed view accepts no new copies.
+func (v *View) Acquire() bool {
+	for {
+		n := v.refs.Load()
+		if n <= 0 || v.shut.Load() {
+			return false
+		}
+		if v.refs.CompareAndSwap(n, n+1) {
+			return true
+		}
+	}
+}
+
+// Release drops a reference taken by Acquire.
+func (v *View) Release() {
+	switch n := v.refs.Add(-1); {
+	case n == 0:
+		_ = unix.Munmap(v.mem)
+		mapped.Add(-1)
+	case n < 0:
+		panic("shmview: View released more often than acquired")
+	}
+}
+
+// Close drops the opener's reference: no new copies may start, and the
+// mapping goes once the running ones end. Idempotent.
+func (v *View) Close() {
+	if !v.shut.Swap(true) {
+		v.Release()
+	}
+}
