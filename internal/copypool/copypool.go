@@ -1,0 +1,194 @@
+// Package copypool runs large copies on a few worker threads.
+//
+// A direct READ of a same-host peer is a memcpy. A small one is cheapest
+// done by the caller; a large one (an image is 4–30 MB) would make PostRead
+// block for milliseconds and, done by one thread, leaves memory bandwidth
+// unused: two threads copying halves of a 28.8 MB image beat one even on
+// two cores. The pool splits a job into chunks, hands them to its workers
+// (pinned, if asked, to the CPUs the reactor is told to use) and calls the
+// job's Done once, from the worker that finished the last chunk.
+//
+// A Job is owned by the caller and reused: submitting one allocates
+// nothing.
+package copypool
+
+import (
+	"errors"
+	"fmt"
+	"runtime"
+	"runtime/debug"
+	"sync"
+	"sync/atomic"
+
+	"github.com/ecxfer/ecxfer/internal/affinity"
+)
+
+// ErrClosed is passed to Done for chunks a closed pool did not run.
+var ErrClosed = errors.New("copypool: closed")
+
+// Options size the pool.
+type Options struct {
+	// Workers is the number of copy threads (default 2).
+	Workers int
+	// CPUs, when not empty, pins worker i to CPUs[i%len(CPUs)].
+	CPUs []int
+	// Chunk is the smallest piece a job is cut into, in bytes (default
+	// 256 KiB). A job is cut into at most 4 pieces per worker.
+	Chunk int
+	// Queue is how many chunks may wait (default 1024). A submitter that
+	// finds the queue full runs the chunk itself.
+	Queue int
+}
+
+// Job is one copy. Set Run and Done before the first Submit; a Job may be
+// submitted again once its Done has been called.
+type Job struct {
+	// Run copies bytes [lo, hi) of the job. Workers call it concurrently
+	// for disjoint ranges.
+	Run func(lo, hi int) error
+	// Done is called exactly once per Submit, after every chunk has
+	// returned, with the first error a chunk reported (or nil).
+	Done func(err error)
+
+	pending atomic.Int32
+	failed  atomic.Bool
+	err     error
+}
+
+type chunk struct {
+	j      *Job
+	lo, hi int
+}
+
+// Pool is a set of copy workers.
+type Pool struct {
+	opts    Options
+	ch      chan chunk
+	wg      sync.WaitGroup
+	mu      sync.RWMutex // held shared by Submit, exclusively by Close
+	closed  bool
+	workers int
+}
+
+// New starts the workers.
+func New(o Options) (*Pool, error) {
+	if o.Workers == 0 {
+		o.Workers = 2
+	}
+	if o.Chunk == 0 {
+		o.Chunk = 256 << 10
+	}
+	if o.Queue == 0 {
+		o.Queue = 1024
+	}
+	switch {
+	case o.Workers < 0 || o.Workers > 256:
+		return nil, fmt.Errorf("copypool: %d workers (1..256)", o.Workers)
+	case o.Chunk < 0 || o.Queue < 0:
+		return nil, fmt.Errorf("copypool: chunk %d, queue %d", o.Chunk, o.Queue)
+	}
+	p := &Pool{opts: o, ch: make(chan chunk, o.Queue), workers: o.Workers}
+	errs := make(chan error, o.Workers)
+	for i := range o.Workers {
+		p.wg.Add(1)
+		go p.work(i, errs)
+	}
+	var first error
+	for range o.Workers {
+		if err := <-errs; err != nil && first == nil {
+			first = err
+		}
+	}
+	if first != nil {
+		p.Close()
+		return nil, first
+	}
+	return p, nil
+}
+
+// Workers returns the number of workers.
+func (p *Pool) Workers() int { return p.workers }
+
+func (p *Pool) work(i int, ready chan<- error) {
+	defer p.wg.Done()
+	if len(p.opts.CPUs) > 0 {
+		// Never unlocked: the pinned thread is retired with the worker.
+		runtime.LockOSThread()
+		if err := affinity.PinThread(p.opts.CPUs[i%len(p.opts.CPUs)]); err != nil {
+			ready <- err
+			return
+		}
+	}
+	debug.SetPanicOnFault(true)
+	ready <- nil
+	for c := range p.ch {
+		run(c)
+	}
+}
+
+// run copies one chunk and finishes the job if it was the last.
+func run(c chunk) {
+	if err := c.j.Run(c.lo, c.hi); err != nil {
+		c.j.fail(err)
+	}
+	c.j.chunkDone()
+}
+
+func (j *Job) fail(err error) {
+	if j.failed.CompareAndSwap(false, true) {
+		j.err = err
+	}
+}
+
+func (j *Job) chunkDone() {
+	if j.pending.Add(-1) == 0 {
+		err := j.err
+		j.err = nil
+		j.failed.Store(false)
+		j.Done(err)
+	}
+}
+
+// Chunks returns how many pieces Submit cuts a job of total bytes into.
+func (p *Pool) Chunks(total int) int {
+	n := (total + p.opts.Chunk - 1) / p.opts.Chunk
+	return max(1, min(n, 4*p.workers))
+}
+
+// Submit cuts bytes [0, total) of j into chunks and queues them. It does
+// not wait for the copy; j.Done reports the end. On a closed pool Done is
+// called at once with ErrClosed.
+func (p *Pool) Submit(j *Job, total int) {
+	n := p.Chunks(total)
+	j.pending.Store(int32(n))
+	p.mu.RLock()
+	if p.closed {
+		p.mu.RUnlock()
+		j.fail(ErrClosed)
+		j.pending.Store(1)
+		j.chunkDone()
+		return
+	}
+	for i := range n {
+		c := chunk{j: j, lo: total * i / n, hi: total * (i + 1) / n}
+		select {
+		case p.ch <- c:
+		default:
+			// The queue is full: copying here is slower for this caller
+			// but never leaves it waiting for the workers.
+			run(c)
+		}
+	}
+	p.mu.RUnlock()
+}
+
+// Close stops the workers after the queued chunks have run. Idempotent.
+func (p *Pool) Close() {
+	p.mu.Lock()
+	if !p.closed {
+		p.closed = true
+		close(p.ch)
+	}
+	p.mu.Unlock()
+	p.wg.Wait()
+}

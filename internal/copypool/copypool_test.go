@@ -1,0 +1,230 @@
+package copypool
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+
+	"github.com/ecxfer/ecxfer/internal/affinity"
+	"github.com/ecxfer/ecxfer/internal/leakcheck"
+)
+
+// copyJob copies src into dst through the pool.
+type copyJob struct {
+	Job
+	dst, src []byte
+	done     chan error
+	calls    int
+}
+
+func newCopyJob(dst, src []byte) *copyJob {
+	c := &copyJob{dst: dst, src: src, done: make(chan error, 1)}
+	c.Run = func(lo, hi int) error { copy(c.dst[lo:hi], c.src[lo:hi]); return nil }
+	c.Done = func(err error) { c.calls++; c.done <- err }
+	return c
+}
+
+func TestCopy(t *testing.T) {
+	leakcheck.Check(t)
+	p, err := New(Options{Workers: 3, Chunk: 1000})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	for _, n := range []int{1, 999, 1000, 1001, 12345, 1 << 20} {
+		src := bytes.Repeat([]byte{byte(n), 1, 2, 3, 4, 5, 6}, n/7+1)[:n]
+		dst := make([]byte, n)
+		j := newCopyJob(dst, src)
+		for round := range 3 {
+			clear(dst)
+			p.Submit(&j.Job, n)
+			if err := <-j.done; err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(dst, src) {
+				t.Fatalf("%d bytes, round %d: copy differs", n, round)
+			}
+		}
+		if j.calls != 3 {
+			t.Fatalf("Done called %d times for 3 submits", j.calls)
+		}
+	}
+	if got := p.Chunks(1 << 30); got != 12 {
+		t.Fatalf("Chunks(1 GiB) = %d, want 4 per worker", got)
+	}
+}
+
+func TestFirstErrorWins(t *testing.T) {
+	p, err := New(Options{Workers: 2, Chunk: 10})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	boom := errors.New("boom")
+	j := newCopyJob(nil, nil)
+	j.Run = func(lo, hi int) error {
+		if lo == 0 {
+			return boom
+		}
+		return nil
+	}
+	p.Submit(&j.Job, 100)
+	if err := <-j.done; !errors.Is(err, boom) {
+		t.Fatalf("Done(%v), want boom", err)
+	}
+	// The error does not stick to the next submit.
+	j.Run = func(lo, hi int) error { return nil }
+	p.Submit(&j.Job, 100)
+	if err := <-j.done; err != nil {
+		t.Fatalf("second submit: %v", err)
+	}
+}
+
+func TestQueueFullRunsInline(t *testing.T) {
+	p, err := New(Options{Workers: 1, Chunk: 1, Queue: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	// Hold the only worker, then fill the one queue place.
+	block, started := make(chan struct{}), make(chan struct{})
+	holder := newCopyJob(nil, nil)
+	holder.Run = func(lo, hi int) error { close(started); <-block; return nil }
+	p.Submit(&holder.Job, 1)
+	<-started
+	filler := newCopyJob(nil, nil)
+	filler.Run = func(lo, hi int) error { return nil }
+	p.Submit(&filler.Job, 1)
+	// Every chunk of this job finds the queue full and runs here, so it
+	// is done before the worker is let go.
+	j := newCopyJob(nil, nil)
+	ran := 0
+	j.Run = func(lo, hi int) error { ran++; return nil }
+	p.Submit(&j.Job, 4)
+	select {
+	case err := <-j.done:
+		if err != nil || ran != 4 {
+			t.Fatalf("inline job: %v, %d chunks", err, ran)
+		}
+	default:
+		t.Fatal("Submit returned before running the chunks the full queue refused")
+	}
+	close(block)
+	<-holder.done
+	<-filler.done
+}
+
+func TestClosed(t *testing.T) {
+	leakcheck.Check(t)
+	p, err := New(Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.Close()
+	p.Close()
+	j := newCopyJob(make([]byte, 10), make([]byte, 10))
+	p.Submit(&j.Job, 10)
+	if err := <-j.done; !errors.Is(err, ErrClosed) {
+		t.Fatalf("submit after close: %v", err)
+	}
+}
+
+func TestOptions(t *testing.T) {
+	for _, o := range []Options{{Workers: -1}, {Workers: 1000}, {Chunk: -1}, {Queue: -1}, {CPUs: []int{1 << 20}}} {
+		if p, err := New(o); err == nil {
+			p.Close()
+			t.Errorf("%+v accepted", o)
+		}
+	}
+	cpus, err := affinity.Allowed()
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := New(Options{Workers: 2, CPUs: cpus[:1]})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.Close()
+}
+
+func TestRace(t *testing.T) {
+	p, err := New(Options{Workers: 2, Chunk: 512})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	var wg sync.WaitGroup
+	for g := range 4 {
+		wg.Go(func() {
+			src := bytes.Repeat([]byte{byte(g)}, 10000)
+			dst := make([]byte, len(src))
+			j := newCopyJob(dst, src)
+			for range 50 {
+				clear(dst)
+				p.Submit(&j.Job, len(src))
+				if err := <-j.done; err != nil || !bytes.Equal(dst, src) {
+					t.Errorf("goroutine %d: %v", g, err)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+}
+
+func TestZeroAllocs(t *testing.T) {
+	p, err := New(Options{Workers: 2, Chunk: 4096})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	src := make([]byte, 1<<20)
+	dst := make([]byte, 1<<20)
+	j := newCopyJob(dst, src)
+	allocs := testing.AllocsPerRun(200, func() {
+		p.Submit(&j.Job, len(src))
+		<-j.done
+	})
+	if allocs != 0 {
+		t.Fatalf("%.2f allocations per job, want 0", allocs)
+	}
+}
+
+// BenchmarkImage copies an 880 x 32 KiB image through 1, 2 and 4 workers
+// next to one plain copy; the source is larger than the caches.
+func BenchmarkImage(b *testing.B) {
+	const size = 880 * 32 << 10
+	src := make([]byte, 8*size) // rotate through 8 images so none is cached
+	for i := range src {
+		src[i] = byte(i)
+	}
+	dst := make([]byte, size)
+	b.Run("memcpy", func(b *testing.B) {
+		b.SetBytes(size)
+		i := 0
+		for b.Loop() {
+			copy(dst, src[i*size:(i+1)*size])
+			i = (i + 1) % 8
+		}
+	})
+	for _, w := range []int{1, 2, 4} {
+		b.Run(fmt.Sprintf("workers=%d", w), func(b *testing.B) {
+			p, err := New(Options{Workers: w})
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer p.Close()
+			img := 0
+			j := newCopyJob(dst, nil)
+			j.Run = func(lo, hi int) error { copy(dst[lo:hi], src[img*size+lo:img*size+hi]); return nil }
+			b.SetBytes(size)
+			for b.Loop() {
+				p.Submit(&j.Job, size)
+				<-j.done
+				img = (img + 1) % 8
+			}
+		})
+	}
+}
