@@ -36,11 +36,18 @@ func pattern(n int, seed byte) []byte {
 // serve maps anonymous memory, fills it and prints its address, then waits
 // to be killed.
 func serve() {
-	mem, err := unix.Mmap(-1, 0, 4<<20, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	// A PROT_NONE guard page after the 4 MiB, so a read past the end
+	// faults whatever the kernel maps next to it.
+	all, err := unix.Mmap(-1, 0, 4<<20+4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
 	if err != nil {
 		fmt.Println("mmap:", err)
 		os.Exit(2)
 	}
+	if err := unix.Mprotect(all[4<<20:], unix.PROT_NONE); err != nil {
+		fmt.Println("mprotect:", err)
+		os.Exit(2)
+	}
+	mem := all[:4<<20]
 	copy(mem, pattern(len(mem), 0x5a))
 	fmt.Printf("%d\n", uintptr(unsafe.Pointer(&mem[0])))
 	_, _ = bufio.NewReader(os.Stdin).ReadString('\n')
