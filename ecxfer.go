@@ -115,6 +115,8 @@ const maxRegion = 1 << 40
 type Transport struct {
 	cfg     Config
 	r       *reactor.Reactor
+	agent   nixl.Agent // owned by r's thread; tests reach the loopback engine through it
+	mem     []byte     // the registered region, set by setup
 	region  atomic.Pointer[[]byte]
 	md      []byte
 	memDesc []byte
@@ -139,7 +141,8 @@ func New(cfg Config) (*Transport, error) {
 	if err != nil {
 		return nil, err
 	}
-	r, err := reactor.Start(agent, cfg.Reactor)
+	t := &Transport{cfg: cfg, agent: agent}
+	r, err := reactor.Start(agent, cfg.Reactor, t.setup)
 	if err != nil {
 		_ = agent.Close()
 		if errors.Is(err, affinity.ErrNoCPU) || errors.Is(err, affinity.ErrNoNode) {
@@ -147,11 +150,8 @@ func New(cfg Config) (*Transport, error) {
 		}
 		return nil, err
 	}
-	t := &Transport{cfg: cfg, r: r}
-	if err := t.setup(); err != nil {
-		_ = r.Close()
-		return nil, err
-	}
+	t.r = r
+	t.region.Store(&t.mem)
 	if cfg.XferTimeout == 0 {
 		cfg.XferTimeout = DefaultXferTimeout
 	}
@@ -188,45 +188,40 @@ func ValidAgentName(name string) error {
 	return nil
 }
 
-func (t *Transport) setup() error {
+// setup registers the region and prepares the local block list; it runs on
+// the reactor's thread before the loop starts.
+func (t *Transport) setup(a nixl.Agent) (descriptors.List, nixl.DlistID, error) {
 	size := t.cfg.BlockSize * t.cfg.NumBlocks
 	var region []byte
-	err := t.r.Do(func(a nixl.Agent) error {
-		var err error
-		if t.cfg.Region != nil {
-			region = t.cfg.Region[:size:size]
-			_, err = a.RegisterMem(region, nixl.DRAM, 0)
-		} else {
-			_, region, err = a.AllocMem(size, nixl.DRAM, 0)
-		}
-		if err != nil {
-			return fmt.Errorf("ecxfer: registering %d bytes: %w", size, err)
-		}
-		if o := t.cfg.Reactor; o.BindNUMA {
-			if err := affinity.BindMemory(region, o.NUMANode); err != nil {
-				return fmt.Errorf("%w: %v", ErrConfig, err)
-			}
-		}
-		base := nixl.Addr(region)
-		descs := descriptors.BuildBlockDescs(base, t.cfg.NumBlocks, uint64(t.cfg.BlockSize), 0)
-		dl, err := a.PrepDlist("", descs, nixl.DRAM)
-		if err != nil {
-			return fmt.Errorf("ecxfer: preparing local list: %w", err)
-		}
-		if t.md, err = a.LocalMetadata(); err != nil {
-			return fmt.Errorf("ecxfer: local metadata: %w", err)
-		}
-		if t.memDesc, err = descriptors.Encode(descs); err != nil {
-			return fmt.Errorf("ecxfer: encoding descriptors: %w", err)
-		}
-		t.r.SetLocal(descs, dl)
-		return nil
-	})
-	if err != nil {
-		return err
+	var err error
+	if t.cfg.Region != nil {
+		region = t.cfg.Region[:size:size]
+		_, err = a.RegisterMem(region, nixl.DRAM, 0)
+	} else {
+		_, region, err = a.AllocMem(size, nixl.DRAM, 0)
 	}
-	t.region.Store(&region)
-	return nil
+	if err != nil {
+		return nil, 0, fmt.Errorf("ecxfer: registering %d bytes: %w", size, err)
+	}
+	if o := t.cfg.Reactor; o.BindNUMA {
+		if err := affinity.BindMemory(region, o.NUMANode); err != nil {
+			return nil, 0, fmt.Errorf("%w: %v", ErrConfig, err)
+		}
+	}
+	base := nixl.Addr(region)
+	descs := descriptors.BuildBlockDescs(base, t.cfg.NumBlocks, uint64(t.cfg.BlockSize), 0)
+	dl, err := a.PrepDlist("", descs, nixl.DRAM)
+	if err != nil {
+		return nil, 0, fmt.Errorf("ecxfer: preparing local list: %w", err)
+	}
+	if t.md, err = a.LocalMetadata(); err != nil {
+		return nil, 0, fmt.Errorf("ecxfer: local metadata: %w", err)
+	}
+	if t.memDesc, err = descriptors.Encode(descs); err != nil {
+		return nil, 0, fmt.Errorf("ecxfer: encoding descriptors: %w", err)
+	}
+	t.mem = region
+	return descs, dl, nil
 }
 
 // Region returns the registered block memory (block i at
@@ -314,9 +309,9 @@ func (t *Transport) WaitNotifs(ctx context.Context) (map[string][][]byte, error)
 func (t *Transport) CheckXferState(h Handle) (State, error) {
 	st, err := t.r.State(uint64(h))
 	switch st {
-	case reactor.Proc:
+	case reactor.StateProc:
 		return StateProc, nil
-	case reactor.Done:
+	case reactor.StateDone:
 		return StateDone, nil
 	}
 	return StateErr, err

@@ -22,7 +22,7 @@ import (
 
 func engine(t *testing.T, tr *Transport) *loopback.Agent {
 	t.Helper()
-	a, ok := tr.r.Agent().(*loopback.Agent)
+	a, ok := tr.agent.(*loopback.Agent)
 	require.True(t, ok)
 	return a
 }

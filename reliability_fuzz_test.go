@@ -264,7 +264,7 @@ func runOps(t *testing.T, data []byte) {
 	prod := newT(pname, reactor.Options{})
 	fill(prod, gen)
 	cons := newT(uniqueName("fo-cons"), reactor.Options{Handles: 256, SubmitRing: 16})
-	eng := cons.r.Agent().(*loopback.Agent)
+	eng := cons.agent.(*loopback.Agent)
 	defer func() {
 		_ = cons.Deregister()
 		_ = prod.Deregister()

@@ -17,12 +17,20 @@ import (
 // run is the reactor thread. It never unlocks its OS thread: when it
 // returns, the runtime retires the thread, so a pinned affinity mask never
 // leaks into the pool of threads other goroutines use.
-func (r *Reactor) run(ready chan<- error) {
+func (r *Reactor) run(ready chan<- error, setup Setup) {
 	runtime.LockOSThread()
 	defer close(r.done)
 	if err := r.pin(); err != nil {
 		ready <- err
 		return
+	}
+	if setup != nil {
+		descs, dl, err := setup(r.agent)
+		if err != nil {
+			ready <- err
+			return
+		}
+		r.loc.Store(&local{descs: descs, dlist: dl})
 	}
 	ready <- nil
 	r.logStart()

@@ -20,12 +20,12 @@ import (
 type State uint8
 
 const (
-	// Proc: posted, not finished.
-	Proc State = iota
-	// Done: every byte landed.
-	Done
-	// Err: failed, canceled or timed out.
-	Err
+	// StateProc: posted, not finished.
+	StateProc State = iota
+	// StateDone: every byte landed.
+	StateDone
+	// StateErr: failed, canceled or timed out.
+	StateErr
 )
 
 // Peer is a remote agent the reactor can read from. Its fields are fixed
@@ -102,9 +102,18 @@ type Reactor struct {
 	lastTime  int64
 }
 
-// Start launches the reactor on agent. From here on the agent is driven only
-// by the reactor's thread: use Do for anything else that must touch it.
-func Start(agent nixl.Agent, opts Options) (*Reactor, error) {
+// Setup prepares the agent's local memory: it registers the block memory
+// and returns the descriptor list of the local blocks and the prepared list
+// that names them. Start runs it on the reactor's thread before the loop
+// takes any work. Without a Setup (nil) the reactor has no local blocks and
+// Post fails.
+type Setup func(a nixl.Agent) (descriptors.List, nixl.DlistID, error)
+
+// Start checks opts, launches the reactor on agent and runs setup on the
+// reactor's thread. From then on the agent is driven only by that thread,
+// and Close closes it. When Start fails the reactor thread has exited and
+// the agent has not been closed: the caller still owns it.
+func Start(agent nixl.Agent, opts Options, setup Setup) (*Reactor, error) {
 	o, err := opts.withDefaults()
 	if err != nil {
 		return nil, err
@@ -140,7 +149,7 @@ func Start(agent nixl.Agent, opts Options) (*Reactor, error) {
 		return nil, err
 	}
 	ready := make(chan error, 1)
-	go r.run(ready)
+	go r.run(ready, setup)
 	if err := <-ready; err != nil {
 		<-r.done
 		r.closeFDs()
@@ -198,15 +207,8 @@ func (r *Reactor) wake() {
 // ----------------------------------------------------------------------------
 // Caller side.
 
-// Do runs fn on the reactor thread and returns its result. fn may use the
-// agent. It returns ErrClosed once the reactor has stopped.
-func (r *Reactor) Do(fn func(a nixl.Agent) error) error {
-	if r.closing.Load() {
-		return ErrClosed
-	}
-	return r.do(func() error { return fn(r.agent) })
-}
-
+// do runs fn on the reactor thread and returns its result, or ErrClosed
+// once the reactor has stopped.
 func (r *Reactor) do(fn func() error) error {
 	op := &ctrlOp{fn: fn, done: make(chan error, 1)}
 	for !r.ctrl.TryPush(op) {
@@ -234,12 +236,6 @@ func (r *Reactor) do(fn func() error) error {
 func (r *Reactor) wakeAlways() {
 	var one = [8]byte{1}
 	_, _ = unix.Write(r.wakeFD, one[:])
-}
-
-// SetLocal tells the reactor which prepared list describes the local
-// blocks. It must be called, through Do's thread or before any Post.
-func (r *Reactor) SetLocal(descs descriptors.List, dlist nixl.DlistID) {
-	r.loc.Store(&local{descs: descs, dlist: dlist})
 }
 
 // SetTimeout sets the age after which an in-flight transfer ends in
@@ -336,21 +332,21 @@ func (r *Reactor) claim() (uint64, *slot) {
 // State reports a transfer's state with one atomic load.
 func (r *Reactor) State(h uint64) (State, error) {
 	if r.closing.Load() {
-		return Err, ErrClosed
+		return StateErr, ErrClosed
 	}
 	s, w := r.tab.lookup(h)
 	if s == nil {
-		return Err, ErrBadHandle
+		return StateErr, ErrBadHandle
 	}
 	switch wordState(w) {
 	case stProc:
-		return Proc, nil
+		return StateProc, nil
 	case stDone:
-		return Done, nil
+		return StateDone, nil
 	case stErr:
-		return Err, codeErrs[wordCode(w, r.tab.mask)]
+		return StateErr, codeErrs[wordCode(w, r.tab.mask)]
 	}
-	return Err, ErrBadHandle // canceling: the handle was released
+	return StateErr, ErrBadHandle // canceling: the handle was released
 }
 
 // Release frees a handle. A finished transfer's slot is freed at once; an
@@ -385,7 +381,7 @@ func (r *Reactor) Release(h uint64) error {
 	}
 }
 
-// Wait blocks until the transfer leaves Proc or ctx ends. For the first
+// Wait blocks until the transfer leaves StateProc or ctx ends. For the first
 // Options.WaitSpin it checks the transfer's state between yields of the
 // processor; after that it sleeps until the reactor reports a transfer
 // ended.
@@ -393,7 +389,7 @@ func (r *Reactor) Wait(ctx context.Context, h uint64) error {
 	var start time.Time
 	for i := 0; ; i++ {
 		st, err := r.State(h)
-		if st != Proc {
+		if st != StateProc {
 			return err
 		}
 		// Read the clock on every 16th check only: a check is a few
@@ -412,7 +408,7 @@ func (r *Reactor) Wait(ctx context.Context, h uint64) error {
 		ch := *r.waitCh.Load()
 		r.waiters.Add(1)
 		st, err := r.State(h)
-		if st != Proc {
+		if st != StateProc {
 			r.waiters.Add(-1)
 			return err
 		}
@@ -489,8 +485,3 @@ func (r *Reactor) Closed() bool { return r.closing.Load() }
 
 // Done is closed when the reactor thread has exited.
 func (r *Reactor) Done() <-chan struct{} { return r.done }
-
-// Agent returns the engine agent. It is for fault injection in tests: only
-// methods its concrete type documents as safe from any goroutine may be
-// called; everything else must go through Do.
-func (r *Reactor) Agent() nixl.Agent { return r.agent }
