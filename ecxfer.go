@@ -125,8 +125,9 @@ type Transport struct {
 
 var _ DataTransport = (*Transport)(nil)
 
-// New creates a transport: it starts the engine and the reactor, registers
-// the region and prepares the local block list.
+// New creates a transport: it checks cfg, starts the engine and the
+// reactor, registers the region and prepares the local block list. A Config
+// it cannot use is ErrConfig, found before anything starts.
 func New(cfg Config) (*Transport, error) {
 	if cfg.Backend == "" {
 		cfg.Backend = "ucx"
@@ -175,6 +176,9 @@ func checkConfig(cfg *Config) error {
 		return fmt.Errorf("%w: BlockSize*NumBlocks exceeds %d bytes", ErrConfig, uint64(maxRegion))
 	case cfg.Region != nil && len(cfg.Region) < cfg.BlockSize*cfg.NumBlocks:
 		return fmt.Errorf("%w: Region has %d bytes, need %d", ErrConfig, len(cfg.Region), cfg.BlockSize*cfg.NumBlocks)
+	}
+	if err := cfg.Reactor.Check(); err != nil {
+		return fmt.Errorf("%w: %v", ErrConfig, err)
 	}
 	return nil
 }

@@ -3,8 +3,10 @@ package reactor
 import (
 	"fmt"
 	"log/slog"
+	"slices"
 	"time"
 
+	"github.com/ecxfer/ecxfer/internal/affinity"
 	"github.com/ecxfer/ecxfer/nixl"
 )
 
@@ -86,7 +88,8 @@ type Options struct {
 	// when the ring or the table is full.
 	WaitWhenBusy bool
 	// MaxNotif is the longest notification accepted (default
-	// nixl.DefaultMaxNotif, 64 KiB).
+	// nixl.DefaultMaxNotif, 64 KiB; at most MaxNotifLimit). The engine is
+	// configured with the same limit.
 	MaxNotif int
 
 	// Logger receives the reactor's structured events (the Event*
@@ -94,6 +97,44 @@ type Options struct {
 	// thread, rarely (never per READ), so a slow handler only delays the
 	// loop when something noteworthy happens.
 	Logger *slog.Logger
+}
+
+// MaxNotifLimit is the largest MaxNotif: the longest notification the
+// engines accept (their own cap, in nixl/internal/enginekit, is the same).
+const MaxNotifLimit = 1 << 20
+
+// Check reports whether the options are usable, without starting anything:
+// every size and threshold in range, and the CPU or NUMA node to pin to
+// available to the calling thread. Start checks them too; calling Check
+// first lets a caller refuse bad options before it creates an engine.
+func (o Options) Check() error {
+	o, err := o.withDefaults()
+	if err != nil {
+		return err
+	}
+	if o.PinCPU {
+		allowed, err := affinity.Allowed()
+		if err != nil {
+			return err
+		}
+		if !slices.Contains(allowed, o.CPU) {
+			return fmt.Errorf("%w: CPU %d is not available (allowed: %v)", errUnsupportedOption, o.CPU, allowed)
+		}
+	}
+	if o.BindNUMA {
+		// The region's pages go to the node even when PinCPU picks the
+		// thread's CPU; without PinCPU the thread needs a CPU there.
+		var err error
+		if o.PinCPU {
+			_, err = affinity.NodeCPUs(o.NUMANode)
+		} else {
+			_, err = affinity.PickCPU(o.NUMANode)
+		}
+		if err != nil {
+			return fmt.Errorf("%w: %v", errUnsupportedOption, err)
+		}
+	}
+	return nil
 }
 
 func (o Options) withDefaults() (Options, error) {
@@ -134,8 +175,8 @@ func (o Options) withDefaults() (Options, error) {
 		return o, fmt.Errorf("%w: submit ring %d (1..2^24)", errUnsupportedOption, o.SubmitRing)
 	case o.Handles < 0 || o.Handles > 1<<24:
 		return o, fmt.Errorf("%w: handle table %d (1..2^24)", errUnsupportedOption, o.Handles)
-	case o.MaxNotif < 0:
-		return o, fmt.Errorf("%w: max notification %d", errUnsupportedOption, o.MaxNotif)
+	case o.MaxNotif < 0 || o.MaxNotif > MaxNotifLimit:
+		return o, fmt.Errorf("%w: max notification %d (1..%d)", errUnsupportedOption, o.MaxNotif, MaxNotifLimit)
 	case o.PinCPU && o.CPU < 0:
 		return o, fmt.Errorf("%w: CPU %d", errUnsupportedOption, o.CPU)
 	case o.BindNUMA && o.NUMANode < 0:

@@ -1,0 +1,71 @@
+package ecxfer
+
+import (
+	"bytes"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/ecxfer/ecxfer/internal/leakcheck"
+	"github.com/ecxfer/ecxfer/reactor"
+)
+
+// Reactor options New cannot use are ErrConfig, found before the engine
+// starts. The "nixl" backend shows the order: without the NIXL library,
+// creating its engine fails with ErrNoBackend, so an ErrConfig from it
+// means the options were refused first.
+func TestNewRejectsBadReactorOptions(t *testing.T) {
+	leakcheck.Check(t)
+	cases := map[string]reactor.Options{
+		"notification larger than the engines carry": {MaxNotif: reactor.MaxNotifLimit + 1},
+		"negative notification limit":                {MaxNotif: -1},
+		"negative handle table":                      {Handles: -1},
+		"huge submission ring":                       {SubmitRing: 1 << 30},
+		"negative batch":                             {BatchSize: -5},
+		"negative spin":                              {SpinFor: -1},
+		"unknown idle strategy":                      {Idle: reactor.IdlePark + 1},
+		"CPU that does not exist":                    {PinCPU: true, CPU: 1 << 20},
+		"NUMA node that does not exist":              {BindNUMA: true, NUMANode: 1 << 20},
+	}
+	for name, opts := range cases {
+		for _, backend := range []string{"ucx", "loopback", "nixl"} {
+			t.Run(name+"/"+backend, func(t *testing.T) {
+				tr, err := New(Config{AgentName: uniqueName("cfg"), Backend: backend, BlockSize: 64, NumBlocks: 4, Reactor: opts})
+				if tr != nil {
+					_ = tr.Deregister()
+				}
+				require.ErrorIs(t, err, ErrConfig)
+				require.False(t, errors.Is(err, ErrEngine), "an engine error: the options reached the engine")
+			})
+		}
+	}
+}
+
+// A notification of the largest size the options allow travels end to end
+// on the real engine.
+func TestMaxNotifLimitTravels(t *testing.T) {
+	leakcheck.Check(t)
+	e := env{t: t, backend: "ucx"}
+	big := func(c *Config) { c.Reactor.MaxNotif = reactor.MaxNotifLimit }
+	pname := uniqueName("bigp")
+	prod := e.transport(pname, 64, 4, big)
+	cons := e.transport(uniqueName("bigc"), 64, 4, big)
+	_, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+	require.NoError(t, err)
+	msg := bytes.Repeat([]byte("n"), reactor.MaxNotifLimit)
+	msg[len(msg)-1] = 'z'
+	h, err := cons.PostRead([]int{0}, pname, []int{1}, msg)
+	require.NoError(t, err)
+	st, err := wait(t, cons, h)
+	require.NoError(t, err)
+	require.Equal(t, StateDone, st)
+	require.NoError(t, cons.ReleaseXferHandle(h))
+	got := notifsUntil(prod, 1, 10*time.Second)
+	require.Len(t, got[cons.cfg.AgentName], 1)
+	require.Equal(t, msg, got[cons.cfg.AgentName][0])
+
+	_, err = cons.PostRead([]int{0}, pname, []int{1}, append(msg, 'x'))
+	require.ErrorIs(t, err, ErrBadNotif)
+}
