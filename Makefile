@@ -82,6 +82,14 @@ cgo-guard:
 	if [ -n "$$bad" ]; then echo "cgo outside nixl/:"; echo "$$bad"; exit 1; fi; \
 	echo "cgo-guard: ok"
 
+# Only metrics/ imports Prometheus' client, so embedding ecxfer without
+# metrics pulls none of it in.
+dep-guard:
+	@bad=$$(grep -rl --include='*.go' '"github.com/prometheus/' . | grep -v '^\./metrics/' || true); \
+	if [ -n "$$bad" ]; then echo "prometheus imported outside metrics/:"; echo "$$bad"; exit 1; fi; \
+	if $(GO) list -deps . | grep -q '^github.com/prometheus/'; then echo "package ecxfer depends on prometheus"; exit 1; fi; \
+	echo "dep-guard: ok"
+
 # Run every fuzz target briefly: its seed corpus plus $(FUZZTIME) inputs.
 # Counts, not durations: go 1.26's fuzzer can fail a time-limited run with
 # "context deadline exceeded" when the time runs out.
@@ -104,7 +112,7 @@ fuzz:
 # UCX_LOG_LEVEL=error: the tests kill peers on purpose, and UCX then warns
 # about every request it could not return; the warnings say nothing new.
 test: export UCX_LOG_LEVEL ?= error
-test: deps fmt-check cgo-guard vet staticcheck
+test: deps fmt-check cgo-guard dep-guard vet staticcheck
 	$(GO) test -race -count=1 -timeout 20m $(PKGS)
 	$(GO) test -count=1 -run 'Allocs' $(PKGS)
 	@$(MAKE) --no-print-directory fuzz-seed

@@ -342,6 +342,21 @@ type Stats = reactor.Stats
 // Stats returns the counters without stopping the reactor.
 func (t *Transport) Stats() Stats { return t.r.Stats() }
 
+// PeerStat is one peer's path, state and counters.
+type PeerStat = reactor.PeerStat
+
+// PeerStats appends every known peer's state and counters to dst, in no
+// particular order.
+func (t *Transport) PeerStats(dst []PeerStat) []PeerStat { return t.r.PeerStats(dst) }
+
+// ReactorCPU is the CPU time (user and system) the reactor thread has
+// used. It reads /proc, so it costs microseconds; after Deregister it
+// returns an error.
+func (t *Transport) ReactorCPU() (time.Duration, error) { return t.r.ThreadCPU() }
+
+// AgentName is the name given in Config.AgentName.
+func (t *Transport) AgentName() string { return t.cfg.AgentName }
+
 // Deregister tears everything down: handles, lists, peers, memory, the
 // engine and the reactor thread. It is idempotent; afterwards every method
 // returns ErrClosed.

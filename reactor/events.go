@@ -84,13 +84,13 @@ func (r *Reactor) logStart() {
 
 // logStop runs on the reactor thread as it exits, so the thread's rusage
 // is the reactor's own CPU time.
-func (r *Reactor) logStop() {
+func (r *Reactor) logStop(cpu time.Duration) {
 	if r.ev.log == nil {
 		return
 	}
 	r.logEvent(slog.LevelInfo, EventReactorStop,
 		slog.Duration("uptime", time.Since(r.epoch)),
-		slog.Duration("cpu_time", threadCPU()),
+		slog.Duration("cpu_time", cpu),
 		slog.Uint64("loop_turns", r.st.loops.Load()),
 		slog.Uint64("parks", r.st.parks.Load()),
 		slog.Uint64("reads_done", r.st.done.Load()),
@@ -124,6 +124,7 @@ func (r *Reactor) peerDead(p *Peer, why string) {
 		return
 	}
 	p.deadLogged = true
+	p.pc.dead.Store(true)
 	r.logPeer(EventPeerDead, p.Name, slog.String("why", why))
 }
 

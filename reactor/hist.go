@@ -17,6 +17,7 @@ const (
 // any goroutine may read a snapshot.
 type Histogram struct {
 	counts [histBuckets]atomic.Uint64
+	sum    atomic.Uint64 // of the values counted, in ns
 }
 
 func histIndex(ns int64) int {
@@ -45,12 +46,18 @@ func histLower(i int) int64 {
 }
 
 // Add counts one latency.
-func (h *Histogram) Add(d time.Duration) { h.counts[histIndex(int64(d))].Add(1) }
+func (h *Histogram) Add(d time.Duration) {
+	h.counts[histIndex(int64(d))].Add(1)
+	if d > 0 {
+		h.sum.Add(uint64(d))
+	}
+}
 
 // HistSnapshot is a copy of a Histogram's counts.
 type HistSnapshot struct {
 	counts [histBuckets]uint64
 	total  uint64
+	sum    uint64
 }
 
 // Snapshot copies the counts.
@@ -61,7 +68,23 @@ func (h *Histogram) Snapshot() HistSnapshot {
 		s.counts[i] = c
 		s.total += c
 	}
+	s.sum = h.sum.Load()
 	return s
+}
+
+// Sum is the sum of the latencies counted. It is read after the counts,
+// so it may include a few values the counts do not.
+func (s HistSnapshot) Sum() time.Duration { return time.Duration(s.sum) }
+
+// CountBelow is the number of latencies in buckets that lie wholly below
+// d. For d a power of two nanoseconds (or any bucket's lower bound) that is
+// exactly the number of latencies < d.
+func (s HistSnapshot) CountBelow(d time.Duration) uint64 {
+	var n uint64
+	for i := 0; i < histBuckets-1 && histLower(i+1) <= int64(d); i++ {
+		n += s.counts[i]
+	}
+	return n
 }
 
 // Count is the number of latencies counted.

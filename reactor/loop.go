@@ -20,6 +20,7 @@ import (
 func (r *Reactor) run(ready chan<- error, setup Setup) {
 	runtime.LockOSThread()
 	defer close(r.done)
+	r.tid.Store(int32(unix.Gettid()))
 	if err := r.pin(); err != nil {
 		ready <- err
 		return
@@ -34,7 +35,11 @@ func (r *Reactor) run(ready chan<- error, setup Setup) {
 	}
 	ready <- nil
 	r.logStart()
-	defer r.logStop()
+	defer func() {
+		cpu := threadCPU()
+		r.finalCPU.Store(int64(cpu))
+		r.logStop(cpu)
+	}()
 
 	events := make([]unix.EpollEvent, 4)
 	last := r.now()
@@ -130,7 +135,11 @@ func (r *Reactor) park(events []unix.EpollEvent, idle time.Duration) {
 
 // turn does one bounded round of work and reports whether it found any.
 func (r *Reactor) turn() bool {
-	r.lastTime = r.now()
+	now := r.now()
+	if r.lastWork {
+		r.st.busyNs.Add(uint64(now - r.lastTime))
+	}
+	r.lastTime = now
 	r.st.loops.Add(1)
 	work := false
 
@@ -141,6 +150,7 @@ func (r *Reactor) turn() bool {
 		}
 		clear(r.ctrlBuf[:n])
 		if r.stop {
+			r.lastWork = true
 			return true
 		}
 	}
@@ -195,6 +205,7 @@ func (r *Reactor) turn() bool {
 		r.ended = false
 		r.broadcast()
 	}
+	r.lastWork = work
 	return work
 }
 
@@ -316,7 +327,7 @@ func (r *Reactor) finish(h uint64, s *slot, code uint64) {
 
 // fail ends a transfer that never reached the engine.
 func (r *Reactor) fail(h uint64, s *slot, code uint64) {
-	r.st.failed.Add(1)
+	r.countFailed(s.peer, code)
 	r.finish(h, s, code)
 }
 
@@ -330,8 +341,8 @@ func (r *Reactor) complete(c nixl.Completion) {
 	_ = r.agent.ReleaseXfer(c.ID)
 	s := &r.tab.slots[h&r.tab.mask]
 	if c.Err != nil {
-		r.st.failed.Add(1)
 		code := codeOf(c.Err)
+		r.countFailed(s.peer, code)
 		switch code {
 		case codeRemoteDisconnect:
 			r.peerDead(s.peer, c.Err.Error())
@@ -343,6 +354,8 @@ func (r *Reactor) complete(c nixl.Completion) {
 	}
 	r.st.done.Add(1)
 	r.st.bytes.Add(s.bytes)
+	s.peer.pc.done.Add(1)
+	s.peer.pc.bytes.Add(s.bytes)
 	if s.hasNotif {
 		r.st.notifsSent.Add(1)
 	}
@@ -363,7 +376,7 @@ func (r *Reactor) abort(h uint64, code uint64) {
 	if code == codeCanceled {
 		r.st.canceled.Add(1)
 	} else {
-		r.st.failed.Add(1)
+		r.countFailed(s.peer, code)
 	}
 	r.finish(h, s, code)
 }

@@ -39,6 +39,7 @@ type Peer struct {
 	gone  atomic.Uint64 // 0 while usable; else the error code its reads end with
 
 	deadLogged bool // loop only: EventPeerDead was logged
+	pc         peerCounters
 }
 
 type local struct {
@@ -85,8 +86,11 @@ type Reactor struct {
 	waitCh  atomic.Pointer[chan struct{}]
 	waiters atomic.Int32
 
-	st counters
-	ev events
+	st  counters
+	ev  events
+	tid atomic.Int32 // the reactor thread's id, once it runs
+	// finalCPU is the thread's CPU time in ns, stored as it exits.
+	finalCPU atomic.Int64
 
 	// Loop-only state.
 	stop      bool
@@ -100,6 +104,7 @@ type Reactor struct {
 	ctrlBuf   []*ctrlOp
 	notifTmp  map[string][][]byte
 	lastTime  int64
+	lastWork  bool // the last turn found work (its time counts as busy)
 }
 
 // Setup prepares the agent's local memory: it registers the block memory
@@ -277,6 +282,7 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 
 	h, s := r.claim()
 	if s == nil {
+		r.st.busyRefusals.Add(1)
 		return 0, wrapf(ErrBusy, "handle table full (%d slots)", len(r.tab.slots))
 	}
 	s.peer = p
@@ -296,6 +302,7 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 			if r.closing.Load() {
 				return 0, ErrClosed
 			}
+			r.st.busyRefusals.Add(1)
 			return 0, wrapf(ErrBusy, "submission ring full (%d)", r.sub.Cap())
 		}
 		r.wakeAlways()

@@ -1,6 +1,9 @@
 package reactor
 
-import "sync/atomic"
+import (
+	"sync/atomic"
+	"time"
+)
 
 // counters are written by the reactor thread and read by anyone.
 type counters struct {
@@ -10,6 +13,10 @@ type counters struct {
 	engineErrors                   atomic.Uint64
 	loops, parks                   atomic.Uint64
 	latency                        Histogram
+
+	failedBy     [numCodes]atomic.Uint64
+	busyNs       atomic.Uint64 // time in loop turns that found work
+	busyRefusals atomic.Uint64 // counted by callers whose Post got ErrBusy
 	// waitBlocks is the exception: callers of Wait count it.
 	waitBlocks atomic.Uint64
 }
@@ -31,6 +38,11 @@ type Stats struct {
 	Parks          uint64       // times the reactor slept
 	WaitBlocks     uint64       // times Wait spun for WaitSpin and then blocked
 	Latency        HistSnapshot // post → DONE
+
+	// For operators (the metrics package).
+	FailedBy     [NumFailReasons]uint64 // ReadsFailed by reason, indexed like FailReasons
+	BusyRefusals uint64                 // Posts refused with ErrBusy
+	BusyTime     time.Duration          // reactor time spent in loop turns that found work
 }
 
 // Stats returns the counters.
@@ -51,5 +63,15 @@ func (r *Reactor) Stats() Stats {
 		Parks:          r.st.parks.Load(),
 		WaitBlocks:     r.st.waitBlocks.Load(),
 		Latency:        r.st.latency.Snapshot(),
+		FailedBy:       r.failedBy(),
+		BusyRefusals:   r.st.busyRefusals.Load(),
+		BusyTime:       time.Duration(r.st.busyNs.Load()),
 	}
+}
+
+func (r *Reactor) failedBy() (out [NumFailReasons]uint64) {
+	for i := range out {
+		out[i] = r.st.failedBy[i].Load()
+	}
+	return out
 }

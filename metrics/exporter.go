@@ -1,0 +1,73 @@
+package metrics
+
+import (
+	"context"
+	"errors"
+	"net"
+	"net/http"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/ecxfer/ecxfer"
+)
+
+// Handler returns an http.Handler serving the metrics of g in Prometheus'
+// text format.
+func Handler(g prometheus.Gatherer) http.Handler {
+	return promhttp.HandlerFor(g, promhttp.HandlerOpts{})
+}
+
+// Exporter serves /metrics on a TCP address until closed.
+type Exporter struct {
+	ln  net.Listener
+	srv *http.Server
+	// Registry holds what the exporter serves: the collectors added with
+	// Add, plus anything the caller registers on it.
+	Registry *prometheus.Registry
+	done     chan struct{}
+}
+
+// Listen starts serving /metrics on addr (host:port; port 0 picks one)
+// from a new registry. It returns once the socket is listening.
+func Listen(addr string) (*Exporter, error) {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, err
+	}
+	reg := prometheus.NewRegistry()
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", Handler(reg))
+	e := &Exporter{
+		ln:       ln,
+		srv:      &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second},
+		Registry: reg,
+		done:     make(chan struct{}),
+	}
+	go func() {
+		defer close(e.done)
+		_ = e.srv.Serve(ln)
+	}()
+	return e, nil
+}
+
+// Addr is the address the exporter listens on.
+func (e *Exporter) Addr() string { return e.ln.Addr().String() }
+
+// Add registers a collector of t's metrics.
+func (e *Exporter) Add(t *ecxfer.Transport, opts ...Option) error {
+	return e.Registry.Register(NewCollector(t, opts...))
+}
+
+// Close stops serving and waits for the server to exit.
+func (e *Exporter) Close() error {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	err := e.srv.Shutdown(ctx)
+	<-e.done
+	if errors.Is(err, http.ErrServerClosed) {
+		err = nil
+	}
+	return err
+}

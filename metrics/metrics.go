@@ -1,0 +1,224 @@
+// Package metrics exports a Transport's counters to Prometheus.
+//
+// It is the only package of ecxfer that imports
+// github.com/prometheus/client_golang, so a program that embeds ecxfer
+// without it pulls nothing of Prometheus in.
+//
+//	reg := prometheus.NewRegistry()
+//	reg.MustRegister(metrics.NewCollector(t))
+//	http.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+//
+// or, for a tool, Listen(":9464", reg).
+//
+// A scrape reads the transport's atomic counters (Transport.Stats) and,
+// for ecxfer_reactor_cpu_seconds_total, one small /proc file: it never
+// stops or locks the reactor, and the READ path does no work for it
+// beyond the counters it keeps anyway.
+//
+// Every series carries the label agent (Config.AgentName), so one registry
+// can hold the collectors of several transports.
+//
+// The metrics (types in brackets):
+//
+//	ecxfer_reads_posted_total           [counter]   READs handed to the engine
+//	ecxfer_reads_done_total             [counter]   READs finished with every byte landed
+//	ecxfer_reads_failed_total{reason}   [counter]   READs ended in ERR, by reason
+//	ecxfer_reads_canceled_total         [counter]   READs released in flight or dropped with their peer
+//	ecxfer_read_bytes_total             [counter]   bytes of READs finished DONE
+//	ecxfer_reads_in_flight              [gauge]     READs the engine is working on
+//	ecxfer_handles_live                 [gauge]     handles posted and not yet released
+//	ecxfer_busy_refusals_total          [counter]   PostRead calls refused with ErrBusy
+//	ecxfer_notifications_sent_total     [counter]   notifications sent with finished READs
+//	ecxfer_notifications_received_total [counter]   notifications received from peers
+//	ecxfer_engine_errors_total          [counter]   engine calls that failed
+//	ecxfer_peers{path,state}            [gauge]     known peers by path (engine) and state (up, dead)
+//	ecxfer_reactor_loop_turns_total     [counter]   event loop turns
+//	ecxfer_reactor_parks_total          [counter]   times the reactor slept
+//	ecxfer_reactor_busy_seconds_total   [counter]   reactor time in turns that found work;
+//	                                                its rate is the busy fraction
+//	ecxfer_reactor_cpu_seconds_total    [counter]   the reactor thread's CPU time
+//	ecxfer_wait_blocks_total            [counter]   Wait calls that stopped spinning and slept
+//	ecxfer_read_duration_seconds        [histogram] post → DONE latency of READs
+//
+// With WithPeers(n), up to n peers (the first n by name) also get
+// ecxfer_peer_reads_done_total, ecxfer_peer_reads_failed_total and
+// ecxfer_peer_read_bytes_total with a label peer; ecxfer_peer_series_omitted
+// says how many peers were left out.
+package metrics
+
+import (
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/ecxfer/ecxfer"
+	"github.com/ecxfer/ecxfer/reactor"
+)
+
+// DurationBuckets are the upper bounds of ecxfer_read_duration_seconds:
+// powers of two nanoseconds from 1.024 µs to 34.4 s. They coincide with
+// bucket edges of the reactor's own histogram, so the counts are exact
+// (a bucket counts the READs that took less than its bound).
+var DurationBuckets = func() []time.Duration {
+	var b []time.Duration
+	for e := 10; e <= 35; e++ {
+		b = append(b, time.Duration(1)<<e)
+	}
+	return b
+}()
+
+// Option configures a collector.
+type Option func(*collector)
+
+// WithPeers exports per-peer series for at most n peers (the first n by
+// name). Zero, the default, exports none; the bound keeps a consumer with
+// thousands of peers from flooding Prometheus.
+func WithPeers(n int) Option {
+	return func(c *collector) {
+		if n > 0 {
+			c.maxPeers = n
+		}
+	}
+}
+
+type collector struct {
+	t        *ecxfer.Transport
+	maxPeers int
+	agent    string
+
+	mu    sync.Mutex // guards peers, reused across scrapes
+	peers []ecxfer.PeerStat
+
+	readsPosted, readsDone, readsFailed, readsCanceled *prometheus.Desc
+	readBytes, inFlight, handles, busyRefusals         *prometheus.Desc
+	notifsSent, notifsReceived, engineErrors           *prometheus.Desc
+	peersDesc, loopTurns, parks, busySeconds, cpu      *prometheus.Desc
+	waitBlocks, duration                               *prometheus.Desc
+	peerDone, peerFailed, peerBytes, peerOmitted       *prometheus.Desc
+}
+
+// NewCollector returns a collector of t's metrics. Register it with a
+// prometheus.Registerer; it is safe for concurrent scrapes.
+func NewCollector(t *ecxfer.Transport, opts ...Option) prometheus.Collector {
+	c := &collector{t: t, agent: t.AgentName()}
+	for _, o := range opts {
+		o(c)
+	}
+	cl := prometheus.Labels{"agent": c.agent}
+	d := func(name, help string, labels ...string) *prometheus.Desc {
+		return prometheus.NewDesc(name, help, labels, cl)
+	}
+	c.readsPosted = d("ecxfer_reads_posted_total", "READs handed to the engine.")
+	c.readsDone = d("ecxfer_reads_done_total", "READs finished with every byte landed.")
+	c.readsFailed = d("ecxfer_reads_failed_total", "READs that ended in ERR, by reason.", "reason")
+	c.readsCanceled = d("ecxfer_reads_canceled_total", "READs released in flight or dropped with their peer.")
+	c.readBytes = d("ecxfer_read_bytes_total", "Bytes of the READs that finished DONE.")
+	c.inFlight = d("ecxfer_reads_in_flight", "READs the engine is working on.")
+	c.handles = d("ecxfer_handles_live", "Handles posted and not yet released.")
+	c.busyRefusals = d("ecxfer_busy_refusals_total", "PostRead calls refused with ErrBusy.")
+	c.notifsSent = d("ecxfer_notifications_sent_total", "Notifications sent with finished READs.")
+	c.notifsReceived = d("ecxfer_notifications_received_total", "Notifications received from peers.")
+	c.engineErrors = d("ecxfer_engine_errors_total", "Engine calls that failed.")
+	c.peersDesc = d("ecxfer_peers", "Known peers by path and state.", "path", "state")
+	c.loopTurns = d("ecxfer_reactor_loop_turns_total", "Event loop turns.")
+	c.parks = d("ecxfer_reactor_parks_total", "Times the reactor slept.")
+	c.busySeconds = d("ecxfer_reactor_busy_seconds_total", "Reactor time spent in loop turns that found work; its rate is the busy fraction.")
+	c.cpu = d("ecxfer_reactor_cpu_seconds_total", "CPU time used by the reactor thread.")
+	c.waitBlocks = d("ecxfer_wait_blocks_total", "Wait calls that stopped spinning and slept.")
+	c.duration = d("ecxfer_read_duration_seconds", "Post to DONE latency of READs.")
+	c.peerDone = d("ecxfer_peer_reads_done_total", "READs from this peer finished DONE.", "peer")
+	c.peerFailed = d("ecxfer_peer_reads_failed_total", "READs from this peer that ended in ERR.", "peer")
+	c.peerBytes = d("ecxfer_peer_read_bytes_total", "Bytes read from this peer.", "peer")
+	c.peerOmitted = d("ecxfer_peer_series_omitted", "Peers left out of the per-peer series by the WithPeers bound.")
+	return c
+}
+
+// Describe sends every metric's description.
+func (c *collector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{
+		c.readsPosted, c.readsDone, c.readsFailed, c.readsCanceled,
+		c.readBytes, c.inFlight, c.handles, c.busyRefusals,
+		c.notifsSent, c.notifsReceived, c.engineErrors,
+		c.peersDesc, c.loopTurns, c.parks, c.busySeconds, c.cpu,
+		c.waitBlocks, c.duration,
+	} {
+		ch <- d
+	}
+	if c.maxPeers > 0 {
+		ch <- c.peerDone
+		ch <- c.peerFailed
+		ch <- c.peerBytes
+		ch <- c.peerOmitted
+	}
+}
+
+// Collect reads the transport's counters and sends them.
+func (c *collector) Collect(ch chan<- prometheus.Metric) {
+	s := c.t.Stats()
+	counter := func(d *prometheus.Desc, v float64, labels ...string) {
+		ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, v, labels...)
+	}
+	gauge := func(d *prometheus.Desc, v float64, labels ...string) {
+		ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, labels...)
+	}
+	counter(c.readsPosted, float64(s.ReadsPosted))
+	counter(c.readsDone, float64(s.ReadsDone))
+	for i, n := range s.FailedBy {
+		if i == 0 && n == 0 {
+			continue // "other" is never used today
+		}
+		counter(c.readsFailed, float64(n), reactor.FailReasons[i])
+	}
+	counter(c.readsCanceled, float64(s.ReadsCanceled))
+	counter(c.readBytes, float64(s.BytesRead))
+	gauge(c.inFlight, float64(s.InFlight))
+	gauge(c.handles, float64(s.LiveHandles))
+	counter(c.busyRefusals, float64(s.BusyRefusals))
+	counter(c.notifsSent, float64(s.NotifsSent))
+	counter(c.notifsReceived, float64(s.NotifsReceived))
+	counter(c.engineErrors, float64(s.EngineErrors))
+	counter(c.loopTurns, float64(s.LoopTurns))
+	counter(c.parks, float64(s.Parks))
+	counter(c.busySeconds, s.BusyTime.Seconds())
+	if cpu, err := c.t.ReactorCPU(); err == nil {
+		counter(c.cpu, cpu.Seconds())
+	}
+	counter(c.waitBlocks, float64(s.WaitBlocks))
+	buckets := make(map[float64]uint64, len(DurationBuckets))
+	for _, b := range DurationBuckets {
+		buckets[b.Seconds()] = s.Latency.CountBelow(b)
+	}
+	ch <- prometheus.MustNewConstHistogram(c.duration, s.Latency.Count(), s.Latency.Sum().Seconds(), buckets)
+	c.collectPeers(ch)
+}
+
+func (c *collector) collectPeers(ch chan<- prometheus.Metric) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.peers = c.t.PeerStats(c.peers[:0])
+	defer clear(c.peers) // keep the slice, not the names, until the next scrape
+	type key struct{ path, state string }
+	byState := map[key]int{{"engine", "up"}: 0, {"engine", "dead"}: 0}
+	for _, p := range c.peers {
+		byState[key{p.Path, p.State}]++
+	}
+	for k, n := range byState {
+		ch <- prometheus.MustNewConstMetric(c.peersDesc, prometheus.GaugeValue, float64(n), k.path, k.state)
+	}
+	if c.maxPeers == 0 {
+		return
+	}
+	sort.Slice(c.peers, func(i, j int) bool { return c.peers[i].Name < c.peers[j].Name })
+	shown := c.peers
+	if len(shown) > c.maxPeers {
+		shown = shown[:c.maxPeers]
+	}
+	for _, p := range shown {
+		ch <- prometheus.MustNewConstMetric(c.peerDone, prometheus.CounterValue, float64(p.ReadsDone), p.Name)
+		ch <- prometheus.MustNewConstMetric(c.peerFailed, prometheus.CounterValue, float64(p.ReadsFailed), p.Name)
+		ch <- prometheus.MustNewConstMetric(c.peerBytes, prometheus.CounterValue, float64(p.BytesRead), p.Name)
+	}
+	ch <- prometheus.MustNewConstMetric(c.peerOmitted, prometheus.GaugeValue, float64(len(c.peers)-len(shown)))
+}

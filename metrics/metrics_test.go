@@ -1,0 +1,365 @@
+package metrics_test
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"runtime"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/stretchr/testify/require"
+
+	"github.com/ecxfer/ecxfer"
+	"github.com/ecxfer/ecxfer/internal/leakcheck"
+	"github.com/ecxfer/ecxfer/internal/scrape"
+	"github.com/ecxfer/ecxfer/metrics"
+	"github.com/ecxfer/ecxfer/nixl/loopback"
+	"github.com/ecxfer/ecxfer/reactor"
+)
+
+var seq atomic.Int64
+
+func name(p string) string { return fmt.Sprintf("%s-%d", p, seq.Add(1)) }
+
+func newTransport(tb testing.TB, backend, agent string, cfg ...func(*ecxfer.Config)) *ecxfer.Transport {
+	tb.Helper()
+	c := ecxfer.Config{AgentName: agent, Backend: backend, BlockSize: 4096, NumBlocks: 32}
+	for _, f := range cfg {
+		f(&c)
+	}
+	t, err := ecxfer.New(c)
+	require.NoError(tb, err)
+	tb.Cleanup(func() { _ = t.Deregister() })
+	return t
+}
+
+func get(t *testing.T, url string) map[string]*scrape.Family {
+	t.Helper()
+	resp, err := http.Get(url)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+	body, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	fams, err := scrape.Parse(bytesReader(body))
+	require.NoError(t, err, "%s", body)
+	return fams
+}
+
+func value(t *testing.T, fams map[string]*scrape.Family, metric string, labels map[string]string) float64 {
+	t.Helper()
+	f := fams[metric]
+	require.NotNil(t, f, "metric %s missing", metric)
+	v, ok := f.Value("", labels)
+	require.True(t, ok, "%s%v missing", metric, labels)
+	return v
+}
+
+// TestScrapeOverHTTP serves a consumer's metrics on a real socket, scrapes
+// them before and after READs, and checks names, types and that the
+// counters move by what happened.
+func TestScrapeOverHTTP(t *testing.T) {
+	leakcheck.Check(t)
+	pn, cn := name("prod"), name("cons")
+	prod := newTransport(t, "loopback", pn)
+	prod2 := newTransport(t, "loopback", name("prod"))
+	cons := newTransport(t, "loopback", cn, func(c *ecxfer.Config) {
+		c.XferTimeout = 50 * time.Millisecond
+		c.Reactor.Handles = 256
+	})
+	_, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+	require.NoError(t, err)
+	_, err = cons.AddRemotePeer(prod2.AgentMetadata(), prod2.MemDescriptor())
+	require.NoError(t, err)
+
+	ex, err := metrics.Listen("127.0.0.1:0")
+	require.NoError(t, err)
+	defer func() { require.NoError(t, ex.Close()) }()
+	require.NoError(t, ex.Add(cons, metrics.WithPeers(1)))
+	require.NoError(t, ex.Add(prod))
+	url := "http://" + ex.Addr() + "/metrics"
+
+	me := map[string]string{"agent": cn}
+	before := get(t, url)
+	types := map[string]string{
+		"ecxfer_reads_posted_total":           "counter",
+		"ecxfer_reads_done_total":             "counter",
+		"ecxfer_reads_failed_total":           "counter",
+		"ecxfer_reads_canceled_total":         "counter",
+		"ecxfer_read_bytes_total":             "counter",
+		"ecxfer_reads_in_flight":              "gauge",
+		"ecxfer_handles_live":                 "gauge",
+		"ecxfer_busy_refusals_total":          "counter",
+		"ecxfer_notifications_sent_total":     "counter",
+		"ecxfer_notifications_received_total": "counter",
+		"ecxfer_engine_errors_total":          "counter",
+		"ecxfer_peers":                        "gauge",
+		"ecxfer_reactor_loop_turns_total":     "counter",
+		"ecxfer_reactor_parks_total":          "counter",
+		"ecxfer_reactor_busy_seconds_total":   "counter",
+		"ecxfer_reactor_cpu_seconds_total":    "counter",
+		"ecxfer_wait_blocks_total":            "counter",
+		"ecxfer_read_duration_seconds":        "histogram",
+		"ecxfer_peer_reads_done_total":        "counter",
+		"ecxfer_peer_reads_failed_total":      "counter",
+		"ecxfer_peer_read_bytes_total":        "counter",
+		"ecxfer_peer_series_omitted":          "gauge",
+	}
+	for n, typ := range types {
+		f := before[n]
+		require.NotNil(t, f, "%s missing", n)
+		require.Equal(t, typ, f.Type, n)
+		require.NotEmpty(t, f.Help, n)
+	}
+	for n := range before {
+		require.Contains(t, types, n, "unexpected family %s", n)
+	}
+	require.Equal(t, 2.0, value(t, before, "ecxfer_peers", map[string]string{"agent": cn, "path": "engine", "state": "up"}))
+	require.Equal(t, 1.0, value(t, before, "ecxfer_peer_series_omitted", me), "two peers, one shown")
+	require.Zero(t, value(t, before, "ecxfer_reads_done_total", me))
+
+	// Every READ takes at least 200µs in the engine.
+	const n, delay = 100, 200 * time.Microsecond
+	ctx := context.Background()
+	lb := engineOf(t, cons)
+	lb.SetDelay(delay)
+	for i := 0; i < n; i++ {
+		h, err := cons.PostRead([]int{i % 32, (i + 1) % 32}, pn, []int{3, 4}, []byte("x"))
+		require.NoError(t, err)
+		require.NoError(t, cons.Wait(ctx, h))
+		require.NoError(t, cons.ReleaseXferHandle(h))
+	}
+	// One READ that times out, and a refusal: the table holds 256.
+	lb.SetDelay(time.Hour)
+	var hs []ecxfer.Handle
+	for {
+		h, err := cons.PostRead([]int{0}, pn, []int{0}, nil)
+		if err != nil {
+			require.ErrorIs(t, err, ecxfer.ErrBusy)
+			break
+		}
+		hs = append(hs, h)
+	}
+	for _, h := range hs {
+		_ = cons.Wait(ctx, h)
+		require.NoError(t, cons.ReleaseXferHandle(h))
+	}
+	lb.SetDelay(0)
+	require.Eventually(t, func() bool { return len(prod.NewNotifs()[cn]) > 0 || prod.Stats().NotifsReceived >= n },
+		5*time.Second, time.Millisecond)
+
+	after := get(t, url)
+	require.Equal(t, float64(n), value(t, after, "ecxfer_reads_done_total", me))
+	require.Equal(t, float64(n*2*4096), value(t, after, "ecxfer_read_bytes_total", me))
+	require.Equal(t, float64(n), value(t, after, "ecxfer_notifications_sent_total", me))
+	require.Equal(t, float64(n), value(t, after, "ecxfer_notifications_received_total", map[string]string{"agent": pn}))
+	require.Equal(t, float64(len(hs)), value(t, after, "ecxfer_reads_failed_total", map[string]string{"agent": cn, "reason": "timeout"}))
+	require.Equal(t, float64(n+len(hs)), value(t, after, "ecxfer_reads_posted_total", me))
+	require.GreaterOrEqual(t, value(t, after, "ecxfer_busy_refusals_total", me), 1.0)
+	require.Zero(t, value(t, after, "ecxfer_reads_in_flight", me))
+	require.Zero(t, value(t, after, "ecxfer_handles_live", me))
+	require.Greater(t, value(t, after, "ecxfer_reactor_loop_turns_total", me), value(t, before, "ecxfer_reactor_loop_turns_total", me))
+	require.Greater(t, value(t, after, "ecxfer_reactor_busy_seconds_total", me), 0.0)
+	require.Greater(t, value(t, after, "ecxfer_reactor_cpu_seconds_total", me), 0.0)
+	require.GreaterOrEqual(t, value(t, after, "ecxfer_reactor_cpu_seconds_total", me), value(t, before, "ecxfer_reactor_cpu_seconds_total", me))
+
+	h := after["ecxfer_read_duration_seconds"]
+	count, ok := h.Value("ecxfer_read_duration_seconds_count", me)
+	require.True(t, ok)
+	require.Equal(t, float64(n), count, "only READs that finished DONE are timed")
+	inf, ok := h.Value("ecxfer_read_duration_seconds_bucket", map[string]string{"agent": cn, "le": "+Inf"})
+	require.True(t, ok)
+	require.Equal(t, count, inf)
+	sum, ok := h.Value("ecxfer_read_duration_seconds_sum", me)
+	require.True(t, ok)
+	// The reactor times a READ from the start of the loop turn that posted
+	// it to the start of the one that saw it complete, so one can look
+	// shorter than the engine's delay by a turn's length; the sum cannot
+	// look much shorter.
+	require.GreaterOrEqual(t, sum, float64(n)*delay.Seconds()/2)
+	// Buckets are cumulative.
+	prev := -1.0
+	for _, b := range metrics.DurationBuckets {
+		v, ok := h.Value("ecxfer_read_duration_seconds_bucket", map[string]string{"agent": cn, "le": fmt.Sprint(b.Seconds())})
+		require.True(t, ok, "bucket %v", b)
+		require.GreaterOrEqual(t, v, prev)
+		prev = v
+	}
+	require.Equal(t, float64(n), prev, "the last bucket (34 s) holds every READ")
+
+	// Per-peer series: the first peer by name, with its own counters.
+	first := pn
+	if p2 := prod2.AgentName(); p2 < first {
+		first = p2
+	}
+	peerDone := value(t, after, "ecxfer_peer_reads_done_total", map[string]string{"agent": cn, "peer": first})
+	if first == pn {
+		require.Equal(t, float64(n), peerDone)
+		require.Equal(t, float64(len(hs)), value(t, after, "ecxfer_peer_reads_failed_total", map[string]string{"agent": cn, "peer": first}))
+	} else {
+		require.Zero(t, peerDone)
+	}
+	require.Len(t, after["ecxfer_peer_reads_done_total"].Samples, 1)
+	// The producer's collector has no per-peer series.
+	for _, s := range after["ecxfer_peer_reads_done_total"].Samples {
+		require.Equal(t, cn, s.Labels["agent"])
+	}
+}
+
+// TestPeerStates: a peer whose READs fail with a disconnect counts as dead.
+func TestPeerStates(t *testing.T) {
+	leakcheck.Check(t)
+	pn, cn := name("prod"), name("cons")
+	prod := newTransport(t, "loopback", pn)
+	cons := newTransport(t, "loopback", cn)
+	_, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+	require.NoError(t, err)
+	reg := prometheus.NewRegistry()
+	require.NoError(t, reg.Register(metrics.NewCollector(cons)))
+	engineOf(t, prod).Kill()
+	h, err := cons.PostRead([]int{0}, pn, []int{0}, nil)
+	require.NoError(t, err)
+	require.ErrorIs(t, cons.Wait(context.Background(), h), ecxfer.ErrRemoteDisconnect)
+	require.NoError(t, cons.ReleaseXferHandle(h))
+	mfs, err := reg.Gather()
+	require.NoError(t, err)
+	got := map[string]float64{}
+	for _, mf := range mfs {
+		if mf.GetName() != "ecxfer_peers" {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "state" {
+					got[l.GetValue()] = m.GetGauge().GetValue()
+				}
+			}
+		}
+	}
+	require.Equal(t, map[string]float64{"up": 0, "dead": 1}, got)
+	require.NoError(t, cons.RemoveRemotePeer(pn))
+}
+
+// TestCollectorAfterDeregister: scraping a closed transport works and
+// reports the reactor thread's final CPU time.
+func TestCollectorAfterDeregister(t *testing.T) {
+	leakcheck.Check(t)
+	tr := newTransport(t, "loopback", name("x"))
+	reg := prometheus.NewRegistry()
+	require.NoError(t, reg.Register(metrics.NewCollector(tr, metrics.WithPeers(4))))
+	require.NoError(t, tr.Deregister())
+	mfs, err := reg.Gather()
+	require.NoError(t, err)
+	cpu := -1.0
+	for _, mf := range mfs {
+		if mf.GetName() == "ecxfer_reactor_cpu_seconds_total" {
+			cpu = mf.GetMetric()[0].GetCounter().GetValue()
+		}
+	}
+	require.Greater(t, cpu, 0.0)
+}
+
+func engineOf(t *testing.T, tr *ecxfer.Transport) *loopback.Agent {
+	t.Helper()
+	a := loopback.Find(tr.AgentName())
+	require.NotNil(t, a)
+	return a
+}
+
+// BenchmarkReadWhileScraped: one-block READs through the reactor with no
+// scraper, and with a scraper gathering every millisecond (a thousand
+// times Prometheus' usual rate). The ratio of the two is the cost of being
+// scraped.
+func BenchmarkReadWhileScraped(b *testing.B) {
+	for _, backend := range []string{"loopback", "ucx"} {
+		for _, scraped := range []bool{false, true} {
+			b.Run(fmt.Sprintf("%s/scraped=%v", backend, scraped), func(b *testing.B) {
+				benchScraped(b, backend, scraped)
+			})
+		}
+	}
+}
+
+func benchScraped(b *testing.B, backend string, scraped bool) {
+	prod := newTransport(b, backend, name("bp"))
+	cons := newTransport(b, backend, name("bc"), func(c *ecxfer.Config) {
+		c.Reactor = reactor.Options{Idle: reactor.IdleSpin, Handles: 256}
+	})
+	pn, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+	require.NoError(b, err)
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(metrics.NewCollector(cons, metrics.WithPeers(8)))
+	local, remote := []int{1}, []int{2}
+	one := func() {
+		h, err := cons.PostRead(local, pn, remote, nil)
+		if err != nil {
+			b.Fatal(err)
+		}
+		for {
+			st, err := cons.CheckXferState(h)
+			if err != nil {
+				b.Fatal(err)
+			}
+			if st == ecxfer.StateDone {
+				break
+			}
+			runtime.Gosched()
+		}
+		if err := cons.ReleaseXferHandle(h); err != nil {
+			b.Fatal(err)
+		}
+	}
+	for i := 0; i < 5000; i++ {
+		one()
+	}
+	stop := make(chan struct{})
+	done := make(chan struct{})
+	var scrapes atomic.Int64
+	if scraped {
+		go func() {
+			defer close(done)
+			tk := time.NewTicker(time.Millisecond)
+			defer tk.Stop()
+			for {
+				select {
+				case <-stop:
+					return
+				case <-tk.C:
+					if _, err := reg.Gather(); err != nil {
+						panic(err)
+					}
+					scrapes.Add(1)
+				}
+			}
+		}()
+	} else {
+		close(done)
+	}
+	b.ResetTimer()
+	start := time.Now()
+	for i := 0; i < b.N; i++ {
+		one()
+	}
+	el := time.Since(start)
+	b.StopTimer()
+	close(stop)
+	<-done
+	b.ReportMetric(float64(scrapes.Load())/el.Seconds(), "scrapes/s")
+}
+
+func bytesReader(b []byte) io.Reader { return &byteReader{b: b} }
+
+type byteReader struct{ b []byte }
+
+func (r *byteReader) Read(p []byte) (int, error) {
+	if len(r.b) == 0 {
+		return 0, io.EOF
+	}
+	n := copy(p, r.b)
+	r.b = r.b[n:]
+	return n, nil
+}

@@ -1,0 +1,107 @@
+package reactor
+
+import (
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"time"
+)
+
+// FailReasons names the ways a READ ends in ERR, indexed like
+// Stats.FailedBy: the label values of ecxfer_reads_failed_total.
+var FailReasons = [numCodes]string{
+	codeNone:             "other",
+	codeRemoteDisconnect: "remote_disconnect",
+	codeTimeout:          "timeout",
+	codeCanceled:         "canceled",
+	codeEngine:           "engine",
+	codeUnknownPeer:      "unknown_peer",
+	codeClosed:           "closed",
+}
+
+// NumFailReasons is the length of Stats.FailedBy.
+const NumFailReasons = int(numCodes)
+
+// PeerStat is one peer's state and counters.
+type PeerStat struct {
+	Name string
+	// Path is how READs reach the peer: "engine" (through the transfer
+	// engine).
+	Path string
+	// State is "up", or "dead" once a READ from it failed because it
+	// disconnected (until it is replaced).
+	State       string
+	ReadsDone   uint64
+	ReadsFailed uint64
+	BytesRead   uint64
+}
+
+// peerCounters are a peer's counters, written by the reactor thread.
+type peerCounters struct {
+	done, failed, bytes atomic.Uint64
+	dead                atomic.Bool
+}
+
+// PeerStats appends the known peers' state and counters to dst.
+func (r *Reactor) PeerStats(dst []PeerStat) []PeerStat {
+	for _, p := range *r.peers.Load() {
+		st := "up"
+		if p.pc.dead.Load() {
+			st = "dead"
+		}
+		dst = append(dst, PeerStat{
+			Name:        p.Name,
+			Path:        "engine",
+			State:       st,
+			ReadsDone:   p.pc.done.Load(),
+			ReadsFailed: p.pc.failed.Load(),
+			BytesRead:   p.pc.bytes.Load(),
+		})
+	}
+	return dst
+}
+
+// countFailed counts a READ that ended in ERR with code. Loop thread only.
+func (r *Reactor) countFailed(p *Peer, code uint64) {
+	r.st.failed.Add(1)
+	if code < numCodes {
+		r.st.failedBy[code].Add(1)
+	}
+	if p != nil {
+		p.pc.failed.Add(1)
+	}
+}
+
+// ThreadCPU returns the CPU time the reactor thread has used so far (user
+// and system), read from /proc: a few microseconds, so not for hot paths.
+// Once the reactor has stopped it is the thread's total.
+func (r *Reactor) ThreadCPU() (time.Duration, error) {
+	select {
+	case <-r.done:
+		if t := r.finalCPU.Load(); t > 0 {
+			return time.Duration(t), nil
+		}
+		return 0, ErrClosed
+	default:
+	}
+	tid := r.tid.Load()
+	if tid == 0 {
+		return 0, fmt.Errorf("reactor: thread not started")
+	}
+	b, err := os.ReadFile(fmt.Sprintf("/proc/self/task/%d/schedstat", tid))
+	if err != nil {
+		// The thread has exited; its time is no longer readable.
+		return 0, err
+	}
+	f := strings.Fields(string(b))
+	if len(f) == 0 {
+		return 0, fmt.Errorf("reactor: empty schedstat")
+	}
+	ns, err := strconv.ParseInt(f[0], 10, 64)
+	if err != nil {
+		return 0, fmt.Errorf("reactor: schedstat: %w", err)
+	}
+	return time.Duration(ns), nil
+}
