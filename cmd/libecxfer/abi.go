@@ -1,0 +1,300 @@
+package main
+
+/*
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+*/
+import "C"
+
+import (
+	"fmt"
+	"time"
+	"unsafe"
+)
+
+// int must be 64 bits: index arrays of int64 are read as []int in place.
+var _ [unsafe.Sizeof(int(0)) - 8]struct{}
+
+// abiVersion changes whenever a function's signature or meaning changes.
+const abiVersion = 1
+
+// maxLen bounds every length the caller passes (1 TiB): a larger one is a
+// bad argument, not a slice the runtime should try to build.
+const maxLen = 1 << 40
+
+func main() {}
+
+// bytesArg borrows n bytes at p for the duration of the call.
+func bytesArg(p unsafe.Pointer, n C.int64_t) ([]byte, error) {
+	switch {
+	case n < 0 || n > maxLen:
+		return nil, fmt.Errorf("%w: length %d", errBadArg, int64(n))
+	case n == 0:
+		return nil, nil
+	case p == nil:
+		return nil, fmt.Errorf("%w: null pointer with length %d", errBadArg, int64(n))
+	}
+	return unsafe.Slice((*byte)(p), int(n)), nil
+}
+
+// indexArg borrows n int64 indices at p for the duration of the call.
+func indexArg(p *C.int64_t, n C.int64_t) ([]int, error) {
+	switch {
+	case n < 0 || n > maxLen/8:
+		return nil, fmt.Errorf("%w: index count %d", errBadArg, int64(n))
+	case n == 0:
+		return []int{}, nil
+	case p == nil:
+		return nil, fmt.Errorf("%w: null index array with count %d", errBadArg, int64(n))
+	}
+	return unsafe.Slice((*int)(unsafe.Pointer(p)), int(n)), nil
+}
+
+// giveBytes hands b to the caller as malloc'd memory at *out and returns
+// its length (0 and *out NULL for none).
+func giveBytes(b []byte, out *unsafe.Pointer) C.int64_t {
+	if len(b) == 0 {
+		*out = nil
+		return 0
+	}
+	*out = C.CBytes(b)
+	return C.int64_t(len(b))
+}
+
+func nanos(ns C.int64_t) time.Duration {
+	if ns < 0 {
+		return -1
+	}
+	return time.Duration(ns)
+}
+
+//export ecx_abi_version
+func ecx_abi_version() C.int { return abiVersion }
+
+// ecx_new creates a transport from opts, a JSON object of options (see
+// options), over the caller's region of region_len bytes (NULL: the
+// transport allocates its own). The region must stay mapped until
+// ecx_deregister returns. It stores the transport's id at *out.
+//
+//export ecx_new
+func ecx_new(opts unsafe.Pointer, optsLen C.int64_t, region unsafe.Pointer, regionLen C.int64_t, out *C.uint64_t) C.int {
+	o, err := bytesArg(opts, optsLen)
+	if err != nil {
+		return C.int(fail(err))
+	}
+	var reg []byte
+	if region != nil {
+		if reg, err = bytesArg(region, regionLen); err != nil {
+			return C.int(fail(err))
+		}
+	}
+	if out == nil {
+		return C.int(fail(fmt.Errorf("%w: null out", errBadArg)))
+	}
+	id, err := newTransport(o, reg)
+	if err != nil {
+		return C.int(fail(err))
+	}
+	*out = C.uint64_t(id)
+	return 0
+}
+
+// ecx_deregister tears the transport down (blocking until its thread has
+// stopped) and forgets its id. A second call is a no-op returning 0.
+//
+//export ecx_deregister
+func ecx_deregister(t C.uint64_t) C.int {
+	if err := deregister(uint64(t)); err != nil {
+		return C.int(fail(err))
+	}
+	return 0
+}
+
+// ecx_blob copies the agent metadata (which 1) or the msgpack block
+// descriptor list (which 2) to malloc'd memory at *out and returns its
+// length, or a negative code.
+//
+//export ecx_blob
+func ecx_blob(t C.uint64_t, which C.int, out *unsafe.Pointer) C.int64_t {
+	if out == nil {
+		return C.int64_t(fail(fmt.Errorf("%w: null out", errBadArg)))
+	}
+	b, err := blob(uint64(t), int(which))
+	if err != nil {
+		return C.int64_t(fail(err))
+	}
+	return giveBytes(b, out)
+}
+
+// ecx_add_peer adds a peer from its metadata and descriptor list. It
+// writes the peer's name, NUL-terminated, into name (name_cap bytes; 257
+// always suffice) and its id at *peer.
+//
+//export ecx_add_peer
+func ecx_add_peer(t C.uint64_t, md unsafe.Pointer, mdLen C.int64_t, desc unsafe.Pointer, descLen C.int64_t,
+	name *C.char, nameCap C.int64_t, peer *C.uint64_t) C.int {
+	m, err := bytesArg(md, mdLen)
+	if err != nil {
+		return C.int(fail(err))
+	}
+	d, err := bytesArg(desc, descLen)
+	if err != nil {
+		return C.int(fail(err))
+	}
+	if name == nil || peer == nil || nameCap <= 0 {
+		return C.int(fail(fmt.Errorf("%w: null name or peer", errBadArg)))
+	}
+	n, pid, err := addPeer(uint64(t), m, d)
+	if err != nil {
+		return C.int(fail(err))
+	}
+	if int64(len(n)) >= int64(nameCap) {
+		return C.int(fail(fmt.Errorf("%w: name buffer of %d bytes, need %d", errBadArg, int64(nameCap), len(n)+1)))
+	}
+	dst := unsafe.Slice((*byte)(unsafe.Pointer(name)), int(nameCap))
+	dst[copy(dst, n)] = 0
+	*peer = C.uint64_t(pid)
+	return 0
+}
+
+// ecx_remove_peer removes the peer with that name (name_len bytes),
+// canceling its READs in flight.
+//
+//export ecx_remove_peer
+func ecx_remove_peer(t C.uint64_t, name unsafe.Pointer, nameLen C.int64_t) C.int {
+	n, err := bytesArg(name, nameLen)
+	if err != nil {
+		return C.int(fail(err))
+	}
+	if err := removePeer(uint64(t), string(n)); err != nil {
+		return C.int(fail(err))
+	}
+	return 0
+}
+
+// ecx_post_read posts a READ of the peer's blocks remote[0:n_remote] into
+// the local blocks local[0:n_local], with notif (notif_len bytes; none when
+// 0) delivered to the peer once the data has landed. It returns the handle
+// (> 0) or a negative code; it never waits for data.
+//
+//export ecx_post_read
+func ecx_post_read(t C.uint64_t, local *C.int64_t, nLocal C.int64_t, peer C.uint64_t,
+	remote *C.int64_t, nRemote C.int64_t, notif unsafe.Pointer, notifLen C.int64_t) C.int64_t {
+	l, err := indexArg(local, nLocal)
+	if err != nil {
+		return C.int64_t(fail(err))
+	}
+	r, err := indexArg(remote, nRemote)
+	if err != nil {
+		return C.int64_t(fail(err))
+	}
+	msg, err := bytesArg(notif, notifLen)
+	if err != nil {
+		return C.int64_t(fail(err))
+	}
+	h, err := postRead(uint64(t), l, uint64(peer), r, msg)
+	if err != nil {
+		return C.int64_t(fail(err))
+	}
+	return C.int64_t(h)
+}
+
+// ecx_check returns a READ's state: 0 PROC, 1 DONE, or the negative code
+// of its error (ERR); it never blocks.
+//
+//export ecx_check
+func ecx_check(t C.uint64_t, h C.uint64_t) C.int {
+	st, err := checkState(uint64(t), uint64(h))
+	if err != nil {
+		return C.int(fail(err))
+	}
+	return C.int(st)
+}
+
+// ecx_wait blocks until the READ leaves PROC or timeout_ns passes
+// (negative: no limit) and returns its state as ecx_check does: 0 means
+// the time ran out first.
+//
+//export ecx_wait
+func ecx_wait(t C.uint64_t, h C.uint64_t, timeoutNs C.int64_t) C.int {
+	st, err := wait(uint64(t), uint64(h), nanos(timeoutNs))
+	if err != nil {
+		return C.int(fail(err))
+	}
+	return C.int(st)
+}
+
+// ecx_release frees a handle, canceling its READ if in flight.
+//
+//export ecx_release
+func ecx_release(t C.uint64_t, h C.uint64_t) C.int {
+	if err := release(uint64(t), uint64(h)); err != nil {
+		return C.int(fail(err))
+	}
+	return 0
+}
+
+// ecx_notifs takes the notifications received since the last call,
+// waiting up to timeout_ns for the first (0: not at all; negative: no
+// limit). It returns the length of the encoding at *out (malloc'd; 0 and
+// NULL when there are none) or a negative code. The encoding, integers
+// little-endian uint32: number of senders; per sender its name's length,
+// the name, the number of messages; per message its length and bytes.
+//
+//export ecx_notifs
+func ecx_notifs(t C.uint64_t, timeoutNs C.int64_t, out *unsafe.Pointer) C.int64_t {
+	if out == nil {
+		return C.int64_t(fail(fmt.Errorf("%w: null out", errBadArg)))
+	}
+	b, err := notifs(uint64(t), nanos(timeoutNs))
+	if err != nil {
+		return C.int64_t(fail(err))
+	}
+	return giveBytes(b, out)
+}
+
+// ecx_stats writes the transport's counters as a JSON object to malloc'd
+// memory at *out and returns its length, or a negative code.
+//
+//export ecx_stats
+func ecx_stats(t C.uint64_t, out *unsafe.Pointer) C.int64_t {
+	if out == nil {
+		return C.int64_t(fail(fmt.Errorf("%w: null out", errBadArg)))
+	}
+	b, err := stats(uint64(t))
+	if err != nil {
+		return C.int64_t(fail(err))
+	}
+	return giveBytes(b, out)
+}
+
+// ecx_runtime writes {"transports": live transports, "goroutines": Go
+// goroutines} as JSON to malloc'd memory at *out and returns its length.
+//
+//export ecx_runtime
+func ecx_runtime(out *unsafe.Pointer) C.int64_t {
+	if out == nil {
+		return C.int64_t(fail(fmt.Errorf("%w: null out", errBadArg)))
+	}
+	return giveBytes(runtimeStats(), out)
+}
+
+// ecx_last_error copies the calling thread's last error message into buf
+// (cap bytes, NUL-terminated, cut to fit), forgets it, and returns the
+// message's full length (0: none).
+//
+//export ecx_last_error
+func ecx_last_error(buf *C.char, capacity C.int64_t) C.int64_t {
+	s := takeLastErr()
+	if buf != nil && capacity > 0 {
+		dst := unsafe.Slice((*byte)(unsafe.Pointer(buf)), int(min(int64(capacity), maxLen)))
+		dst[copy(dst[:len(dst)-1], s)] = 0
+	}
+	return C.int64_t(len(s))
+}
+
+// ecx_free frees memory the library handed out.
+//
+//export ecx_free
+func ecx_free(p unsafe.Pointer) { C.free(p) }

@@ -1,0 +1,31 @@
+// Command libecxfer is ecxfer's C ABI: built with
+// `go build -buildmode=c-shared` (`make python`) it becomes libecxfer.so,
+// which the Python package (python/ecxfer) loads with ctypes. It is the only
+// package outside nixl/ that uses cgo.
+//
+// # Conventions
+//
+// Transports and peers cross as integers: ecx_new returns a transport id,
+// ecx_add_peer a peer id (the same name always has the same id within one
+// transport), ecx_post_read a READ handle. 0 is never a valid id or handle.
+//
+// Byte strings cross as pointer plus length. Inputs are borrowed for the
+// duration of the call only: nothing keeps a pointer the caller passed in,
+// except the region given to ecx_new, which must stay mapped until
+// ecx_deregister returns. Outputs that the library allocates (ecx_blob,
+// ecx_notifs, ecx_stats, ecx_runtime) are malloc'd, owned by the caller
+// from then on, and freed with ecx_free.
+//
+// Errors are negative codes (the ECX_E* values below, stable across
+// versions; 0 is success) and a message. The message of the last failing
+// call is kept per OS thread, like errno: ecx_last_error on the same thread
+// copies it out and clears it. A call that succeeds leaves it alone.
+//
+// Index lists are arrays of int64 (the layout of Python's array('q') and
+// numpy's int64); they are read in place and not kept.
+//
+// Every call may block the calling thread only where its documentation says
+// so (ecx_wait, ecx_notifs with a timeout, ecx_new, ecx_deregister); the
+// Python package calls the library through ctypes, which releases the GIL
+// for the duration of every call.
+package main

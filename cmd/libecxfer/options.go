@@ -1,0 +1,118 @@
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"math"
+	"time"
+
+	"github.com/ecxfer/ecxfer"
+	"github.com/ecxfer/ecxfer/reactor"
+)
+
+// options is the JSON object ecx_new takes: the transport's Config in
+// snake_case, durations as numbers of the unit in the name. Unknown keys
+// are an error, so a misspelt option never goes unnoticed.
+type options struct {
+	AgentName string `json:"agent_name"`
+	Backend   string `json:"backend"`
+	BlockSize int    `json:"block_size"`
+	NumBlocks int    `json:"num_blocks"`
+	// XferTimeoutS: seconds; 0 or absent means the default (20 s),
+	// negative disables the timeout.
+	XferTimeoutS float64 `json:"xfer_timeout_s"`
+	// PinCPU pins the reactor thread to that CPU; NUMANode picks a CPU of
+	// that node and binds the region's pages there.
+	PinCPU   *int `json:"pin_cpu"`
+	NUMANode *int `json:"numa_node"`
+	// Idle is "hybrid" (default), "spin", "yield" or "park".
+	Idle          string  `json:"idle"`
+	SpinForUS     float64 `json:"spin_for_us"`
+	YieldForUS    float64 `json:"yield_for_us"`
+	ParkTimeoutUS float64 `json:"park_timeout_us"`
+	WaitSpinUS    float64 `json:"wait_spin_us"`
+	BatchSize     int     `json:"batch_size"`
+	SubmitRing    int     `json:"submit_ring"`
+	Handles       int     `json:"handles"`
+	WaitWhenBusy  bool    `json:"wait_when_busy"`
+	MaxNotif      int     `json:"max_notif"`
+}
+
+// parseOptions decodes ecx_new's JSON into a Config (without its region).
+func parseOptions(data []byte) (ecxfer.Config, error) {
+	var o options
+	dec := json.NewDecoder(bytes.NewReader(data))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&o); err != nil {
+		return ecxfer.Config{}, fmt.Errorf("%w: options: %v", ecxfer.ErrConfig, err)
+	}
+	if dec.More() {
+		return ecxfer.Config{}, fmt.Errorf("%w: options: trailing data after the JSON object", ecxfer.ErrConfig)
+	}
+	cfg := ecxfer.Config{
+		AgentName: o.AgentName,
+		Backend:   o.Backend,
+		BlockSize: o.BlockSize,
+		NumBlocks: o.NumBlocks,
+	}
+	var err error
+	if cfg.XferTimeout, err = duration("xfer_timeout_s", o.XferTimeoutS, time.Second, true); err != nil {
+		return ecxfer.Config{}, err
+	}
+	r := &cfg.Reactor
+	if o.PinCPU != nil {
+		r.PinCPU, r.CPU = true, *o.PinCPU
+	}
+	if o.NUMANode != nil {
+		r.BindNUMA, r.NUMANode = true, *o.NUMANode
+	}
+	if o.Idle != "" {
+		if r.Idle, err = reactor.ParseIdle(o.Idle); err != nil {
+			return ecxfer.Config{}, fmt.Errorf("%w: %v", ecxfer.ErrConfig, err)
+		}
+	}
+	for _, d := range []struct {
+		name string
+		v    float64
+		dst  *time.Duration
+	}{
+		{"spin_for_us", o.SpinForUS, &r.SpinFor},
+		{"yield_for_us", o.YieldForUS, &r.YieldFor},
+		{"park_timeout_us", o.ParkTimeoutUS, &r.ParkTimeout},
+		{"wait_spin_us", o.WaitSpinUS, &r.WaitSpin},
+	} {
+		if *d.dst, err = duration(d.name, d.v, time.Microsecond, false); err != nil {
+			return ecxfer.Config{}, err
+		}
+	}
+	for _, n := range []struct {
+		name string
+		v    int
+	}{{"batch_size", o.BatchSize}, {"submit_ring", o.SubmitRing}, {"handles", o.Handles}, {"max_notif", o.MaxNotif}} {
+		if n.v < 0 {
+			return ecxfer.Config{}, fmt.Errorf("%w: %s %d must not be negative", ecxfer.ErrConfig, n.name, n.v)
+		}
+	}
+	r.BatchSize, r.SubmitRing, r.Handles, r.MaxNotif = o.BatchSize, o.SubmitRing, o.Handles, o.MaxNotif
+	r.WaitWhenBusy = o.WaitWhenBusy
+	return cfg, nil
+}
+
+// duration converts v units to a Duration, refusing NaN, values that
+// overflow, and negative values unless negOK.
+func duration(name string, v float64, unit time.Duration, negOK bool) (time.Duration, error) {
+	switch {
+	case math.IsNaN(v) || math.Abs(v) > float64(math.MaxInt64)/float64(unit):
+		return 0, fmt.Errorf("%w: %s %v out of range", ecxfer.ErrConfig, name, v)
+	case v < 0 && !negOK:
+		return 0, fmt.Errorf("%w: %s %v must not be negative", ecxfer.ErrConfig, name, v)
+	case v < 0:
+		return -1, nil
+	}
+	d := time.Duration(v * float64(unit))
+	if d == 0 && v > 0 {
+		d = 1 // a positive value never means "the default"
+	}
+	return d, nil
+}

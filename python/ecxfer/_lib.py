@@ -1,0 +1,102 @@
+"""The ctypes binding of libecxfer.so (cmd/libecxfer in the Go sources).
+
+ctypes releases the GIL for the duration of every call into a CDLL, so a
+thread blocked in ecx_wait or ecx_notifs does not hold up the others.
+"""
+
+import ctypes
+import os
+from pathlib import Path
+
+ABI_VERSION = 1
+
+# Error codes, as cmd/libecxfer/codes.go numbers them.
+CONFIG = -1
+UNKNOWN_PEER = -2
+INDEX_MISMATCH = -3
+INDEX_RANGE = -4
+BAD_HANDLE = -5
+BAD_METADATA = -6
+BAD_DESCRIPTOR = -7
+BAD_NOTIF = -8
+CLOSED = -9
+BUSY = -10
+REMOTE_DISCONNECT = -11
+TIMEOUT = -12
+CANCELED = -13
+ENGINE = -14
+NO_BACKEND = -15
+BAD_ARG = -16
+UNKNOWN_TRANSPORT = -17
+OTHER = -99
+
+BLOB_AGENT_METADATA = 1
+BLOB_MEM_DESCRIPTOR = 2
+
+_u64 = ctypes.c_uint64
+_i64 = ctypes.c_int64
+_int = ctypes.c_int
+_vp = ctypes.c_void_p
+_pvp = ctypes.POINTER(ctypes.c_void_p)
+
+_SIGNATURES = {
+    "ecx_abi_version": (_int, []),
+    "ecx_new": (_int, [_vp, _i64, _vp, _i64, ctypes.POINTER(_u64)]),
+    "ecx_deregister": (_int, [_u64]),
+    "ecx_blob": (_i64, [_u64, _int, _pvp]),
+    "ecx_add_peer": (_int, [_u64, _vp, _i64, _vp, _i64, ctypes.c_char_p, _i64, ctypes.POINTER(_u64)]),
+    "ecx_remove_peer": (_int, [_u64, _vp, _i64]),
+    "ecx_post_read": (_i64, [_u64, _vp, _i64, _u64, _vp, _i64, _vp, _i64]),
+    "ecx_check": (_int, [_u64, _u64]),
+    "ecx_wait": (_int, [_u64, _u64, _i64]),
+    "ecx_release": (_int, [_u64, _u64]),
+    "ecx_notifs": (_i64, [_u64, _i64, _pvp]),
+    "ecx_stats": (_i64, [_u64, _pvp]),
+    "ecx_runtime": (_i64, [_pvp]),
+    "ecx_last_error": (_i64, [ctypes.c_char_p, _i64]),
+    "ecx_free": (None, [_vp]),
+}
+
+
+def library_path() -> str:
+    """Where the library is: $ECXFER_LIB, else next to this module."""
+    return os.environ.get("ECXFER_LIB") or str(Path(__file__).with_name("libecxfer.so"))
+
+
+def load() -> ctypes.CDLL:
+    path = library_path()
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError as e:
+        raise ImportError(
+            f"ecxfer: cannot load {path}: {e} (build it with `make python`, or install the wheel: pip install ./python)"
+        ) from e
+    for name, (res, args) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype = res
+        fn.argtypes = args
+    v = lib.ecx_abi_version()
+    if v != ABI_VERSION:
+        raise ImportError(f"ecxfer: {path} has ABI version {v}, this package needs {ABI_VERSION}")
+    return lib
+
+
+lib = load()
+
+
+def last_error() -> str:
+    """The calling thread's last error message (and forget it); a message
+    longer than 4 KiB comes back cut."""
+    buf = ctypes.create_string_buffer(4096)
+    lib.ecx_last_error(buf, len(buf))
+    return buf.value.decode("utf-8", "replace")
+
+
+def take_bytes(ptr: ctypes.c_void_p, n: int) -> bytes:
+    """Copy n bytes the library malloc'd at ptr and free them."""
+    if n <= 0 or not ptr.value:
+        return b""
+    try:
+        return ctypes.string_at(ptr.value, n)
+    finally:
+        lib.ecx_free(ptr)

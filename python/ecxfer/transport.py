@@ -1,0 +1,366 @@
+"""EcxferDataTransport: ecxfer's transport with vLLM's DataTransport API."""
+
+import array
+import ctypes
+import json
+import logging
+import os
+import struct
+import weakref
+from typing import Any
+
+from . import _lib
+from .errors import (
+    BadHandleError,
+    ClosedError,
+    EcxferError,
+    IndexMismatchError,
+    IndexRangeError,
+    UnknownPeerError,
+    from_code,
+)
+
+logger = logging.getLogger("ecxfer")
+
+_lib_ = _lib.lib
+_post = _lib_.ecx_post_read
+_check = _lib_.ecx_check
+
+try:  # subclass vLLM's DataTransport when vLLM is there
+    from vllm.distributed.ec_transfer.ec_connector.cpu.data.base import DataTransport as _Base
+except Exception:  # vLLM absent, or a release without the EC CPU connector
+    _Base = object
+
+_STATES = {0: "PROC", 1: "DONE"}
+
+# array typecodes of 8-byte signed integers, and the struct formats a
+# buffer of int64 can carry.
+_I64_CODES = {c for c in "qlL" if c != "L" and array.array(c).itemsize == 8}
+_I64_FORMATS = {"q", "<q", "=q", "@q", "l", "<l", "=l", "@l"}
+
+
+def _indices(x: Any):
+    """Return (keepalive, address, count) for an index list without
+    building a Python int per element when x is already a buffer of
+    int64: array('q'), a C-contiguous int64 numpy array, or any writable
+    buffer of int64. Lists, tuples and ranges become one array('q'), which
+    reads their ints in C."""
+    if type(x) is array.array and x.typecode in _I64_CODES:
+        addr, n = x.buffer_info()
+        return x, addr, n
+    ai = getattr(x, "__array_interface__", None)
+    if ai is not None and ai.get("typestr") == "<i8" and ai.get("strides") is None:
+        shape = ai.get("shape") or (0,)
+        n = 1
+        for d in shape:
+            n *= d
+        return x, ai["data"][0], n
+    if isinstance(x, (list, tuple, range)):
+        try:
+            a = array.array("q", x)
+        except OverflowError as e:
+            raise IndexRangeError(f"ecxfer: block index out of range: {e}") from None
+        addr, n = a.buffer_info()
+        return a, addr, n
+    try:
+        mv = memoryview(x)
+    except TypeError:
+        mv = None
+    if mv is not None and mv.format in _I64_FORMATS and mv.itemsize == 8 and mv.c_contiguous:
+        n = mv.nbytes // 8
+        if n == 0:
+            return mv, None, 0
+        if not mv.readonly:
+            c = (ctypes.c_char * mv.nbytes).from_buffer(mv)
+            return (mv, c), ctypes.addressof(c), n
+        a = array.array("q")
+        a.frombytes(mv.cast("B"))
+        addr, n = a.buffer_info()
+        return a, addr, n
+    try:  # any other iterable of ints (numpy of another dtype, generators)
+        a = array.array("q", x)
+    except OverflowError as e:
+        raise IndexRangeError(f"ecxfer: block index out of range: {e}") from None
+    addr, n = a.buffer_info()
+    return a, addr, n
+
+
+def _options_from_env() -> dict:
+    raw = os.environ.get("ECXFER_OPTIONS", "").strip()
+    if not raw:
+        return {}
+    try:
+        opts = json.loads(raw)
+    except ValueError as e:
+        raise ValueError(f"ECXFER_OPTIONS is not JSON: {e}") from None
+    if not isinstance(opts, dict):
+        raise ValueError("ECXFER_OPTIONS must be a JSON object")
+    return opts
+
+
+class EcxferDataTransport(_Base):
+    """ecxfer's transport with vLLM's DataTransport interface.
+
+    The constructor takes what vLLM's NixlDataTransport takes. base_ptr is
+    the address of the block region (for vLLM, a MAP_SHARED mapping of a
+    /dev/shm file), which must stay mapped until deregister(); 0 lets the
+    transport allocate its own. num_threads is accepted for vLLM's sake
+    and ignored: one reactor thread owns the engine.
+
+    options reach the Go Config: backend ("ucx", the default, or "nixl"),
+    xfer_timeout_s, pin_cpu, numa_node, idle ("hybrid", "spin", "yield",
+    "park"), spin_for_us, yield_for_us, park_timeout_us, wait_spin_us,
+    batch_size, submit_ring, handles, wait_when_busy, max_notif. The JSON
+    object in $ECXFER_OPTIONS supplies defaults for them (that is how
+    options reach a transport vLLM builds); keyword arguments win.
+
+    Every method is safe to call from any thread. Calls into the library
+    release the GIL.
+    """
+
+    def __init__(
+        self,
+        agent_name: str,
+        base_ptr: int,
+        num_blocks: int,
+        block_size_bytes: int,
+        total_size_bytes: int,
+        num_threads: int = 1,
+        **options: Any,
+    ) -> None:
+        opts = _options_from_env()
+        opts.update({k: v for k, v in options.items() if v is not None})
+        opts.update(agent_name=agent_name, block_size=int(block_size_bytes), num_blocks=int(num_blocks))
+        raw = json.dumps(opts).encode()
+        region = int(base_ptr or 0)
+        size = int(total_size_bytes or 0)
+        if region == 0:
+            size = 0
+        tid = ctypes.c_uint64()
+        rc = _lib_.ecx_new(raw, len(raw), region or None, size, ctypes.byref(tid))
+        if rc != 0:
+            raise from_code(rc)
+        self._t = tid.value
+        self.agent_name = agent_name
+        self.num_blocks = int(num_blocks)
+        self.block_size_bytes = int(block_size_bytes)
+        self._peers: dict[str, int] = {}
+        # Tear the transport down if the object is dropped without
+        # deregister(), at the latest when the interpreter exits.
+        self._finalizer = weakref.finalize(self, _lib_.ecx_deregister, self._t)
+
+    # -- vLLM's DataTransport -------------------------------------------
+
+    def get_agent_metadata(self) -> bytes:
+        return self._blob(_lib.BLOB_AGENT_METADATA)
+
+    def get_mem_descriptor(self) -> bytes:
+        return self._blob(_lib.BLOB_MEM_DESCRIPTOR)
+
+    def add_remote_peer(self, metadata: bytes, mem_descriptor: bytes) -> str:
+        """Load a peer's metadata and msgpack block list; return its name.
+        Bad input raises BadMetadataError or BadDescriptorError (both
+        ValueError)."""
+        md = bytes(metadata)
+        desc = bytes(mem_descriptor)
+        name = ctypes.create_string_buffer(260)
+        pid = ctypes.c_uint64()
+        rc = _lib_.ecx_add_peer(self._t, md, len(md), desc, len(desc), name, len(name), ctypes.byref(pid))
+        if rc != 0:
+            raise from_code(rc)
+        agent = name.value.decode("ascii")
+        self._peers[agent] = pid.value
+        return agent
+
+    def remove_remote_peer(self, agent_name: str) -> None:
+        """Forget a peer, canceling its READs in flight. Never raises: a
+        failure (an unknown name, a closed transport) is logged."""
+        try:
+            self._peers.pop(agent_name, None)
+            name = agent_name.encode("ascii") if isinstance(agent_name, str) else bytes(agent_name)
+            rc = _lib_.ecx_remove_peer(self._t, name, len(name))
+            if rc != 0:
+                raise from_code(rc)
+        except Exception:
+            logger.warning("ecxfer: remove_remote_peer(%r) failed", agent_name, exc_info=True)
+
+    def post_read(self, local_indices, agent_name: str, remote_indices, notif_msg: bytes) -> int:
+        """Post a READ of the peer's remote_indices blocks into the local
+        local_indices blocks; notif_msg goes to the peer once the data has
+        landed (none when empty). Returns the handle; never waits for data.
+
+        The index lists may be lists of ints or, cheaper, array('q') or
+        int64 numpy arrays, which are read in place. Raises ValueError
+        (IndexMismatchError, "mismatch") when the counts differ, KeyError
+        (UnknownPeerError) for an unknown agent, IndexError
+        (IndexRangeError) for an index out of range, ClosedError after
+        deregister()."""
+        n, m = len(local_indices), len(remote_indices)
+        if n != m:
+            raise IndexMismatchError(f"EC: local/remote block count mismatch ({n} vs {m})")
+        pid = self._peers.get(agent_name)
+        if pid is None:
+            if self._t == 0:
+                raise ClosedError("ecxfer: transport deregistered")
+            raise UnknownPeerError(f"ecxfer: unknown agent {agent_name!r}")
+        keep_l, la, ln = _indices(local_indices)
+        keep_r, ra, rn = _indices(remote_indices)
+        if type(notif_msg) is not bytes:
+            notif_msg = notif_msg.encode() if isinstance(notif_msg, str) else bytes(notif_msg or b"")
+        h = _post(self._t, la, ln, pid, ra, rn, notif_msg, len(notif_msg))
+        if h <= 0:
+            raise from_code(h)
+        del keep_l, keep_r
+        return h
+
+    def get_new_notifs(self) -> dict[str, list[bytes]]:
+        """The notifications received since the last call, by sender; each
+        is handed out once. Empty after deregister()."""
+        return self._notifs(0)
+
+    def check_xfer_state(self, handle: Any) -> str:
+        """"PROC", "DONE" or "ERR" (failed, released, unknown or not a
+        handle at all); xfer_error(handle) says why. Never blocks."""
+        if type(handle) is not int or handle <= 0 or handle >= 1 << 64:
+            return "ERR"
+        st = _check(self._t, handle)
+        if st >= 0:
+            return _STATES[st]
+        _lib.last_error()  # not asked for here; do not leave it behind
+        return "ERR"
+
+    def release_xfer_handle(self, handle: Any) -> None:
+        """Free a handle, canceling its READ if still in flight. Never
+        raises: a failure (a second release, a bad handle) is logged."""
+        try:
+            if type(handle) is not int or handle <= 0 or handle >= 1 << 64:
+                raise BadHandleError(f"ecxfer: not a handle: {handle!r}")
+            rc = _lib_.ecx_release(self._t, handle)
+            if rc != 0:
+                raise from_code(rc)
+        except Exception:
+            logger.warning("ecxfer: release_xfer_handle(%r) failed", handle, exc_info=True)
+
+    def deregister(self) -> None:
+        """Tear everything down: handles, peers, memory registration, the
+        engine and the reactor thread. Never raises; a second call does
+        nothing. Afterwards post_read and add_remote_peer raise
+        ClosedError, check_xfer_state returns "ERR" and get_new_notifs {}."""
+        try:
+            t, self._t = self._t, 0
+            self._peers.clear()
+            if t == 0:
+                return
+            self._finalizer.detach()
+            rc = _lib_.ecx_deregister(t)
+            if rc != 0:
+                raise from_code(rc)
+        except Exception:
+            logger.warning("ecxfer: deregister failed", exc_info=True)
+
+    # -- beyond vLLM's interface ----------------------------------------
+
+    def xfer_error(self, handle: Any) -> EcxferError | None:
+        """The error behind a READ's "ERR" state (RemoteDisconnectError,
+        XferTimeoutError, CanceledError, BadHandleError, ...), or None
+        while it is PROC or DONE."""
+        if type(handle) is not int or handle <= 0 or handle >= 1 << 64:
+            return BadHandleError(f"ecxfer: not a handle: {handle!r}")
+        st = _check(self._t, handle)
+        return None if st >= 0 else from_code(st)
+
+    def wait(self, handle: int, timeout: float | None = None) -> str:
+        """Block (without the GIL) until the READ leaves PROC or timeout
+        seconds pass; return its state as check_xfer_state does."""
+        if type(handle) is not int or handle <= 0 or handle >= 1 << 64:
+            return "ERR"
+        ns = -1 if timeout is None else max(0, int(timeout * 1e9))
+        st = _lib_.ecx_wait(self._t, handle, ns)
+        if st >= 0:
+            return _STATES[st]
+        _lib.last_error()
+        return "ERR"
+
+    def wait_notifs(self, timeout: float | None = None) -> dict[str, list[bytes]]:
+        """Like get_new_notifs, but block (without the GIL) up to timeout
+        seconds (None: no limit) for the first notification."""
+        ns = -1 if timeout is None else max(1, int(timeout * 1e9))
+        return self._notifs(ns)
+
+    def stats(self) -> dict[str, int]:
+        """The transport's counters (reads posted/done/failed, live
+        handles, peers, ...)."""
+        p = ctypes.c_void_p()
+        n = _lib_.ecx_stats(self._t, ctypes.byref(p))
+        if n < 0:
+            raise from_code(n)
+        return json.loads(_lib.take_bytes(p, n))
+
+    @property
+    def closed(self) -> bool:
+        return self._t == 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.deregister()
+
+    # -- internals ------------------------------------------------------
+
+    def _blob(self, which: int) -> bytes:
+        p = ctypes.c_void_p()
+        n = _lib_.ecx_blob(self._t, which, ctypes.byref(p))
+        if n < 0:
+            raise from_code(n)
+        return _lib.take_bytes(p, n)
+
+    def _notifs(self, timeout_ns: int) -> dict[str, list[bytes]]:
+        if self._t == 0:
+            return {}
+        p = ctypes.c_void_p()
+        n = _lib_.ecx_notifs(self._t, timeout_ns, ctypes.byref(p))
+        if n < 0:
+            err = from_code(n)
+            if isinstance(err, ClosedError):
+                return {}
+            raise err
+        if n == 0:
+            return {}
+        return decode_notifs(_lib.take_bytes(p, n))
+
+
+_U32 = struct.Struct("<I")
+
+
+def decode_notifs(buf: bytes) -> dict[str, list[bytes]]:
+    """Decode ecx_notifs' encoding (see cmd/libecxfer): little-endian
+    uint32 counts and lengths. Raises ValueError on a malformed buffer."""
+    out: dict[str, list[bytes]] = {}
+    mv = memoryview(buf)
+    off = 0
+
+    def u32() -> int:
+        nonlocal off
+        if off + 4 > len(mv):
+            raise ValueError("ecxfer: notification buffer truncated")
+        (v,) = _U32.unpack_from(mv, off)
+        off += 4
+        return v
+
+    def take(n: int) -> bytes:
+        nonlocal off
+        if off + n > len(mv):
+            raise ValueError("ecxfer: notification buffer truncated")
+        b = bytes(mv[off : off + n])
+        off += n
+        return b
+
+    for _ in range(u32()):
+        name = take(u32()).decode("ascii", "replace")
+        msgs = out.setdefault(name, [])
+        for _ in range(u32()):
+            msgs.append(take(u32()))
+    if off != len(mv):
+        raise ValueError("ecxfer: trailing bytes after the notifications")
+    return out

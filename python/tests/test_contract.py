@@ -1,0 +1,262 @@
+"""vLLM's DataTransport contract on the real class (ucx backend), and what
+vLLM's own tests do not check."""
+
+import array
+import logging
+
+import pytest
+
+import ecxfer
+from ecxfer import EcxferDataTransport
+from ecxfer.transport import decode_notifs
+
+
+def test_metadata_and_descriptor_are_bytes(pair):
+    prod, _, cons, _, peer, _ = pair
+    for t in (prod, cons):
+        md, desc = t.get_agent_metadata(), t.get_mem_descriptor()
+        assert isinstance(md, bytes) and md
+        assert isinstance(desc, bytes) and desc
+    assert peer == prod.agent_name
+
+
+def test_read_moves_bytes_and_notifies_once(pair):
+    prod, preg, cons, creg, peer, _ = pair
+    bs = prod.block_size_bytes
+    for i in range(8):
+        preg.mm[i * bs : (i + 1) * bs] = bytes([i + 1]) * bs
+    h = cons.post_read([10, 11, 12], peer, [1, 3, 5], b"sess-1:hash-a")
+    assert isinstance(h, int) and h > 0
+    assert cons.wait(h, timeout=10) == "DONE"
+    assert cons.check_xfer_state(h) == "DONE"
+    assert cons.xfer_error(h) is None
+    assert creg.mm[10 * bs : 11 * bs] == bytes([2]) * bs
+    assert creg.mm[11 * bs : 12 * bs] == bytes([4]) * bs
+    assert creg.mm[12 * bs : 13 * bs] == bytes([6]) * bs
+    cons.release_xfer_handle(h)
+    got = prod.wait_notifs(timeout=10)
+    assert got == {cons.agent_name: [b"sess-1:hash-a"]}
+    assert isinstance(got, dict) and all(isinstance(v, list) for v in got.values())
+    assert prod.get_new_notifs() == {}, "a notification is handed out once"
+    assert prod.wait_notifs(timeout=0.05) == {}
+
+
+def test_empty_notif_sends_none(pair):
+    prod, _, cons, _, peer, _ = pair
+    h = cons.post_read([0], peer, [0], b"")
+    assert cons.wait(h, 10) == "DONE"
+    h2 = cons.post_read([1], peer, [1], b"marker")
+    assert cons.wait(h2, 10) == "DONE"
+    assert prod.wait_notifs(10) == {cons.agent_name: [b"marker"]}
+
+
+def test_mismatch_is_value_error(pair):
+    _, _, cons, _, peer, _ = pair
+    with pytest.raises(ValueError, match="mismatch"):
+        cons.post_read([1, 2, 3], peer, [1, 2], b"x")
+    with pytest.raises(ecxfer.IndexMismatchError):
+        cons.post_read(array.array("q", [1]), peer, array.array("q", []), b"x")
+    assert cons.stats()["reads_posted"] == 0
+
+
+def test_unknown_agent_is_key_error(pair):
+    _, _, cons, _, _, _ = pair
+    with pytest.raises(KeyError, match="unknown agent"):
+        cons.post_read([1], "nobody", [1], b"")
+    with pytest.raises(ecxfer.UnknownPeerError):
+        cons.post_read([1], "", [1], b"")
+
+
+def test_index_out_of_range(pair):
+    _, _, cons, _, peer, _ = pair
+    for local, remote in (([64], [0]), ([0], [64]), ([-1], [0]), ([2**63 - 1], [0])):
+        with pytest.raises(IndexError):
+            cons.post_read(local, peer, remote, b"")
+    with pytest.raises(IndexError):
+        cons.post_read([2**64], peer, [0], b"")
+    with pytest.raises(TypeError):
+        cons.post_read(None, peer, None, b"")
+    with pytest.raises(TypeError):
+        cons.post_read(["a"], peer, ["b"], b"")
+    assert cons.stats()["reads_posted"] == 0
+
+
+def test_states_and_errors(pair):
+    prod, _, cons, _, peer, _ = pair
+    # PROC: a READ of all 64 blocks is in flight when first checked, at
+    # least once in a few tries (the reactor has to pick it up first).
+    seen = set()
+    for _ in range(50):
+        h = cons.post_read(list(range(64)), peer, list(range(64)), b"")
+        seen.add(cons.check_xfer_state(h))
+        assert cons.wait(h, 10) == "DONE"
+        cons.release_xfer_handle(h)
+        if "PROC" in seen:
+            break
+    assert "PROC" in seen
+    # ERR: a released handle, a handle never issued, things that are not handles.
+    assert cons.check_xfer_state(h) == "ERR"
+    assert isinstance(cons.xfer_error(h), ecxfer.BadHandleError)
+    for bad in (None, "h", -1, 0, 2**64, 1.5, 123456789):
+        assert cons.check_xfer_state(bad) == "ERR"
+        assert cons.wait(bad, 0.01) == "ERR"
+    # ERR with the reason: READs in flight when their peer is removed are canceled.
+    h = cons.post_read(list(range(64)), peer, list(range(64)), b"")
+    cons.remove_remote_peer(peer)
+    st = cons.wait(h, 10)
+    assert st in ("DONE", "ERR")
+    if st == "ERR":
+        assert isinstance(cons.xfer_error(h), ecxfer.CanceledError)
+    cons.release_xfer_handle(h)
+    with pytest.raises(KeyError):
+        cons.post_read([0], peer, [0], b"")
+
+
+def test_never_raising_methods(pair, caplog):
+    _, _, cons, _, peer, _ = pair
+    h = cons.post_read([0], peer, [0], b"")
+    assert cons.wait(h, 10) == "DONE"
+    cons.release_xfer_handle(h)
+    with caplog.at_level(logging.WARNING, logger="ecxfer"):
+        cons.release_xfer_handle(h)  # double release
+        cons.release_xfer_handle(None)
+        cons.release_xfer_handle("x")
+        cons.remove_remote_peer("nobody")
+        cons.remove_remote_peer(None)
+    assert len([r for r in caplog.records if r.name == "ecxfer"]) == 5
+    cons.deregister()
+    cons.deregister()
+    cons.remove_remote_peer(peer)
+    cons.release_xfer_handle(h)
+    assert cons.check_xfer_state(h) == "ERR"
+    assert cons.get_new_notifs() == {}
+    assert cons.closed
+    with pytest.raises(ecxfer.ClosedError):
+        cons.post_read([0], peer, [0], b"")
+    with pytest.raises(ecxfer.ClosedError):
+        cons.get_agent_metadata()
+    with pytest.raises(ecxfer.ClosedError):
+        cons.add_remote_peer(b"x", b"y")
+
+
+def test_bad_metadata_and_descriptor(pair):
+    prod, _, cons, _, _, _ = pair
+    md, desc = prod.get_agent_metadata(), prod.get_mem_descriptor()
+    with pytest.raises(ecxfer.BadMetadataError):
+        cons.add_remote_peer(b"", desc)
+    with pytest.raises(ValueError):
+        cons.add_remote_peer(b"\x00garbage" * 10, desc)
+    with pytest.raises(ecxfer.BadDescriptorError):
+        cons.add_remote_peer(md, b"\xc1")
+    with pytest.raises(ecxfer.BadDescriptorError):
+        cons.add_remote_peer(md, b"\x90")  # an empty msgpack list
+    with pytest.raises(ValueError):
+        cons.add_remote_peer(md[: len(md) // 2], desc)
+    assert cons.add_remote_peer(md, desc) == prod.agent_name, "the same peer again is fine"
+
+
+def test_notif_limits(pair):
+    _, _, cons, _, peer, _ = pair
+    with pytest.raises(ecxfer.BadNotifError):
+        cons.post_read([0], peer, [0], b"x" * (64 * 1024 + 1))
+    h = cons.post_read([0], peer, [0], "str:is-encoded")
+    assert cons.wait(h, 10) == "DONE"
+
+
+def test_index_inputs_are_read_in_place(pair):
+    """Lists, tuples, ranges, array('q'), memoryviews and numpy int64 all
+    read the same blocks."""
+    prod, preg, cons, creg, peer, _ = pair
+    bs = prod.block_size_bytes
+    for i in range(64):
+        preg.mm[i * bs : i * bs + 8] = i.to_bytes(8, "little")
+    a = array.array("q", [40, 41])
+    inputs = [
+        ([20, 21], [5, 6]),
+        ((22, 23), (7, 8)),
+        (range(24, 26), range(9, 11)),
+        (array.array("q", [26, 27]), array.array("q", [11, 12])),
+        (memoryview(array.array("q", [28, 29])), memoryview(bytes(array.array("q", [13, 14]))).cast("q")),
+        (a, a),
+    ]
+    try:
+        import numpy as np
+    except ImportError:
+        np = None
+    if np is not None:
+        inputs.append((np.array([30, 31], dtype=np.int64), np.array([15, 16], dtype=np.int64)))
+        inputs.append((np.array([32, 33], dtype=np.int32), np.arange(17, 19)))
+        inputs.append((np.array([34, 35, 36, 37], dtype=np.int64)[::2], np.array([19, 20], dtype=np.int64)))
+    for local, remote in inputs:
+        h = cons.post_read(local, peer, remote, b"")
+        assert cons.wait(h, 10) == "DONE"
+        cons.release_xfer_handle(h)
+        for li, ri in zip(list(local), list(remote)):
+            assert creg.mm[li * bs : li * bs + 8] == int(ri).to_bytes(8, "little")
+
+
+def test_options_reach_config(region):
+    n, bs = 4, 4096
+    r = region(n * bs)
+    kw = dict(base_ptr=r.addr, num_blocks=n, block_size_bytes=bs, total_size_bytes=n * bs)
+    with pytest.raises(ecxfer.ConfigError, match="bogus"):
+        EcxferDataTransport(agent_name="o1", bogus=1, **kw)
+    with pytest.raises(ecxfer.ConfigError, match="idle"):
+        EcxferDataTransport(agent_name="o2", idle="sometimes", **kw)
+    with pytest.raises(ecxfer.ConfigError):
+        EcxferDataTransport(agent_name="o3", pin_cpu=100000, **kw)
+    with pytest.raises(ecxfer.ConfigError, match="backend"):
+        EcxferDataTransport(agent_name="o4", backend="pigeon", **kw)
+    with pytest.raises(ecxfer.ConfigError):
+        EcxferDataTransport(agent_name="has space", **kw)
+    with pytest.raises(ecxfer.ConfigError):
+        EcxferDataTransport(agent_name="o5", base_ptr=r.addr, num_blocks=n, block_size_bytes=bs, total_size_bytes=bs)
+    with pytest.raises(ecxfer.ConfigError):
+        EcxferDataTransport(agent_name="o6", base_ptr=r.addr, num_blocks=0, block_size_bytes=bs, total_size_bytes=bs)
+    # Options that are fine: the transport works with them.
+    t = EcxferDataTransport(
+        agent_name="o7", pin_cpu=0, idle="park", xfer_timeout_s=5, wait_spin_us=10, handles=64, max_notif=16, **kw
+    )
+    try:
+        peer = t.add_remote_peer(t.get_agent_metadata(), t.get_mem_descriptor())
+        with pytest.raises(ecxfer.BadNotifError):  # max_notif reached the reactor
+            t.post_read([0], peer, [1], b"x" * 17)
+        h = t.post_read([0], peer, [1], b"x" * 16)
+        assert t.wait(h, 10) == "DONE"
+    finally:
+        t.deregister()
+    # Without base_ptr the transport allocates its own region.
+    t = EcxferDataTransport(agent_name="o8", base_ptr=0, num_blocks=n, block_size_bytes=bs, total_size_bytes=0)
+    assert t.get_mem_descriptor()
+    t.deregister()
+
+
+def test_options_from_environment(region, monkeypatch):
+    n, bs = 4, 4096
+    r = region(n * bs)
+    kw = dict(base_ptr=r.addr, num_blocks=n, block_size_bytes=bs, total_size_bytes=n * bs)
+    monkeypatch.setenv("ECXFER_OPTIONS", '{"idle": "sometimes"}')
+    with pytest.raises(ecxfer.ConfigError, match="idle"):
+        EcxferDataTransport(agent_name="e1", **kw)
+    EcxferDataTransport(agent_name="e2", idle="park", **kw).deregister()  # keywords win
+    monkeypatch.setenv("ECXFER_OPTIONS", "not json")
+    with pytest.raises(ValueError, match="ECXFER_OPTIONS"):
+        EcxferDataTransport(agent_name="e3", **kw)
+
+
+def test_nixl_backend_without_nixl(region, monkeypatch):
+    monkeypatch.delenv("NIXL_PREFIX", raising=False)
+    monkeypatch.delenv("ECXFER_NIXL_LIB", raising=False)
+    r = region(4096)
+    with pytest.raises(ecxfer.NoBackendError):
+        EcxferDataTransport(
+            agent_name="n1", base_ptr=r.addr, num_blocks=1, block_size_bytes=4096, total_size_bytes=4096, backend="nixl"
+        )
+
+
+def test_decode_notifs_hostile():
+    assert decode_notifs(b"\x00\x00\x00\x00") == {}
+    for bad in (b"", b"\x01\x00\x00", b"\x01\x00\x00\x00\x05\x00\x00\x00ab", b"\x00\x00\x00\x00x",
+                b"\x01\x00\x00\x00\x01\x00\x00\x00a\x01\x00\x00\x00\xff\xff\xff\xff"):
+        with pytest.raises(ValueError):
+            decode_notifs(bad)
