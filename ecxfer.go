@@ -62,7 +62,7 @@ type DataTransport interface {
 // Config describes a transport.
 type Config struct {
 	// AgentName is this agent's name, unique among its peers: 1 to 256
-	// printable ASCII characters.
+	// bytes of printable ASCII without spaces.
 	AgentName string
 	// Backend is "ucx" (the default), "loopback" (in-process, for tests)
 	// or "nixl" (the NIXL library).
@@ -74,7 +74,10 @@ type Config struct {
 	// Region is optional caller memory of at least BlockSize*NumBlocks
 	// bytes. It must live outside the Go heap (mmap): the engine and remote
 	// peers access it while Go code runs. Nil: the transport allocates the
-	// region through the engine.
+	// region through the engine, and New first checks that it fits (with a
+	// margin) in the memory available, under the memory cgroup's limit and,
+	// for the ucx and nixl engines, in /dev/shm's free space; a region that
+	// does not fit is refused with ErrConfig before anything is allocated.
 	Region []byte
 	// XferTimeout ends a READ still in flight after this long in ERR
 	// (ErrTimeout). Zero means 20 s; negative disables the timeout.
@@ -176,6 +179,8 @@ func checkConfig(cfg *Config) error {
 		return fmt.Errorf("%w: BlockSize*NumBlocks exceeds %d bytes", ErrConfig, uint64(maxRegion))
 	case cfg.Region != nil && len(cfg.Region) < cfg.BlockSize*cfg.NumBlocks:
 		return fmt.Errorf("%w: Region has %d bytes, need %d", ErrConfig, len(cfg.Region), cfg.BlockSize*cfg.NumBlocks)
+	case cfg.Region == nil:
+		return checkRegionFits(uint64(cfg.BlockSize)*uint64(cfg.NumBlocks), cfg.Backend != "loopback")
 	}
 	if err := cfg.Reactor.Check(); err != nil {
 		return fmt.Errorf("%w: %v", ErrConfig, err)
@@ -270,10 +275,32 @@ func (t *Transport) AddRemotePeer(metadata, memDescriptor []byte) (string, error
 	if len(descs) == 0 {
 		return "", fmt.Errorf("%w: empty descriptor list", ErrBadDescriptor)
 	}
+	if err := t.checkPeerDescs(descs); err != nil {
+		return "", err
+	}
 	if len(metadata) == 0 {
 		return "", fmt.Errorf("%w: empty", ErrBadMetadata)
 	}
 	return t.r.AddPeer(metadata, descs)
+}
+
+// maxDevID bounds a descriptor's device id: vLLM's are small device
+// ordinals, and NIXL and C callers hold them in an int.
+const maxDevID = 1<<31 - 1
+
+// checkPeerDescs refuses a peer's block list that no READ could use: a
+// READ pairs a local block with a remote one of the same size, so every
+// remote descriptor must be one block long.
+func (t *Transport) checkPeerDescs(descs descriptors.List) error {
+	for i, d := range descs {
+		switch {
+		case d.Len != uint64(t.cfg.BlockSize):
+			return fmt.Errorf("%w: descriptor %d is %d bytes long, the block size is %d", ErrBadDescriptor, i, d.Len, t.cfg.BlockSize)
+		case d.DevID > maxDevID:
+			return fmt.Errorf("%w: descriptor %d: device %d out of range (0..%d)", ErrBadDescriptor, i, d.DevID, maxDevID)
+		}
+	}
+	return nil
 }
 
 // RemoveRemotePeer cancels the peer's in-flight reads (they end in
@@ -288,8 +315,13 @@ func (t *Transport) RemoveRemotePeer(agentName string) error {
 // PostRead queues a READ of the peer's remoteIndices blocks into the
 // localIndices blocks, with notifMsg delivered to the peer once the data
 // has landed (none when empty). It never waits for data. The slices may be
-// reused as soon as it returns.
+// reused as soon as it returns. A READ has at most NumBlocks indices on
+// each side (ErrIndexRange), checked before anything is copied.
 func (t *Transport) PostRead(localIndices []int, agentName string, remoteIndices []int, notifMsg []byte) (Handle, error) {
+	if n := t.cfg.NumBlocks; len(localIndices) > n || len(remoteIndices) > n {
+		return 0, fmt.Errorf("%w: %d local and %d remote indices, at most %d (NumBlocks) each",
+			ErrIndexRange, len(localIndices), len(remoteIndices), n)
+	}
 	h, err := t.r.Post(agentName, localIndices, remoteIndices, notifMsg)
 	return Handle(h), err
 }

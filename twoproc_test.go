@@ -34,6 +34,8 @@ func TestMain(m *testing.M) {
 		os.Exit(runTestProducer())
 	case "consumer":
 		os.Exit(runTestConsumer())
+	case "hugeregion":
+		os.Exit(runHugeRegion())
 	}
 	os.Exit(m.Run())
 }

@@ -1,0 +1,197 @@
+package ecxfer
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/ecxfer/ecxfer/descriptors"
+)
+
+// Limits a caller or a peer cannot cross: regions that cannot fit, READs
+// larger than the region, peer block lists no READ could use.
+
+// hugeRegionResult is what the "hugeregion" role reports.
+type hugeRegionResult struct {
+	Errs    []string // per case: "" when New succeeded
+	Config  []bool   // per case: errors.Is(err, ErrConfig)
+	ShmLeft []string // entries in the role's private /dev/shm at the end
+	ShmErr  string   // why the private /dev/shm could not be mounted
+}
+
+// runHugeRegion is the "hugeregion" role: it moves itself into the memory
+// cgroup ECX_CGROUP, mounts a private tmpfs of ECX_SHM_SIZE on /dev/shm
+// (its mount namespace is its own), then calls New for each
+// BlockSize:NumBlocks of ECX_CASES and reports the errors.
+func runHugeRegion() int {
+	var res hugeRegionResult
+	if cg := os.Getenv("ECX_CGROUP"); cg != "" {
+		if err := os.WriteFile(filepath.Join(cg, "cgroup.procs"), []byte(strconv.Itoa(os.Getpid())), 0); err != nil {
+			fmt.Fprintln(os.Stderr, "joining the cgroup:", err)
+			return 2
+		}
+	}
+	if sz := os.Getenv("ECX_SHM_SIZE"); sz != "" {
+		if err := unix.Mount("tmpfs", "/dev/shm", "tmpfs", 0, "size="+sz); err != nil {
+			res.ShmErr = err.Error()
+		}
+	}
+	for i, c := range strings.Split(os.Getenv("ECX_CASES"), ",") {
+		bs, nb, _ := strings.Cut(c, ":")
+		b, _ := strconv.Atoi(bs)
+		n, _ := strconv.Atoi(nb)
+		tr, err := New(Config{AgentName: fmt.Sprintf("huge-%d", i), BlockSize: b, NumBlocks: n})
+		if err == nil {
+			res.Errs = append(res.Errs, "")
+			_ = tr.Deregister()
+		} else {
+			res.Errs = append(res.Errs, err.Error())
+		}
+		res.Config = append(res.Config, errors.Is(err, ErrConfig))
+	}
+	if ents, err := os.ReadDir("/dev/shm"); err == nil {
+		for _, e := range ents {
+			res.ShmLeft = append(res.ShmLeft, e.Name())
+		}
+	}
+	if err := json.NewEncoder(os.Stdout).Encode(res); err != nil {
+		return 1
+	}
+	return 0
+}
+
+// memCgroupDir makes a memory cgroup below this process's own, limited to
+// limit bytes, and removes it when the test ends.
+func memCgroupDir(t *testing.T, limit uint64) string {
+	t.Helper()
+	var base cgroupDir
+	for _, d := range cgroupDirs() {
+		if _, err := os.Stat(filepath.Join(d.dir, d.limit)); err == nil {
+			base = d // the first is the process's own cgroup
+			break
+		}
+	}
+	if base.dir == "" {
+		t.Skip("no memory cgroup controller is mounted")
+	}
+	dir := filepath.Join(base.dir, fmt.Sprintf("ecxfer-test-%d-%d", os.Getpid(), nameSeq.Add(1)))
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Skipf("cannot make a memory cgroup: %v", err)
+	}
+	t.Cleanup(func() {
+		// The cgroup is empty once the role has exited; its charges may take
+		// a moment to go.
+		for i := 0; i < 50; i++ {
+			if err := os.Remove(dir); err == nil || errors.Is(err, os.ErrNotExist) {
+				return
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+		t.Errorf("cgroup %s could not be removed", dir)
+	})
+	require.NoError(t, os.WriteFile(filepath.Join(dir, base.limit), []byte(strconv.FormatUint(limit, 10)), 0))
+	return dir
+}
+
+// TestHugeRegionRefused: engine-allocated regions that cannot fit are
+// refused with ErrConfig before anything is allocated. New runs in a child
+// process inside a 384 MiB memory cgroup with a private 96 MiB /dev/shm, so
+// a regression kills only that child: a 1 GiB region (beyond the cgroup), a
+// 1 TiB one (beyond the machine) and a 128 MiB one (beyond /dev/shm) are
+// refused; an 8 MiB one works; nothing is left in /dev/shm.
+func TestHugeRegionRefused(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: makes a memory cgroup and mounts a tmpfs")
+	}
+	cg := memCgroupDir(t, 384<<20)
+	exe, err := os.Executable()
+	require.NoError(t, err)
+	cmd := exec.Command(exe, "-test.run=^$")
+	cmd.Env = append(os.Environ(), roleEnv+"=hugeregion", "ECX_CGROUP="+cg, "ECX_SHM_SIZE=96m",
+		"ECX_CASES="+strings.Join([]string{"1073741824:1", "1099511627776:1", "134217728:1", "8388608:1"}, ","))
+	cmd.SysProcAttr = &syscall.SysProcAttr{Unshareflags: syscall.CLONE_NEWNS}
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	require.NoError(t, err, "the child died: %s", stderr.String())
+	var res hugeRegionResult
+	require.NoError(t, json.Unmarshal(out, &res), "child said %q", out)
+	require.Len(t, res.Errs, 4)
+	for i, what := range []string{"cgroup", "MemAvailable", "/dev/shm"} {
+		if i == 2 && res.ShmErr != "" {
+			t.Logf("no private /dev/shm (%s): the 128 MiB case is not checked", res.ShmErr)
+			continue
+		}
+		require.True(t, res.Config[i], "case %d: want ErrConfig, got %q", i, res.Errs[i])
+		require.Contains(t, res.Errs[i], what, "case %d", i)
+	}
+	require.Empty(t, res.Errs[3], "an 8 MiB region must fit")
+	if res.ShmErr == "" {
+		require.Empty(t, res.ShmLeft, "files left in /dev/shm")
+	}
+}
+
+// TestReadIndexLimit: a READ with more indices than the region has blocks
+// is refused with ErrIndexRange before anything is copied or posted.
+func TestReadIndexLimit(t *testing.T) {
+	_, cons, pname := loopbackPair(t, 64, 16)
+	big := make([]int, 1<<24) // every index is block 0: in range
+	_, err := cons.PostRead(big, pname, big, nil)
+	require.ErrorIs(t, err, ErrIndexRange)
+	_, err = cons.PostRead(big[:16], pname, big, nil)
+	require.ErrorIs(t, err, ErrIndexRange)
+	_, err = cons.PostRead(big[:17], pname, big[:17], nil)
+	require.ErrorIs(t, err, ErrIndexRange)
+	s := cons.Stats()
+	require.Zero(t, s.ReadsPosted)
+	require.Zero(t, s.LiveHandles)
+	// NumBlocks indices are allowed.
+	h, err := cons.PostRead(big[:16], pname, big[:16], nil)
+	require.NoError(t, err)
+	st, err := wait(t, cons, h)
+	require.NoError(t, err)
+	require.Equal(t, StateDone, st)
+	require.NoError(t, cons.ReleaseXferHandle(h))
+}
+
+// TestPeerDescriptorChecks: AddRemotePeer refuses block lists whose
+// descriptors are not one block long or name an out-of-range device.
+func TestPeerDescriptorChecks(t *testing.T) {
+	for _, backend := range []string{"loopback", "ucx"} {
+		t.Run(backend, func(t *testing.T) {
+			e := env{t: t, backend: backend}
+			prod := e.transport(uniqueName("prod"), 64, 8)
+			cons := e.transport(uniqueName("cons"), 64, 8)
+			good, err := descriptors.Decode(prod.MemDescriptor())
+			require.NoError(t, err)
+			for name, mut := range map[string]func(l descriptors.List){
+				"short":     func(l descriptors.List) { l[3].Len = 32 },
+				"long":      func(l descriptors.List) { l[0].Len = 128 },
+				"dev max":   func(l descriptors.List) { l[5].DevID = 1<<64 - 1 },
+				"dev 2^31":  func(l descriptors.List) { l[5].DevID = 1 << 31 },
+				"all short": func(l descriptors.List) { l[7].Len = 1 },
+			} {
+				l := append(descriptors.List(nil), good...)
+				mut(l)
+				b, err := descriptors.Encode(l)
+				require.NoError(t, err)
+				_, err = cons.AddRemotePeer(prod.AgentMetadata(), b)
+				require.ErrorIs(t, err, ErrBadDescriptor, name)
+			}
+			require.Zero(t, cons.Stats().Peers)
+			_, err = cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+			require.NoError(t, err)
+		})
+	}
+}
