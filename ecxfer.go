@@ -179,11 +179,12 @@ func checkConfig(cfg *Config) error {
 		return fmt.Errorf("%w: BlockSize*NumBlocks exceeds %d bytes", ErrConfig, uint64(maxRegion))
 	case cfg.Region != nil && len(cfg.Region) < cfg.BlockSize*cfg.NumBlocks:
 		return fmt.Errorf("%w: Region has %d bytes, need %d", ErrConfig, len(cfg.Region), cfg.BlockSize*cfg.NumBlocks)
-	case cfg.Region == nil:
-		return checkRegionFits(uint64(cfg.BlockSize)*uint64(cfg.NumBlocks), cfg.Backend != "loopback")
 	}
 	if err := cfg.Reactor.Check(); err != nil {
 		return fmt.Errorf("%w: %v", ErrConfig, err)
+	}
+	if cfg.Region == nil {
+		return checkRegionFits(uint64(cfg.BlockSize)*uint64(cfg.NumBlocks), cfg.Backend != "loopback")
 	}
 	return nil
 }
