@@ -76,9 +76,8 @@ var errClosed = kit.Closed()
 
 type memRegion struct {
 	enginekit.Region
-	memh  C.ucp_mem_h
-	rkey  []byte
-	alloc bool
+	memh C.ucp_mem_h
+	rkey []byte
 }
 
 type peerRegion struct {
@@ -89,8 +88,8 @@ type peerRegion struct {
 type peer struct {
 	name     string
 	tag      uint64
-	blob     []byte
-	md       *metadata
+	blob     []byte // the metadata it was loaded from, to recognise a reload
+	pid      uint64
 	ep       C.ucp_ep_h
 	eparg    *C.ecx_ep_arg_t
 	rkeys    *C.ucp_rkey_h // C array, len(regions)

@@ -34,7 +34,7 @@ func (a *Agent) RegisterMem(buf []byte, mem nixl.MemType, devID uint64) (nixl.Me
 	if st != 0 {
 		return 0, ucsErr(st, "ucx: mem_map")
 	}
-	return a.addMem(memh, addr, uint64(len(buf)), false)
+	return a.addMem(memh, addr, uint64(len(buf)))
 }
 
 // AllocMem allocates memory through UCX (UCP_MEM_MAP_ALLOCATE), which on
@@ -58,14 +58,14 @@ func (a *Agent) AllocMem(length int, mem nixl.MemType, devID uint64) (nixl.MemID
 		C.ecx_mem_unmap(a.c, memh)
 		return 0, nil, err
 	}
-	id, err := a.addMem(memh, addr, uint64(length), true)
+	id, err := a.addMem(memh, addr, uint64(length))
 	if err != nil {
 		return 0, nil, err
 	}
 	return id, unsafe.Slice((*byte)(out), length), nil
 }
 
-func (a *Agent) addMem(memh C.ucp_mem_h, addr, n uint64, alloc bool) (nixl.MemID, error) {
+func (a *Agent) addMem(memh C.ucp_mem_h, addr, n uint64) (nixl.MemID, error) {
 	buf := C.malloc(maxRkeyLen)
 	rl := C.ecx_rkey_pack(a.c, memh, buf, maxRkeyLen)
 	if rl <= 0 {
@@ -74,7 +74,7 @@ func (a *Agent) addMem(memh C.ucp_mem_h, addr, n uint64, alloc bool) (nixl.MemID
 		return 0, ucsErr(C.int(rl), "ucx: rkey_pack")
 	}
 	m := &memRegion{Region: enginekit.Region{ID: nixl.MemID(a.newID()), Addr: addr, Len: n}, memh: memh,
-		rkey: C.GoBytes(buf, C.int(rl)), alloc: alloc}
+		rkey: C.GoBytes(buf, C.int(rl))}
 	C.free(buf)
 	a.mems.Add(m)
 	return m.ID, nil

@@ -65,7 +65,7 @@ func (a *Agent) LoadRemoteMetadata(md []byte) (string, error) {
 			m.Name, m.Worker[0]&0xf, a.worker[0]&0xf)
 	}
 	sameHost := m.Host == a.host
-	p := &peer{name: m.Name, blob: append([]byte(nil), md...), md: m, pidfd: -1,
+	p := &peer{name: m.Name, blob: append([]byte(nil), md...), pid: m.Pid, pidfd: -1,
 		inflight: map[nixl.XferID]*xfer{}, dlists: map[nixl.DlistID]*dlist{}}
 	switch a.cfg.ErrMode {
 	case ErrModePeer:
@@ -235,7 +235,7 @@ func (a *Agent) checkPids() bool {
 		}
 	}
 	for _, p := range died {
-		a.failPeer(p, nixl.Errorf(nixl.ErrRemoteDisconnect, "ucx: peer %q (pid %d) exited", p.name, p.md.Pid), true)
+		a.failPeer(p, nixl.Errorf(nixl.ErrRemoteDisconnect, "ucx: peer %q (pid %d) exited", p.name, p.pid), true)
 	}
 	return len(died) > 0
 }
