@@ -132,6 +132,7 @@ type Agent struct {
 	draining map[string]*peer
 	nbuf     unsafe.Pointer // C buffer for notification records
 	ncap     int
+	dropped  uint64 // notification records that failed parseNotifs
 	one      [1]*C.ecxnixl_req
 	oneSt    [1]int32
 	rangeBuf []descriptors.Range

@@ -55,16 +55,20 @@ func (a *Agent) GetNotifs(dst map[string][][]byte) int {
 		if count == 0 {
 			return total
 		}
-		buf := unsafe.Slice((*byte)(a.nbuf), int(used))
-		off := 0
-		for i := 0; i < int(count); i++ {
-			hl := int(*(*uint32)(unsafe.Pointer(&buf[off])))
-			ml := int(*(*uint32)(unsafe.Pointer(&buf[off+4])))
-			name := string(buf[off+8 : off+8+hl])
-			msg := append([]byte(nil), buf[off+8+hl:off+8+hl+ml]...)
-			dst[name] = append(dst[name], msg)
-			off += (8 + hl + ml + 7) &^ 7
+		if int(used) > a.ncap {
+			// The shim wrote past the buffer it was given, or says so:
+			// nothing in it can be trusted.
+			a.dropped += uint64(count)
+			continue
 		}
-		total += int(count)
+		buf := unsafe.Slice((*byte)(a.nbuf), int(used))
+		n, _ := parseNotifs(buf, int(count), dst)
+		a.dropped += uint64(int(count) - n)
+		total += n
 	}
 }
+
+// DroppedNotifs implements nixl.NotifDropper: notifications the shim
+// handed over in records that did not match their layout (see
+// parseNotifs), lost rather than misread.
+func (a *Agent) DroppedNotifs() uint64 { return a.dropped }
