@@ -72,3 +72,5 @@ func (a *Agent) GetNotifs(dst map[string][][]byte) int {
 // handed over in records that did not match their layout (see
 // parseNotifs), lost rather than misread.
 func (a *Agent) DroppedNotifs() uint64 { return a.dropped }
+
+var _ nixl.NotifDropper = (*Agent)(nil)

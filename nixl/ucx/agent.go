@@ -65,7 +65,8 @@ type Config struct {
 	// on a peer's death.
 	LivenessPoll time.Duration
 
-	noPidfd bool // tests: rely on UCX alone for same-host peers
+	noPidfd    bool // tests: rely on UCX alone for same-host peers
+	rndvNotifs bool // tests: send notifications by rendezvous (peers drop them)
 }
 
 // kit prefixes this engine's errors.
@@ -166,6 +167,7 @@ type Agent struct {
 	rangeBuf []descriptors.Range
 	pollfds  []unix.PollFd
 	calls    uint32
+	dropped  uint64 // notif_dropped, kept when the C context goes at Close
 	lastPoll time.Time
 }
 
@@ -214,6 +216,9 @@ func New(cfg Config) (*Agent, error) {
 	C.free(unsafe.Pointer(cname))
 	if st != 0 {
 		return nil, ucsErr(st, "ucx: init")
+	}
+	if cfg.rndvNotifs {
+		a.c.send_rndv = 1
 	}
 	buf := C.malloc(maxWorkerAddr)
 	n := C.ecx_worker_address(a.c, buf, maxWorkerAddr)
@@ -365,6 +370,7 @@ func (a *Agent) Close() error {
 	}
 	a.mems.Clear()
 	a.dlists = map[nixl.DlistID]*dlist{}
+	a.dropped = uint64(a.c.notif_dropped)
 	C.ecx_destroy(a.c)
 	a.c = nil
 	C.free(unsafe.Pointer(a.compBuf))

@@ -152,7 +152,7 @@ static void send_am(ecx_post_t *p)
     /* Eager only: the receiver copies the message inside its handler and
      * never has to fetch rendezvous data. Notifications are size-limited
      * on the Go side. */
-    prm.flags = UCP_AM_SEND_FLAG_EAGER;
+    prm.flags = c->send_rndv ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER;
     p->phase = PH_AM;
     sp = ucp_am_send_nbx(p->ep, ECX_AM_NOTIF, c->name, c->name_len, p->notif,
                          p->notif_len, &prm);

@@ -80,7 +80,9 @@ typedef struct ecx_ctx {
     ecx_close_t *closing;   /* endpoint closes in progress */
 
     uint64_t nlive;          /* posts alive */
-    uint64_t notif_dropped;  /* notifications that arrived by rendezvous */
+    uint64_t notif_dropped;  /* notifications received and not queued */
+    int send_rndv;           /* tests: send notifications by rendezvous, as
+                                a sender that does not force eager would */
 } ecx_ctx_t;
 
 /* Creation and teardown. */

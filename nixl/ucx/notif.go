@@ -9,6 +9,7 @@ import "C"
 import (
 	"unsafe"
 
+	"github.com/ecxfer/ecxfer/nixl"
 	"github.com/ecxfer/ecxfer/nixl/internal/enginekit"
 )
 
@@ -52,3 +53,18 @@ func (a *Agent) GetNotifs(dst map[string][][]byte) int {
 	C.ecx_notif_free(list)
 	return n
 }
+
+// DroppedNotifs implements nixl.NotifDropper: notifications that reached
+// this worker and were not queued for GetNotifs. The handler drops a
+// message that arrives by rendezvous (this package's senders force eager;
+// such a message comes from another sender or exceeded what the transport
+// sends eagerly), one whose header or payload exceeds 4 GiB, and one it
+// could not allocate memory for.
+func (a *Agent) DroppedNotifs() uint64 {
+	if a.c == nil {
+		return a.dropped
+	}
+	return uint64(a.c.notif_dropped)
+}
+
+var _ nixl.NotifDropper = (*Agent)(nil)

@@ -162,7 +162,7 @@ func newPair(t *testing.T, prodAlloc bool) *pair {
 	return p
 }
 
-func addrOf(b []byte) uint64 { return uint64(uintptr(unsafePointer(b))) }
+func addrOf(b []byte) uint64 { return nixl.Addr(b) }
 
 func TestReadInProcess(t *testing.T) {
 	for _, alloc := range []bool{true, false} {

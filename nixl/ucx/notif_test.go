@@ -1,0 +1,52 @@
+package ucx
+
+import (
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/ecxfer/ecxfer/nixl"
+)
+
+// A notification that arrives by rendezvous is dropped by the receiver's
+// handler; DroppedNotifs counts it, GetNotifs never returns it, and eager
+// notifications still get through.
+func TestDroppedNotifs(t *testing.T) {
+	recv := newTestAgent(t, Config{Name: "receiver"})
+	rndv := newTestAgent(t, Config{Name: "rndv-sender", rndvNotifs: true})
+	eager := newTestAgent(t, Config{Name: "eager-sender"})
+	md, err := recv.LocalMetadata()
+	require.NoError(t, err)
+	for _, s := range []*Agent{rndv, eager} {
+		_, err = s.LoadRemoteMetadata(md)
+		require.NoError(t, err)
+	}
+	var _ nixl.NotifDropper = recv
+	require.Zero(t, recv.DroppedNotifs())
+
+	const sent = 3
+	for i := 0; i < sent; i++ {
+		require.NoError(t, rndv.SendNotif("receiver", []byte("by rendezvous")))
+	}
+	got := map[string][][]byte{}
+	deadline := time.Now().Add(5 * time.Second)
+	for recv.DroppedNotifs() < sent && time.Now().Before(deadline) {
+		_, err := rndv.Progress()
+		require.NoError(t, err)
+		_, err = recv.Progress()
+		require.NoError(t, err)
+		recv.GetNotifs(got)
+	}
+	require.Equal(t, uint64(sent), recv.DroppedNotifs())
+	require.Empty(t, got)
+
+	require.NoError(t, eager.SendNotif("receiver", []byte("eager")))
+	require.Equal(t, map[string][][]byte{"eager-sender": {[]byte("eager")}},
+		collectNotifs(t, recv, 1, 5*time.Second, eager, rndv))
+	require.Equal(t, uint64(sent), recv.DroppedNotifs(), "an eager notification is not dropped")
+	require.Zero(t, rndv.DroppedNotifs())
+
+	require.NoError(t, recv.Close())
+	require.Equal(t, uint64(sent), recv.DroppedNotifs(), "kept after Close")
+}
