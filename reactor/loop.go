@@ -196,6 +196,9 @@ func (r *Reactor) turn() bool {
 		clear(r.notifTmp)
 		r.ended = true // wake WaitNotifs
 	}
+	if r.dropper != nil {
+		r.st.notifsDroppedByEngine.Store(r.dropper.DroppedNotifs())
+	}
 	if completed > 0 {
 		work = true
 	}

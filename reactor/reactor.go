@@ -65,6 +65,8 @@ type Reactor struct {
 	tab   *table
 	epoch time.Time
 
+	dropper nixl.NotifDropper // agent, if it counts notifications it lost; else nil
+
 	sub    *ring.MPSC[uint64] // handles of new transfers
 	cancel *ring.MPSC[uint64] // handles released while in flight
 	ctrl   *ring.MPSC[*ctrlOp]
@@ -128,6 +130,7 @@ func Start(agent nixl.Agent, opts Options, setup Setup) (*Reactor, error) {
 		opts:     o,
 		tab:      newTable(o.Handles),
 		epoch:    time.Now(),
+		dropper:  dropper(agent),
 		sub:      ring.NewMPSC[uint64](o.SubmitRing),
 		ctrl:     ring.NewMPSC[*ctrlOp](64),
 		done:     make(chan struct{}),

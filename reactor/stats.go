@@ -3,6 +3,8 @@ package reactor
 import (
 	"sync/atomic"
 	"time"
+
+	"github.com/ecxfer/ecxfer/nixl"
 )
 
 // counters are written by the reactor thread and read by anyone.
@@ -10,6 +12,7 @@ type counters struct {
 	posted, done, failed, canceled atomic.Uint64
 	bytes                          atomic.Uint64
 	notifsSent, notifsReceived     atomic.Uint64
+	notifsDroppedByEngine          atomic.Uint64
 	engineErrors                   atomic.Uint64
 	loops, parks                   atomic.Uint64
 	latency                        Histogram
@@ -43,6 +46,14 @@ type Stats struct {
 	FailedBy     [NumFailReasons]uint64 // ReadsFailed by reason, indexed like FailReasons
 	BusyRefusals uint64                 // Posts refused with ErrBusy
 	BusyTime     time.Duration          // reactor time spent in loop turns that found work
+
+	// NotifsDroppedByEngine counts notifications that reached this
+	// process and that the engine threw away instead of handing them over
+	// (ucx: arrived by rendezvous, oversized, or no memory to queue them;
+	// libnixl: records it could not parse). It stays 0 for an engine that
+	// cannot tell (one that is no nixl.NotifDropper). Notifications a peer
+	// never sent are not in it.
+	NotifsDroppedByEngine uint64
 }
 
 // Stats returns the counters.
@@ -66,6 +77,8 @@ func (r *Reactor) Stats() Stats {
 		FailedBy:       r.failedBy(),
 		BusyRefusals:   r.st.busyRefusals.Load(),
 		BusyTime:       time.Duration(r.st.busyNs.Load()),
+
+		NotifsDroppedByEngine: r.st.notifsDroppedByEngine.Load(),
 	}
 }
 
@@ -74,4 +87,10 @@ func (r *Reactor) failedBy() (out [NumFailReasons]uint64) {
 		out[i] = r.st.failedBy[i].Load()
 	}
 	return out
+}
+
+// dropper returns agent as a nixl.NotifDropper, or nil if it is none.
+func dropper(agent nixl.Agent) nixl.NotifDropper {
+	d, _ := agent.(nixl.NotifDropper)
+	return d
 }
