@@ -6,7 +6,6 @@ import (
 	"runtime"
 	"testing"
 	"time"
-	"unsafe"
 
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
@@ -325,5 +324,3 @@ func TestCloseIdempotentAndLeaks(t *testing.T) {
 	require.Equal(t, fds, fdCount(t), "fds after Close")
 	require.LessOrEqual(t, runtime.NumGoroutine(), goroutines, "goroutines after Close")
 }
-
-func unsafePointer(b []byte) unsafe.Pointer { return unsafe.Pointer(&b[0]) }
