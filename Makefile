@@ -113,8 +113,12 @@ fuzz:
 
 # UCX_LOG_LEVEL=error: the tests kill peers on purpose, and UCX then warns
 # about every request it could not return; the warnings say nothing new.
+# ECXFER_REQUIRE_NIXL=1: the NIXL engine's tests (its conformance suite,
+# the ABI checks, the Go <-> Python interop) run against the wheel that
+# `make nixl` builds the shim for, and fail rather than skip without it.
 test: export UCX_LOG_LEVEL ?= error
-test: deps fmt-check cgo-guard dep-guard vet staticcheck
+test: export ECXFER_REQUIRE_NIXL = 1
+test: deps nixl fmt-check cgo-guard dep-guard vet staticcheck
 	$(GO) test -race -count=1 -timeout 20m $(PKGS)
 	$(GO) test -count=1 -run 'Allocs' $(PKGS)
 	@$(MAKE) --no-print-directory test-python
@@ -144,25 +148,33 @@ clean:
 	$(GO) clean -testcache
 
 # The NIXL engine (Config.Backend "nixl"): builds libecxnixl.so, ecxfer's
-# small C ABI over an installed NIXL (nixl/libnixl/shim), into NIXL's
-# library directory, where ecxfer finds it through NIXL_PREFIX.
-NIXL_PREFIX ?=
-NIXL_LIBDIR ?= $(patsubst %/,%,$(dir $(firstword $(wildcard $(NIXL_PREFIX)/lib/libnixl.so $(NIXL_PREFIX)/lib/*/libnixl.so $(NIXL_PREFIX)/lib64/libnixl.so))))
+# small C ABI over NIXL's C API (nixl/libnixl/shim), against the NIXL wheel
+# in a virtual environment (NIXL_VENV, default the project's .venv, which
+# `make deps` fills), into $(NIXL_VENV)/lib/ecxfer/, where ecxfer finds it
+# through VIRTUAL_ENV, NIXL_PREFIX=$(NIXL_VENV) or, for code run inside
+# this tree, the project's .venv.
+NIXL_VENV ?= $(CURDIR)/$(VENV)
+NIXL_SITE  = $(firstword $(wildcard $(NIXL_VENV)/lib/python3*/site-packages))
+NIXL_LIBS  = $(firstword $(wildcard $(NIXL_SITE)/.nixl_cu12.mesonpy.libs $(NIXL_SITE)/.nixl_cu13.mesonpy.libs))
+NIXL_SHIM  = $(NIXL_VENV)/lib/ecxfer/libecxnixl.so
 
 .PHONY: nixl test-nixl
-nixl:
-	@test -n "$(NIXL_PREFIX)" || { echo "nixl: usage: make nixl NIXL_PREFIX=/path/to/nixl (NIXL's install prefix)"; exit 1; }
-	@test -f "$(NIXL_PREFIX)/include/nixl.h" || { echo "nixl: $(NIXL_PREFIX)/include/nixl.h not found: is NIXL installed there?"; exit 1; }
-	@test -n "$(NIXL_LIBDIR)" || { echo "nixl: libnixl.so not found under $(NIXL_PREFIX)/lib*"; exit 1; }
-	$(CXX) -std=c++20 -O2 -fPIC -shared -Wall -o $(NIXL_LIBDIR)/libecxnixl.so nixl/libnixl/shim/ecxnixl.cpp \
-		-I$(NIXL_PREFIX)/include -L$(NIXL_LIBDIR) -lnixl $(if $(wildcard $(NIXL_LIBDIR)/libnixl_build.so),-lnixl_build) \
-		-Wl,-rpath,$(NIXL_LIBDIR) -Wl,--no-undefined
-	@echo "nixl: built $(NIXL_LIBDIR)/libecxnixl.so; run ecxfer with NIXL_PREFIX=$(NIXL_PREFIX) (or ECXFER_NIXL_LIB=$(NIXL_LIBDIR)/libecxnixl.so)"
+nixl: $(if $(filter $(CURDIR)/$(VENV),$(NIXL_VENV)),nixl-venv)
+	@test -n "$(NIXL_LIBS)" && test -f "$(NIXL_LIBS)/libnixl_capi.so" || { \
+		echo "nixl: no NIXL wheel (libnixl_capi.so) under $(NIXL_VENV)/lib/python3*/site-packages;"; \
+		echo "nixl: run 'make nixl-venv', or pip install --no-deps -r requirements-nixl.txt into NIXL_VENV"; exit 1; }
+	@mkdir -p $(dir $(NIXL_SHIM))
+	$(CC) -std=c11 -O2 -fPIC -shared -Wall -Wextra -Werror -Wno-format-truncation -o $(NIXL_SHIM) nixl/libnixl/shim/ecxnixl.c \
+		-L$(NIXL_LIBS) -lnixl_capi -Wl,-rpath,$(NIXL_LIBS) \
+		-ldl -Wl,--no-undefined
+	@echo "nixl: built $(NIXL_SHIM)"
 
-# The tests that need the NIXL engine; a missing library fails them.
+# The tests that need the NIXL engine (make test runs them too); a missing
+# library fails them.
+test-nixl: export UCX_LOG_LEVEL ?= error
 test-nixl: nixl
-	NIXL_PREFIX=$(NIXL_PREFIX) ECXFER_REQUIRE_NIXL=1 $(GO) test -race -count=1 -run 'NIXL' .
-	NIXL_PREFIX=$(NIXL_PREFIX) ECXFER_REQUIRE_NIXL=1 $(GO) test -race -count=1 ./nixl/libnixl
+	VIRTUAL_ENV=$(NIXL_VENV) ECXFER_REQUIRE_NIXL=1 $(GO) test -race -count=1 -run 'NIXL' .
+	VIRTUAL_ENV=$(NIXL_VENV) ECXFER_REQUIRE_NIXL=1 $(GO) test -race -count=1 ./nixl/libnixl
 
 # The Python package (python/, import name ecxfer): libecxfer.so, the C ABI
 # of cmd/libecxfer, built into the package, where it loads it from.

@@ -10,6 +10,7 @@ import (
 	"math/rand"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -26,15 +27,23 @@ import (
 // Interop with NIXL's own Python API: testdata/nixl_peer.py is a NIXL
 // agent driven the way vLLM drives one, and ecxfer (Backend "nixl") is the
 // other side, once as the consumer and once as the producer. It needs the
-// NIXL engine library and Debian's Python with NIXL's Python package,
-// numpy and msgpack; make test-nixl sets ECXFER_REQUIRE_NIXL=1, which
-// turns anything missing into a failure.
+// NIXL engine library and the project's .venv with NIXL's wheel, numpy and
+// msgpack (make nixl-venv); make test-nixl sets ECXFER_REQUIRE_NIXL=1,
+// which turns anything missing into a failure.
 
 const (
-	interopPython = "/usr/bin/python3"
-	interopPeer   = "testdata/nixl_peer.py"
-	interopStep   = 30 * time.Second // bound on every wait for the peer
+	interopPeer = "testdata/nixl_peer.py"
+	interopStep = 30 * time.Second // bound on every wait for the peer
 )
+
+// interopPython is the Python that runs the peer: $VIRTUAL_ENV's, else the
+// project's .venv (the test runs in the repository's root).
+func interopPython() string {
+	if v := os.Getenv(libnixl.EnvVenv); v != "" {
+		return filepath.Join(v, "bin", "python")
+	}
+	return filepath.Join(libnixl.ProjectVenv, "bin", "python")
+}
 
 // interopByte is byte j of block i of the peer's pattern (see pattern() in
 // nixl_peer.py).
@@ -61,13 +70,14 @@ func requireNIXLPython(t *testing.T) {
 	} else {
 		ctx, cancel := context.WithTimeout(context.Background(), interopStep)
 		defer cancel()
-		out, err := exec.CommandContext(ctx, interopPython, "-c", "import nixl._api, numpy, msgpack").CombinedOutput()
+		py := interopPython()
+		out, err := exec.CommandContext(ctx, py, "-c",
+			"import os, nixl._api, numpy, msgpack; os._exit(0)").CombinedOutput()
 		if err != nil {
 			// The last line of Python's traceback names the missing module.
 			lines := strings.Split(strings.TrimSpace(string(out)), "\n")
-			why = fmt.Sprintf("%s cannot import nixl._api, numpy and msgpack (set PYTHONPATH to NIXL's "+
-				"Python package; install python3-numpy python3-msgpack): %v: %s",
-				interopPython, err, lines[len(lines)-1])
+			why = fmt.Sprintf("%s cannot import nixl._api, numpy and msgpack (make nixl-venv "+
+				"installs them): %v: %s", py, err, lines[len(lines)-1])
 		}
 	}
 	if why == "" {
@@ -108,7 +118,7 @@ type pyPeer struct {
 
 func startPyPeer(t *testing.T, role, name string, bs, nb int, seed uint64) *pyPeer {
 	t.Helper()
-	cmd := exec.Command(interopPython, interopPeer, role, name,
+	cmd := exec.Command(interopPython(), interopPeer, role, name,
 		strconv.Itoa(bs), strconv.Itoa(nb), strconv.FormatUint(seed, 10))
 	p := &pyPeer{t: t, name: name, lines: make(chan []string, 16), stderr: &lockedBuffer{}}
 	cmd.Stderr = p.stderr

@@ -4,6 +4,10 @@
 #
 # Usage: nixl_peer.py producer|consumer NAME BLOCK_SIZE NUM_BLOCKS SEED
 #
+# It runs in the project's .venv (NIXL's wheel, numpy, msgpack) and always
+# leaves through os._exit: NIXL 1.5.1's wheel crashes (SIGSEGV) in its
+# destructors at interpreter exit.
+#
 # Control channel: lines on stdin and stdout, hex for binary fields. Only
 # this program writes to stdout (anything a library logs goes to stderr).
 #   producer: prints "meta <md>" and "desc <descs>", then "notif <agent>
@@ -28,6 +32,12 @@ os.dup2(2, 1)
 
 def say(*words):
     print(*words, file=ctrl, flush=True)
+
+
+def leave(code):
+    ctrl.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def text(name):
@@ -66,10 +76,11 @@ if role == "producer":
         ready, _, _ = select.select([sys.stdin], [], [], 0.001)
         if ready and sys.stdin.readline() == "":
             break
-    sys.exit(0)
+    leave(0)
 
 if role != "consumer":
-    sys.exit("unknown role " + role)
+    print("unknown role " + role, file=sys.stderr)
+    leave(2)
 
 _, md, descs = sys.stdin.readline().split()
 peer = agent.add_remote_agent(bytes.fromhex(md))
@@ -86,14 +97,15 @@ while state == "PROC" and time.monotonic() < deadline:
     state = agent.check_xfer_state(h)
 if state != "DONE":
     say("fail", "transfer state", state)
-    sys.exit(1)
+    leave(1)
 want = pattern(seed, nb, bs)
 bad = [k for k in range(len(li)) if not np.array_equal(buf[li[k]], want[ri[k]])]
 if bad:
     say("fail", "%d of %d blocks differ, first local %d" % (len(bad), len(li), li[bad[0]]))
-    sys.exit(1)
+    leave(1)
 agent.release_xfer_handle(h)
 agent.release_dlist_handle(remote)
 agent.remove_remote_agent(peer)
 say("done", text(peer))
 sys.stdin.read()
+leave(0)

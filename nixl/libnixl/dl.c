@@ -1,3 +1,4 @@
+#define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -21,7 +22,7 @@ ecx_dl_t *ecx_dl_open(const char *path, int *why, char *err, size_t cap) {
     *why = ECX_DL_OK;
     err[0] = '\0';
     dlerror();
-    void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND);
     if (h == NULL) {
         const char *e = dlerror();
         snprintf(err, cap, "%s", e ? e : "dlopen failed");
@@ -39,6 +40,7 @@ ecx_dl_t *ecx_dl_open(const char *path, int *why, char *err, size_t cap) {
 #define ECX_RESOLVE(field, sym)                                                                  \
     if (!resolve(h, sym, (void **)&l->field, err, cap)) goto missing
     ECX_RESOLVE(abi_version, "ecxnixl_abi_version");
+    ECX_RESOLVE(check_nixl, "ecxnixl_check_nixl");
     ECX_RESOLVE(agent_create, "ecxnixl_agent_create");
     ECX_RESOLVE(agent_destroy, "ecxnixl_agent_destroy");
     ECX_RESOLVE(mem_register, "ecxnixl_mem_register");
@@ -60,6 +62,12 @@ ecx_dl_t *ecx_dl_open(const char *path, int *why, char *err, size_t cap) {
         *why = ECX_DL_ABI;
         dlclose(h);
         free(l);
+        return NULL;
+    }
+    char found[128];
+    if (l->check_nixl(found, sizeof found, err, cap) != 0) {
+        *why = ECX_DL_NIXL;
+        free(l); /* NIXL's libraries are in; do not unload them */
         return NULL;
     }
     return l;

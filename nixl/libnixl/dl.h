@@ -14,12 +14,14 @@ enum {
     ECX_DL_OK = 0,
     ECX_DL_OPEN = 1,   /* dlopen failed (missing file, not a library, ...) */
     ECX_DL_SYMBOL = 2, /* a symbol of the ABI is missing */
-    ECX_DL_ABI = 3     /* the library speaks another ABI version */
+    ECX_DL_ABI = 3,    /* the library speaks another ABI version */
+    ECX_DL_NIXL = 4    /* the NIXL underneath is not the release the shim is for */
 };
 
 typedef struct ecx_dl {
     void *handle;
     uint32_t (*abi_version)(void);
+    int32_t (*check_nixl)(char *, size_t, char *, size_t);
     int32_t (*agent_create)(const char *, size_t, const char *, size_t, ecxnixl_agent **, char *,
                             size_t);
     void (*agent_destroy)(ecxnixl_agent *);
@@ -40,15 +42,25 @@ typedef struct ecx_dl {
 } ecx_dl_t;
 
 /*
- * Opens path and resolves every symbol of the ABI. On failure returns NULL,
- * sets *why and writes a message into err (NUL-terminated, at most cap
- * bytes). A library that failed is closed again; one that loaded is never
+ * Opens path and resolves every symbol of the ABI, then has the library
+ * check the NIXL release under it. On failure returns NULL, sets *why and
+ * writes a message into err (NUL-terminated, at most cap bytes). A library
+ * that failed the symbol or ABI check is closed again; one that loaded (or
+ * failed only the NIXL check, after NIXL's libraries came in) is never
  * closed (C++ libraries do not unload cleanly).
+ *
+ * The library is opened with RTLD_DEEPBIND: NIXL's wheel carries its own
+ * UCX, whose symbols have the same names as those of the system's UCX that
+ * package nixl/ucx links into the same process; deep binding makes the
+ * wheel's libraries resolve to their own copies first.
  */
 ecx_dl_t *ecx_dl_open(const char *path, int *why, char *err, size_t cap);
 
 /* Trampolines: Go cannot call C function pointers directly. */
 static inline uint32_t ecx_dl_abi_version(ecx_dl_t *l) { return l->abi_version(); }
+static inline int32_t ecx_dl_check_nixl(ecx_dl_t *l, char *found, size_t fc, char *e, size_t ec) {
+    return l->check_nixl(found, fc, e, ec);
+}
 static inline int32_t ecx_dl_agent_create(ecx_dl_t *l, const char *n, size_t nl, const char *p,
                                           size_t pl, ecxnixl_agent **out, char *e, size_t ec) {
     return l->agent_create(n, nl, p, pl, out, e, ec);

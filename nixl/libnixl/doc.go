@@ -6,18 +6,31 @@
 // # Loading
 //
 // NIXL is C++ and often not installed, so nothing here links against it.
-// A small C ABI of our own (ecxnixl.h: opaque handles, raw nixl_status_t
-// results, arrays in and out) is implemented by shim/ecxnixl.cpp, which
-// `make nixl NIXL_PREFIX=...` builds into libecxnixl.so where NIXL is
-// installed. New opens that library with dlopen and resolves every symbol
-// (dl.c); Go calls them through small C trampolines. The library is taken
-// from Config.LibPath, else $ECXFER_NIXL_LIB, else looked for next to
-// NIXL's libraries under $NIXL_PREFIX, else on the dynamic loader's path.
-// When it is found nowhere, New fails with ErrNotInstalled; when it exists
-// but cannot be used (not a library, NIXL missing, a symbol missing, another
-// ABI version), with ErrBadLibrary. Available reports the same without
-// creating an agent, so tests and callers can skip. The package therefore
-// compiles and its tests run everywhere.
+// A small C ABI of our own (ecxnixl.h: opaque handles, nixl_status_t
+// results, arrays in and out) is implemented by shim/ecxnixl.c in C on top
+// of NIXL's C API (libnixl_capi.so, which NIXL's wheel ships; the shim's
+// declarations of it are shim/nixlcapi.h). `make nixl` builds it into
+// libecxnixl.so in a virtual environment holding the wheel (the project's
+// .venv, filled by `make deps` from requirements-nixl.txt). New opens that
+// library with dlopen and resolves every symbol (dl.c); Go calls them
+// through small C trampolines. The library is taken from Config.LibPath,
+// else $ECXFER_NIXL_LIB, else looked for under $NIXL_PREFIX, then
+// $VIRTUAL_ENV, then the nearest .venv from the working directory up, then
+// on the dynamic loader's path. When it is found nowhere, New fails with
+// ErrNotInstalled; when it exists but cannot be used (not a library, NIXL
+// missing, a symbol missing, another ABI version, or a NIXL release other
+// than the one nixlcapi.h is written for), with ErrBadLibrary. Available
+// reports the same without creating an agent, so tests and callers can
+// skip. The package therefore compiles and its tests run everywhere.
+//
+// The wheel brings its own UCX, newer than the system's that package
+// nixl/ucx links, under private file names but with the same symbol
+// names. The shim is opened with RTLD_DEEPBIND and loads NIXL's UCX
+// plugin itself the same way, so the wheel's libraries bind to their own
+// UCX; in a process that also holds the system UCX, the wheel's UCX loads
+// none of its transport modules (cma, InfiniBand), which would bind to
+// the system's (see ecxnixl.c). NIXL then uses UCX's built-in transports
+// (shared memory, TCP).
 //
 // # Driving NIXL
 //
@@ -53,8 +66,10 @@
 // unchanged. NIXL refuses a changed blob under a loaded name without saying
 // which name; the nixl.Agent contract wants the name, so this package reads
 // it from the blob (md.go), and also refuses a blob cut short before NIXL
-// can half-load it. NIXL reports a transfer whose peer went away (invalidated
-// or disconnected) as NOT_FOUND or REMOTE_DISCONNECT; both become
+// can half-load it. A transfer whose peer was invalidated ends as NOT_FOUND,
+// which becomes nixl.ErrRemoteDisconnect. NIXL's C API folds every other
+// error into BACKEND, REMOTE_DISCONNECT included, so a transfer whose peer
+// process died ends in nixl.ErrBackend (ecxfer.ErrEngine at the top), not
 // nixl.ErrRemoteDisconnect.
 //
 // Memory from AllocMem is an anonymous mapping registered with NIXL (NIXL

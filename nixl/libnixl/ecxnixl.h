@@ -1,19 +1,23 @@
 /*
  * ecxnixl: the small C ABI between ecxfer and the NIXL library.
  *
- * The shim (shim/ecxnixl.cpp, built into libecxnixl.so by `make nixl`)
- * implements it in C++ on top of NIXL's agent; package libnixl loads that
- * library at run time with dlopen and calls these functions through
- * pointers, so ecxfer builds and runs where NIXL is not installed.
+ * The shim (shim/ecxnixl.c, built into libecxnixl.so by `make nixl`)
+ * implements it in C on top of NIXL's C API (libnixl_capi.so, shipped in
+ * NIXL's wheel; shim/nixlcapi.h); package libnixl loads that library at
+ * run time with dlopen and calls these functions through pointers, so
+ * ecxfer builds and runs where NIXL is not installed.
  *
  * Conventions:
- *   - Every function returning int32_t returns a raw nixl_status_t value:
- *     0 success, 1 in progress, negative an error.
+ *   - Every function returning int32_t returns a nixl_status_t value:
+ *     0 success, 1 in progress, negative an error. NIXL's C API reports
+ *     only INVALID_PARAM and NOT_FOUND by name and folds every other
+ *     error (REMOTE_DISCONNECT and CANCELED included) into BACKEND, so
+ *     those are all the shim can return.
  *   - Handles are opaque pointers owned by the shim. A handle is used by one
  *     thread at a time; the agent has no progress thread of its own, so the
  *     caller's calls to ecxnixl_status and ecxnixl_notifs drive it.
  *   - Strings are (pointer, length) pairs, never NUL-terminated.
- *   - No function throws: C++ exceptions become ECXNIXL_ERR_UNKNOWN.
+ *   - Names cannot contain NUL bytes (NIXL's C API takes C strings).
  */
 #ifndef ECXFER_ECXNIXL_H
 #define ECXFER_ECXNIXL_H
@@ -26,13 +30,15 @@ extern "C" {
 #endif
 
 /* Bumped whenever a signature or a record layout below changes. */
-#define ECXNIXL_ABI_VERSION 1
+#define ECXNIXL_ABI_VERSION 2
 
 /* The status values the shim itself produces (same numbers as NIXL's). */
 #define ECXNIXL_SUCCESS 0
 #define ECXNIXL_IN_PROG 1
 #define ECXNIXL_ERR_INVALID_PARAM (-2)
+#define ECXNIXL_ERR_BACKEND (-3)
 #define ECXNIXL_ERR_NOT_FOUND (-4)
+#define ECXNIXL_ERR_MISMATCH (-5)
 #define ECXNIXL_ERR_UNKNOWN (-8)
 
 #define ECXNIXL_OP_READ 0
@@ -44,6 +50,17 @@ typedef struct ecxnixl_req ecxnixl_req;
 
 /* ECXNIXL_ABI_VERSION of the library. */
 uint32_t ecxnixl_abi_version(void);
+
+/*
+ * Checks that the NIXL the shim is linked with is the release it was
+ * written for: it finds the wheel's metadata (nixl_cu12-*.dist-info)
+ * beside the directory of libnixl_capi.so and compares its version with
+ * the one nixlcapi.h describes. ECXNIXL_SUCCESS when they are equal;
+ * otherwise ECXNIXL_ERR_MISMATCH and a message in errbuf naming both (or
+ * saying that no wheel metadata was found). Writes the version found (or
+ * "") into found.
+ */
+int32_t ecxnixl_check_nixl(char *found, size_t found_cap, char *errbuf, size_t errcap);
 
 /*
  * Creates an agent named name with no progress thread, thread-sync mode

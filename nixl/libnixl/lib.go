@@ -25,13 +25,24 @@ const LibName = "libecxnixl.so"
 const (
 	// EnvLib names the library file to load; it overrides the search.
 	EnvLib = "ECXFER_NIXL_LIB"
-	// EnvPrefix is NIXL's install prefix; the library is looked for next
-	// to NIXL's own libraries there.
+	// EnvPrefix is a prefix the shim was built into: a virtual
+	// environment holding NIXL's wheel (`make nixl NIXL_VENV=<prefix>`
+	// puts it in <prefix>/lib/ecxfer), or a prefix with it in lib/.
 	EnvPrefix = "NIXL_PREFIX"
+	// EnvVenv is the active Python virtual environment, where
+	// `make nixl NIXL_VENV=$VIRTUAL_ENV` puts the shim (lib/ecxfer).
+	EnvVenv = "VIRTUAL_ENV"
 	// EnvParams holds UCX backend parameters for agents whose
 	// Config.BackendParams is nil: "key=value,key=value".
 	EnvParams = "ECXFER_NIXL_PARAMS"
 )
+
+// ProjectVenv is the project's virtual environment directory, looked for
+// in the working directory and its parents.
+const ProjectVenv = ".venv"
+
+// shimDir is where `make nixl` puts the library inside a prefix.
+var shimDir = filepath.Join("lib", "ecxfer")
 
 // RequireEnv names the environment variable that, set to 1, makes tests
 // that need the library fail instead of skipping when it does not load
@@ -46,8 +57,9 @@ var ErrNotInstalled = errors.New("libnixl: the NIXL engine library (" + LibName 
 // missing, or another ABI version.
 var ErrBadLibrary = errors.New("libnixl: the NIXL engine library cannot be used")
 
-const buildHint = `build it where NIXL is installed with "make nixl NIXL_PREFIX=/path/to/nixl", ` +
-	`then set ` + EnvPrefix + ` (or ` + EnvLib + ` to the library file)`
+const buildHint = `"make nixl" in ecxfer's tree installs NIXL's wheel into its .venv and builds the library there; ` +
+	`for another virtual environment holding the wheel, "make nixl NIXL_VENV=<venv>", then run with ` +
+	EnvVenv + ` or ` + EnvPrefix + ` set to it (or ` + EnvLib + ` to the library file)`
 
 // lib is one loaded library. Loaded libraries are never unloaded.
 type lib struct {
@@ -72,7 +84,9 @@ func multiarch() string {
 }
 
 // candidates lists where to look for the library, in order. explicit (or
-// else $ECXFER_NIXL_LIB) is the only candidate when set.
+// else $ECXFER_NIXL_LIB) is the only candidate when set. Then come
+// $NIXL_PREFIX, $VIRTUAL_ENV, the project's .venv (the nearest one from
+// the working directory up) and last the dynamic loader's own search.
 func candidates(explicit string) []string {
 	if explicit != "" {
 		return []string{explicit}
@@ -82,14 +96,40 @@ func candidates(explicit string) []string {
 	}
 	var c []string
 	if pre := os.Getenv(EnvPrefix); pre != "" {
-		c = append(c, filepath.Join(pre, "lib", LibName))
+		c = append(c, filepath.Join(pre, shimDir, LibName), filepath.Join(pre, "lib", LibName))
 		if m := multiarch(); m != "" {
 			c = append(c, filepath.Join(pre, "lib", m, LibName))
 		}
 		c = append(c, filepath.Join(pre, "lib64", LibName))
 	}
+	if v := os.Getenv(EnvVenv); v != "" {
+		c = append(c, filepath.Join(v, shimDir, LibName))
+	}
+	if v := projectVenv(); v != "" {
+		c = append(c, filepath.Join(v, shimDir, LibName))
+	}
 	// Last, the dynamic loader's own search (LD_LIBRARY_PATH, ld.so.cache).
 	return append(c, LibName)
+}
+
+// projectVenv returns the nearest .venv directory from the working
+// directory up, or "".
+func projectVenv() string {
+	dir, err := os.Getwd()
+	if err != nil {
+		return ""
+	}
+	for {
+		v := filepath.Join(dir, ProjectVenv)
+		if fi, err := os.Stat(v); err == nil && fi.IsDir() {
+			return v
+		}
+		parent := filepath.Dir(dir)
+		if parent == dir {
+			return ""
+		}
+		dir = parent
+	}
 }
 
 // load finds and opens the library. Successes are cached per path.
@@ -122,6 +162,8 @@ func load(explicit string) (*lib, error) {
 			return nil, fmt.Errorf("%w: %s: %s (stale or foreign library; rebuild it: %s)", ErrBadLibrary, path, msg, buildHint)
 		case C.ECX_DL_ABI:
 			return nil, fmt.Errorf("%w: %s: %s (rebuild it: %s)", ErrBadLibrary, path, msg, buildHint)
+		case C.ECX_DL_NIXL:
+			return nil, fmt.Errorf("%w: %s: %s", ErrBadLibrary, path, msg)
 		}
 		return nil, fmt.Errorf("%w: %s: %s", ErrBadLibrary, path, msg)
 	}
@@ -142,10 +184,34 @@ func open(path string) (*lib, C.int, string) {
 	return &lib{path: path, c: c}, 0, ""
 }
 
+// ABIVersion is the version of the C ABI (ecxnixl.h) this package speaks;
+// a library speaking another is refused with ErrBadLibrary.
+func ABIVersion() uint32 { return C.ECXNIXL_ABI_VERSION }
+
+// libABIVersion asks a loaded library for its ABI version.
+func (l *lib) abiVersion() uint32 { return uint32(C.ecx_dl_abi_version(l.c)) }
+
+// nixlVersion asks a loaded library which NIXL release it runs on (the
+// version of the wheel's metadata beside NIXL's libraries) and whether that
+// is the one it was written for.
+func (l *lib) nixlVersion() (string, error) {
+	const cp = 1024
+	found := (*C.char)(C.malloc(cp))
+	defer C.free(unsafe.Pointer(found))
+	ebuf := (*C.char)(C.malloc(cp))
+	defer C.free(unsafe.Pointer(ebuf))
+	*found, *ebuf = 0, 0
+	if st := C.ecx_dl_check_nixl(l.c, found, cp, ebuf, cp); st != 0 {
+		return C.GoString(found), fmt.Errorf("%w: %s: %s", ErrBadLibrary, l.path, C.GoString(ebuf))
+	}
+	return C.GoString(found), nil
+}
+
 // Available reports whether the NIXL engine can be used here: nil when the
-// library loads (from $ECXFER_NIXL_LIB, or found through $NIXL_PREFIX or
-// the dynamic loader's path), else an error wrapping ErrNotInstalled or
-// ErrBadLibrary that says what was tried.
+// library loads (from $ECXFER_NIXL_LIB, or found through $NIXL_PREFIX,
+// $VIRTUAL_ENV, the project's .venv or the dynamic loader's path), else an
+// error wrapping ErrNotInstalled or ErrBadLibrary that says what was
+// tried.
 func Available() error {
 	_, err := load("")
 	return err

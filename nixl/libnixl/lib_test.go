@@ -2,9 +2,11 @@ package libnixl
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -39,6 +41,8 @@ func TestNotInstalledSearch(t *testing.T) {
 	prefix := t.TempDir()
 	t.Setenv(EnvLib, "")
 	t.Setenv(EnvPrefix, prefix)
+	t.Setenv(EnvVenv, "")
+	t.Chdir(prefix)                 // away from the project's .venv
 	t.Setenv("LD_LIBRARY_PATH", "") // read by the loader at startup only; harmless
 	err := Available()
 	if err == nil {
@@ -46,6 +50,7 @@ func TestNotInstalledSearch(t *testing.T) {
 	}
 	require.ErrorIs(t, err, ErrNotInstalled)
 	msg := err.Error()
+	require.Contains(t, msg, filepath.Join(prefix, "lib", "ecxfer", LibName))
 	require.Contains(t, msg, filepath.Join(prefix, "lib", LibName))
 	require.Contains(t, msg, "loader path")
 }
@@ -53,9 +58,23 @@ func TestNotInstalledSearch(t *testing.T) {
 func TestCandidates(t *testing.T) {
 	t.Setenv(EnvLib, "")
 	t.Setenv(EnvPrefix, "/opt/nixl")
+	t.Setenv(EnvVenv, "/srv/venv")
+	// A project tree with its .venv, entered two levels down.
+	root := t.TempDir()
+	sub := filepath.Join(root, "a", "b")
+	require.NoError(t, os.MkdirAll(sub, 0o755))
+	require.NoError(t, os.Mkdir(filepath.Join(root, ProjectVenv), 0o755))
+	t.Chdir(sub)
 	c := candidates("")
-	require.Equal(t, "/opt/nixl/lib/"+LibName, c[0])
+	require.Equal(t, "/opt/nixl/lib/ecxfer/"+LibName, c[0])
+	require.Equal(t, "/opt/nixl/lib/"+LibName, c[1])
+	iPrefix := slices.Index(c, "/opt/nixl/lib64/"+LibName)
+	iVenv := slices.Index(c, "/srv/venv/lib/ecxfer/"+LibName)
+	iProject := slices.Index(c, filepath.Join(root, ProjectVenv, "lib", "ecxfer", LibName))
+	require.True(t, iPrefix >= 0 && iVenv > iPrefix && iProject > iVenv,
+		"order: NIXL_PREFIX, VIRTUAL_ENV, the project's .venv: %q", c)
 	require.Equal(t, LibName, c[len(c)-1])
+	require.Equal(t, len(c)-2, iProject)
 	require.Equal(t, []string{"/x/y.so"}, candidates("/x/y.so"))
 	t.Setenv(EnvLib, "/env/lib.so")
 	require.Equal(t, []string{"/env/lib.so"}, candidates(""))
@@ -102,7 +121,7 @@ uint32_t ecxnixl_abi_version(void) { return 1; }
 `)
 	_, err := New(Config{Name: "a", LibPath: so})
 	require.ErrorIs(t, err, ErrBadLibrary)
-	require.Contains(t, err.Error(), "ecxnixl_agent_create", "the message names the missing symbol")
+	require.Contains(t, err.Error(), "symbol ecxnixl_check_nixl is missing", "the message names the missing symbol")
 	require.Contains(t, err.Error(), so)
 }
 
@@ -131,20 +150,48 @@ int32_t ecxnixl_notifs(void) { return -8; }
 int32_t ecxnixl_send_notif(void) { return -8; }
 `
 
+// nixlOK is the version check of a shim over the right NIXL release.
+const nixlOK = `
+int32_t ecxnixl_check_nixl(char *f, size_t fc, char *e, size_t ec) { if (fc) f[0] = 0; return 0; }
+`
+
 func TestABIMismatch(t *testing.T) {
-	so := buildSO(t, allSymbols+`uint32_t ecxnixl_abi_version(void) { return 999; }`)
+	so := buildSO(t, allSymbols+nixlOK+`uint32_t ecxnixl_abi_version(void) { return 999; }`)
 	_, err := New(Config{Name: "a", LibPath: so})
 	require.ErrorIs(t, err, ErrBadLibrary)
 	require.Contains(t, err.Error(), "ABI version 999")
 }
 
 func TestAgentCreateFails(t *testing.T) {
-	so := buildSO(t, allSymbols+`uint32_t ecxnixl_abi_version(void) { return 1; }`)
+	so := buildSO(t, allSymbols+nixlOK+abiCurrent())
 	_, err := New(Config{Name: "a", LibPath: so})
 	require.ErrorIs(t, err, nixl.ErrNotSupported, "the raw status becomes its nixl error")
 	require.Contains(t, err.Error(), "no UCX", "the shim's message is kept")
 	var ne *nixl.Error
 	require.True(t, errors.As(err, &ne))
+}
+
+// abiCurrent defines ecxnixl_abi_version returning this build's version.
+func abiCurrent() string {
+	return fmt.Sprintf("uint32_t ecxnixl_abi_version(void) { return %d; }\n", ABIVersion())
+}
+
+// A shim over another NIXL release (or one whose release cannot be told)
+// is refused with the shim's own message.
+func TestNIXLVersionMismatch(t *testing.T) {
+	so := buildSO(t, allSymbols+abiCurrent()+`
+#include <stdio.h>
+int32_t ecxnixl_check_nixl(char *f, size_t fc, char *e, size_t ec) {
+    snprintf(f, fc, "1.4.0");
+    snprintf(e, ec, "libnixl_capi.so is NIXL 1.4.0, but the shim is written for NIXL 1.5.1 exactly");
+    return -5;
+}
+`)
+	_, err := New(Config{Name: "a", LibPath: so})
+	require.ErrorIs(t, err, ErrBadLibrary)
+	require.NotErrorIs(t, err, ErrNotInstalled)
+	require.Contains(t, err.Error(), "NIXL 1.4.0")
+	require.Contains(t, err.Error(), so)
 }
 
 func TestConfigValidation(t *testing.T) {
