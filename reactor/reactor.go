@@ -288,6 +288,11 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 		r.st.busyRefusals.Add(1)
 		return 0, wrapf(ErrBusy, "handle table full (%d slots)", len(r.tab.slots))
 	}
+	// The word claim stored. Until the handle is on the ring the slot is
+	// this Post's alone, and on every error path it frees exactly this
+	// word: a slot that meanwhile holds another word (Close ended the
+	// transfer, another Post claimed the freed slot) is not ours to free.
+	claimed := r.tab.claimedWord(h)
 	s.peer = p
 	s.localIdx = append(s.localIdx[:0], localIdx...)
 	s.remoteIdx = append(s.remoteIdx[:0], remoteIdx...)
@@ -301,7 +306,7 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 
 	for !r.sub.TryPush(h) {
 		if !r.opts.WaitWhenBusy || r.closing.Load() {
-			r.tab.free(s, s.word.Load())
+			r.tab.free(s, claimed)
 			if r.closing.Load() {
 				return 0, ErrClosed
 			}
@@ -316,7 +321,7 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 		// The loop may be gone; make sure the slot does not linger.
 		select {
 		case <-r.done:
-			r.tab.free(s, s.word.Load())
+			r.tab.free(s, claimed)
 			return 0, ErrClosed
 		default:
 		}

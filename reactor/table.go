@@ -148,6 +148,10 @@ func (t *table) claim() (uint64, *slot) {
 	return 0, nil
 }
 
+// claimedWord is the word claim stores for handle h: h's generation, state
+// PROC.
+func (t *table) claimedWord(h uint64) uint64 { return h&t.genMask() | stProc }
+
 // lookup returns the slot a handle names and the slot's current word, or
 // nil when the handle is malformed or no longer owns the slot.
 func (t *table) lookup(h uint64) (*slot, uint64) {

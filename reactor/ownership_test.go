@@ -1,0 +1,79 @@
+package reactor
+
+import (
+	"errors"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/ecxfer/ecxfer/internal/leakcheck"
+)
+
+// Who frees a slot: each slot has one owner at a time, and only its owner
+// frees it. These tests race the owners against each other.
+
+// watchLive samples the table's live count until stop is closed and reports
+// the smallest value it saw.
+func watchLive(r *Reactor, stop <-chan struct{}) <-chan int64 {
+	out := make(chan int64, 1)
+	go func() {
+		low := r.tab.live.Load()
+		for {
+			if v := r.tab.live.Load(); v < low {
+				low = v
+			}
+			select {
+			case <-stop:
+				out <- low
+				return
+			default:
+				runtime.Gosched()
+			}
+		}
+	}()
+	return out
+}
+
+// Posts racing Close: a Post that claimed a slot must free that slot and
+// no other, and Close must not free a slot a Post is still filling in (the
+// race detector sees the second claimer writing the slot's request while
+// the first still does).
+func TestPostRacingClose(t *testing.T) {
+	leakcheck.Check(t)
+	for round := 0; round < 40; round++ {
+		p := newPair(t, 16, Options{SubmitRing: 2, BatchSize: 1, Handles: 256})
+		stop := make(chan struct{})
+		low := watchLive(p.cons, stop)
+		var wg sync.WaitGroup
+		var posted atomic.Int64
+		for g := 0; g < 6; g++ {
+			wg.Add(1)
+			go func(g int) {
+				defer wg.Done()
+				idx := []int{g % 16}
+				for i := 0; ; i++ {
+					h, err := p.cons.Post(p.pname, idx, idx, []byte("n"))
+					switch {
+					case errors.Is(err, ErrClosed):
+						return
+					case err == nil:
+						posted.Add(1)
+						if i%2 == 0 {
+							_ = p.cons.Release(h)
+						}
+					}
+				}
+			}(g)
+		}
+		time.Sleep(time.Duration(200+round*25) * time.Microsecond)
+		require.NoError(t, p.cons.Close())
+		wg.Wait()
+		close(stop)
+		require.GreaterOrEqual(t, <-low, int64(0), "live handles went negative")
+		require.Equal(t, int64(0), p.cons.tab.live.Load(), "slots left claimed after Close (posted %d)", posted.Load())
+	}
+}
