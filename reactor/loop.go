@@ -604,10 +604,15 @@ func (r *Reactor) teardown() error {
 		_ = r.agent.ReleaseDlist(loc.dlist)
 	}
 	err := r.agent.Close()
-	// Every handle is void now; the table holds nothing.
+	// Every transfer the reactor owned has ended: free the slots of ended
+	// transfers. A slot still in PROC belongs to a Post that claimed it and
+	// has not handed it over (or handed it over after the drain above);
+	// that Post sees closing, waits for the loop to end and frees it, so
+	// no other Post can claim the slot while the first still fills it in.
 	for i := range r.tab.slots {
-		if r.tab.slots[i].word.Swap(0) != 0 {
-			r.tab.live.Add(-1)
+		s := &r.tab.slots[i]
+		if w := s.word.Load(); w != 0 && wordState(w) != stProc {
+			r.tab.free(s, w)
 		}
 	}
 	r.stop = true

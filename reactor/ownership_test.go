@@ -77,3 +77,21 @@ func TestPostRacingClose(t *testing.T) {
 		require.Equal(t, int64(0), p.cons.tab.live.Load(), "slots left claimed after Close (posted %d)", posted.Load())
 	}
 }
+
+// A slot a Post has claimed and not yet handed to the reactor is the
+// Post's: Close leaves it alone, so no other Post can claim it while the
+// first still fills in its request, and the first frees it itself.
+func TestCloseLeavesClaimedSlotToItsPost(t *testing.T) {
+	leakcheck.Check(t)
+	p := newPair(t, 16, Options{Handles: 256})
+	h, s := p.cons.tab.claim()
+	require.NotNil(t, s)
+	claimed := p.cons.tab.claimedWord(h)
+	require.NoError(t, p.cons.Close())
+	require.Equal(t, claimed, s.word.Load(), "Close changed a slot a Post still owns")
+	for i := 0; i < len(p.cons.tab.slots); i++ {
+		_, other := p.cons.tab.claim()
+		require.NotSame(t, s, other, "a second claimer got a slot its first owner still fills in")
+	}
+	require.True(t, p.cons.tab.free(s, claimed), "the owner cannot free its slot")
+}

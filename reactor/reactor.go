@@ -318,13 +318,14 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 	}
 	r.wake()
 	if r.closing.Load() {
-		// The loop may be gone; make sure the slot does not linger.
-		select {
-		case <-r.done:
-			r.tab.free(s, claimed)
-			return 0, ErrClosed
-		default:
-		}
+		// Close has begun, and its teardown may have drained the ring
+		// before this push. Once the loop is gone, either teardown ended
+		// the transfer and freed its slot, or the handle sits on a ring
+		// nobody drains and the slot still holds the claimed word: ours
+		// to free.
+		<-r.done
+		r.tab.free(s, claimed)
+		return 0, ErrClosed
 	}
 	return h, nil
 }
