@@ -228,8 +228,9 @@ func (r *Reactor) submit(h uint64) {
 		return // released and freed already
 	}
 	if wordState(w) == stCanceling {
+		// Released before it was posted; onCancel frees the slot when it
+		// drains the release's cancel entry.
 		s.trim()
-		r.tab.free(s, w)
 		return
 	}
 	s.xfer = 0
@@ -300,7 +301,8 @@ func equalDescs(a, b descriptors.List) bool {
 }
 
 // finish publishes the end of an in-flight transfer whose engine request
-// has already been released. A slot released meanwhile is freed instead.
+// has already been released. A slot released meanwhile is left as it is:
+// onCancel frees it.
 func (r *Reactor) finish(h uint64, s *slot, code uint64) {
 	for {
 		w := s.word.Load()
@@ -308,9 +310,6 @@ func (r *Reactor) finish(h uint64, s *slot, code uint64) {
 			return
 		}
 		switch wordState(w) {
-		case stCanceling:
-			r.tab.free(s, w)
-			return
 		case stProc:
 			nw := w &^ (stateMask | r.tab.mask) // keep the generation
 			if code == codeNone {
@@ -384,6 +383,11 @@ func (r *Reactor) abort(h uint64, code uint64) {
 	r.finish(h, s, code)
 }
 
+// onCancel handles one cancel entry. It is the only place that frees a
+// canceling slot, and it does so as it drains the slot's one entry: a slot
+// cannot be claimed again, released in flight again and so queue a second
+// entry before its first is drained. That bounds the cancel ring's
+// contents by the table's size.
 func (r *Reactor) onCancel(h uint64) {
 	s, w := r.tab.lookup(h)
 	if s == nil || wordState(w) != stCanceling {
@@ -579,6 +583,15 @@ func (r *Reactor) Close() error {
 }
 
 func (r *Reactor) teardown() error {
+	for {
+		n := r.cancel.Drain(r.batch)
+		if n == 0 {
+			break
+		}
+		for _, h := range r.batch[:n] {
+			r.onCancel(h)
+		}
+	}
 	for {
 		n := r.sub.Drain(r.batch)
 		if n == 0 {

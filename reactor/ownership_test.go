@@ -78,6 +78,43 @@ func TestPostRacingClose(t *testing.T) {
 	}
 }
 
+// Releases of in-flight transfers, as fast as slots can be recycled: every
+// canceling slot is freed once, by the reactor, after its cancel entry is
+// drained, so the cancel ring (one place per slot) never overflows.
+func TestReleaseInFlightStorm(t *testing.T) {
+	leakcheck.Check(t)
+	p := newPair(t, 16, Options{BatchSize: 1, Handles: 256})
+	p.consEng.SetDelay(20 * time.Microsecond)
+	var wg sync.WaitGroup
+	var canceled atomic.Int64
+	deadline := time.Now().Add(time.Second)
+	for g := 0; g < 8; g++ {
+		wg.Add(1)
+		go func(g int) {
+			defer wg.Done()
+			idx := []int{g % 16}
+			for time.Now().Before(deadline) {
+				h, err := p.cons.Post(p.pname, idx, idx, nil)
+				if errors.Is(err, ErrBusy) {
+					runtime.Gosched()
+					continue
+				}
+				require.NoError(t, err)
+				st, _ := p.cons.State(h)
+				require.NoError(t, p.cons.Release(h))
+				if st == StateProc {
+					canceled.Add(1)
+				}
+			}
+		}(g)
+	}
+	wg.Wait()
+	require.NotZero(t, canceled.Load(), "no release found its transfer in flight")
+	require.Eventually(t, func() bool { return p.cons.tab.live.Load() == 0 }, 10*time.Second, time.Millisecond,
+		"slots left after every handle was released")
+	require.Equal(t, int64(0), p.cons.inflight.Load())
+}
+
 // A slot a Post has claimed and not yet handed to the reactor is the
 // Post's: Close leaves it alone, so no other Post can claim it while the
 // first still fills in its request, and the first frees it itself.

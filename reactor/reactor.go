@@ -144,8 +144,9 @@ func Start(agent nixl.Agent, opts Options, setup Setup) (*Reactor, error) {
 		epollFD:  -1,
 		ev:       events{log: o.Logger},
 	}
-	// Every slot can be released in flight at most once before the reactor
-	// frees it, so a cancel ring as large as the table is never full.
+	// A canceling slot is freed only by onCancel, as it drains the slot's
+	// entry, so each slot has at most one entry on the ring at a time: a
+	// ring with a place per slot is never full.
 	r.cancel = ring.NewMPSC[uint64](len(r.tab.slots))
 	r.deadlines = make([]deadline, len(r.tab.slots))
 	ch := make(chan struct{})
@@ -384,9 +385,11 @@ func (r *Reactor) Release(h uint64) error {
 			}
 		case stProc:
 			if s.word.CompareAndSwap(w, w&^stateMask|stCanceling) {
+				// The slot stays canceling until onCancel drains this
+				// entry and frees it, so it has no other entry on the ring
+				// and the ring, with a place per slot, has room.
 				if !r.cancel.TryPush(h) {
-					// Cannot happen: the cancel ring has a place per slot.
-					panic("reactor: cancel ring full")
+					panic("reactor: cancel ring full: a slot was freed before its cancel entry was drained")
 				}
 				r.wake()
 				return nil
