@@ -39,10 +39,10 @@ class ShmRegion:
 
 
 def pattern(seed: int, block: int, size: int) -> bytes:
-    """Verifiable contents of one block: the same formula as the Go peer's."""
-    return bytes(((block * 131 + j * 7 + seed) & 0xFF) for j in range(min(size, 256))) * (size // 256) + bytes(
-        ((block * 131 + j * 7 + seed) & 0xFF) for j in range(size % 256)
-    )
+    """Block contents a reader can recompute: byte j of block b is
+    (b*131 + seed + 7*j) mod 256 (the Go peer uses the same formula)."""
+    base = bytes(((block * 131 + seed + 7 * j) & 0xFF) for j in range(256))
+    return (base * (size // 256 + 1))[:size]
 
 
 @pytest.fixture
@@ -84,12 +84,6 @@ def pair(region):
         t.deregister()
 
 
-def run_py(code: str, *args, env=None, **kw):
-    """The command line that runs code in a fresh interpreter that imports
-    this checkout's ecxfer."""
-    return [sys.executable, "-c", code, *args]
-
-
 def child_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(PYDIR), str(HELPERS)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
@@ -97,3 +91,91 @@ def child_env(extra: dict | None = None) -> dict:
     if extra:
         env.update(extra)
     return env
+
+
+class Peer:
+    """A child process speaking peer.py's / gopeer's line protocol."""
+
+    def __init__(self, argv, env=None):
+        import subprocess
+
+        self.p = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, text=True, env=env or child_env()
+        )
+
+    def recv(self, timeout=60.0):
+        import json
+        import select
+        import time
+
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no message from {self.p.args} in {timeout}s")
+            r, _, _ = select.select([self.p.stdout], [], [], left)
+            if not r:
+                continue
+            line = self.p.stdout.readline()
+            if not line:
+                raise EOFError(f"{self.p.args} exited with {self.p.wait()}")
+            if line.startswith("@@ "):
+                msg = json.loads(line[3:])
+                if "error" in msg and len(msg) == 1:
+                    raise RuntimeError(f"peer failed: {msg['error']}")
+                return msg
+
+    def send(self, **msg):
+        import json
+
+        self.p.stdin.write(json.dumps(msg) + "\n")
+        self.p.stdin.flush()
+
+    def finish(self, timeout=30):
+        try:
+            self.send(quit=True)
+            self.p.stdin.close()
+        except (BrokenPipeError, ValueError):
+            pass
+        return self.p.wait(timeout)
+
+    def kill(self):
+        if self.p.poll() is None:
+            self.p.kill()
+        self.p.wait()
+        # A killed peer cannot remove its region's file.
+        for a in self.p.args:
+            if str(a).startswith("/dev/shm/") and os.path.exists(a):
+                os.unlink(a)
+
+
+@pytest.fixture
+def peers():
+    made = []
+
+    def start(argv, env=None):
+        p = Peer(argv, env)
+        made.append(p)
+        return p
+
+    yield start
+    for p in made:
+        p.kill()
+
+
+@pytest.fixture(scope="session")
+def gopeer(tmp_path_factory):
+    """The Go peer (python/tests/gopeer), built once."""
+    import shutil
+    import subprocess
+
+    go = os.environ.get("GO") or shutil.which("go")
+    if not go:
+        pytest.fail("the Python <-> Go tests need Go on PATH")
+    out = tmp_path_factory.mktemp("gopeer") / "gopeer"
+    subprocess.run([go, "build", "-o", str(out), "./python/tests/gopeer"], cwd=ROOT, check=True)
+    return str(out)
+
+
+def shm_path(tag: str) -> str:
+    return f"/dev/shm/vllm_ec_ecxfer-test-{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}.mmap"

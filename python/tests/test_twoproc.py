@@ -1,0 +1,75 @@
+"""Two Python processes, producer and consumer, making vLLM's calls in
+vLLM's order over the ucx backend, on MAP_SHARED /dev/shm regions like
+vLLM's: bytes verified, the "{session}:{mm_hash}" notification delivered to
+the producer."""
+
+import sys
+import time
+
+from conftest import HELPERS, shm_path
+
+PEER = str(HELPERS / "peer.py")
+NB, BS, SEED = 1024, 5120, 77
+
+
+def test_producer_consumer_processes(peers):
+    prod = peers([sys.executable, PEER, "producer", "encoder-0", shm_path("p"), str(NB), str(BS), str(SEED)])
+    cons = peers([sys.executable, PEER, "consumer", "prefill-0", shm_path("c"), str(NB), str(BS)])
+    pm = prod.recv()
+    cons.recv()
+    reads = [
+        # one image's blocks, contiguous
+        {"local": list(range(0, 880)), "remote": list(range(100, 980)), "notif": "sess-1:mm-aaaa"},
+        # scattered
+        {"local": list(range(1023, 143, -1)), "remote": [(i * 37) % NB for i in range(880)], "notif": "sess-1:mm-bbbb"},
+        # one block, no notification
+        {"local": [7], "remote": [1000], "notif": ""},
+    ]
+    prod.send(expect_notifs=2)
+    cons.send(md=pm["md"], desc=pm["desc"], seed=SEED, reads=reads)
+    res = cons.recv()["results"]
+    assert [r["state"] for r in res] == ["DONE"] * 3
+    assert [r["bad_blocks"] for r in res] == [[]] * 3
+    got = prod.recv()["notifs"]
+    assert sorted(got) == [["prefill-0", "sess-1:mm-aaaa"], ["prefill-0", "sess-1:mm-bbbb"]]
+    assert cons.finish() == 0
+    assert prod.finish() == 0
+
+
+def test_producer_killed(peers):
+    """A READ from a producer that was SIGKILLed ends in ERR, and the
+    reason is a RemoteDisconnectError."""
+    from conftest import ShmRegion
+
+    from ecxfer import EcxferDataTransport, RemoteDisconnectError
+
+    prod = peers([sys.executable, PEER, "producer", "encoder-k", shm_path("k"), "64", "4096", "1"])
+    pm = prod.recv()
+    import base64
+
+    reg = ShmRegion(64 * 4096)
+    t = EcxferDataTransport(
+        agent_name="prefill-k", base_ptr=reg.addr, num_blocks=64, block_size_bytes=4096, total_size_bytes=64 * 4096
+    )
+    try:
+        peer = t.add_remote_peer(base64.b64decode(pm["md"]), base64.b64decode(pm["desc"]))
+        h = t.post_read([0], peer, [0], b"")
+        assert t.wait(h, 10) == "DONE"
+        t.release_xfer_handle(h)
+        prod.kill()
+        state, err = "DONE", None
+        deadline = time.monotonic() + 20
+        while state == "DONE" and time.monotonic() < deadline:
+            try:
+                h = t.post_read(list(range(64)), peer, list(range(64)), b"x:y")
+            except Exception as e:  # the peer may already be gone
+                err = e
+                break
+            state = t.wait(h, 10)
+            err = t.xfer_error(h)
+            t.release_xfer_handle(h)
+        print("after the kill:", repr(err))
+        assert isinstance(err, RemoteDisconnectError), repr(err)
+    finally:
+        t.deregister()
+        reg.close()
