@@ -68,12 +68,21 @@ type producer struct {
 	done    chan struct{}
 	send    func(ctrl.Message) error
 	pollErr atomic.Pointer[error]
+	hook    TransportHook
 }
 
 // Serve answers one consumer's commands on c until it closes the
 // connection: setup (open a producer for a mode and block size and send its
 // metadata), timing (report notifications), teardown.
-func Serve(c *ctrl.Conn, backend string) error {
+func Serve(c *ctrl.Conn, backend string) error { return ServeHooked(c, backend, nil) }
+
+// TransportHook is told when a reactor-mode producer's Transport opens
+// (open true) and just before it closes; a metrics exporter follows the
+// producer with it.
+type TransportHook func(t *ecxfer.Transport, open bool)
+
+// ServeHooked is Serve with a hook on every Transport it opens (nil: none).
+func ServeHooked(c *ctrl.Conn, backend string, hook TransportHook) error {
 	var sendMu sync.Mutex
 	send := func(m ctrl.Message) error {
 		sendMu.Lock()
@@ -102,6 +111,12 @@ func Serve(c *ctrl.Conn, backend string) error {
 			}
 			var hello helloMsg
 			p, hello, err = openProducer(m, backend, send)
+			if err == nil {
+				p.hook = hook
+				if hook != nil && p.tr != nil {
+					hook(p.tr, true)
+				}
+			}
 			if err != nil {
 				p = nil
 				if err := send(ctrl.Message{Kind: "error", Strs: map[string]string{"error": err.Error()}}); err != nil {
@@ -278,6 +293,9 @@ func (p *producer) close() error {
 	close(p.stop)
 	<-p.done
 	if p.tr != nil {
+		if p.hook != nil {
+			p.hook(p.tr, false)
+		}
 		return p.tr.Deregister()
 	}
 	return p.side.agent.Close()

@@ -3,8 +3,10 @@ package metrics
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net"
 	"net/http"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -27,6 +29,9 @@ type Exporter struct {
 	// Add, plus anything the caller registers on it.
 	Registry *prometheus.Registry
 	done     chan struct{}
+
+	mu    sync.Mutex
+	added map[*ecxfer.Transport]prometheus.Collector
 }
 
 // Listen starts serving /metrics on addr (host:port; port 0 picks one)
@@ -44,6 +49,7 @@ func Listen(addr string) (*Exporter, error) {
 		srv:      &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second},
 		Registry: reg,
 		done:     make(chan struct{}),
+		added:    map[*ecxfer.Transport]prometheus.Collector{},
 	}
 	go func() {
 		defer close(e.done)
@@ -55,9 +61,32 @@ func Listen(addr string) (*Exporter, error) {
 // Addr is the address the exporter listens on.
 func (e *Exporter) Addr() string { return e.ln.Addr().String() }
 
-// Add registers a collector of t's metrics.
+// Add registers a collector of t's metrics. Transports with the same
+// AgentName cannot be added at once: their series would clash.
 func (e *Exporter) Add(t *ecxfer.Transport, opts ...Option) error {
-	return e.Registry.Register(NewCollector(t, opts...))
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if _, ok := e.added[t]; ok {
+		return fmt.Errorf("metrics: transport %q added twice", t.AgentName())
+	}
+	c := NewCollector(t, opts...)
+	if err := e.Registry.Register(c); err != nil {
+		return err
+	}
+	e.added[t] = c
+	return nil
+}
+
+// Remove unregisters t's collector; it reports whether t was added.
+func (e *Exporter) Remove(t *ecxfer.Transport) bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	c, ok := e.added[t]
+	if ok {
+		delete(e.added, t)
+		e.Registry.Unregister(c)
+	}
+	return ok
 }
 
 // Close stops serving and waits for the server to exit.

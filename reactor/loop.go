@@ -251,8 +251,15 @@ func (r *Reactor) submit(h uint64) {
 		}
 	}
 	if err != nil {
-		r.engineError("post", err)
-		r.fail(h, s, codeOf(err))
+		code := codeOf(err)
+		if code == codeRemoteDisconnect {
+			// Not the engine's fault: the peer is gone.
+			r.st.engineErrors.Add(1)
+			r.peerDead(p, err.Error())
+		} else {
+			r.engineError("post", err)
+		}
+		r.fail(h, s, code)
 		return
 	}
 	s.xfer = id

@@ -10,14 +10,17 @@
 //	                 [--batch N] [--producer-idle S] [--wait poll|block]
 //	                 [--connect HOST:PORT] [--no-refs] [--json FILE] [--svg FILE]
 //	                 [--cpuprofile FILE] [--memprofile FILE] [--quiet]
-//	ecxfer-bench serve --listen HOST:PORT
+//	ecxfer-bench serve --listen HOST:PORT [--once] [--backend ucx|nixl] [--metrics-addr HOST:PORT]
 //
 // run measures each workload×mode cell for --duration after --warmup. With
 // the ucx backend it starts the producer as a child process (this binary,
 // re-executed) and swaps metadata with it over a pipe; with loopback both
 // sides live in this process, which measures the reactor alone. With
 // --connect it reads from a producer started on another host by serve
-// (metadata over TCP, data over UCX).
+// (metadata over TCP, data over UCX). serve with --metrics-addr exports the
+// producer's metrics (package metrics) on http://HOST:PORT/metrics: those
+// of the reactor-mode Transport of the current cell, or of the last one
+// once it closed.
 //
 // The progress line is drawn only when stderr is a terminal. The end of
 // the run reports how much CPU other processes used meanwhile: the reactor

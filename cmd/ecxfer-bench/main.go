@@ -12,8 +12,10 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/ecxfer/ecxfer"
 	"github.com/ecxfer/ecxfer/bench"
 	"github.com/ecxfer/ecxfer/internal/ctrl"
+	"github.com/ecxfer/ecxfer/metrics"
 )
 
 func main() {
@@ -26,6 +28,7 @@ func main() {
 const usage = `usage:
   ecxfer-bench run [flags]            measure (see ecxfer-bench run -h)
   ecxfer-bench serve --listen ADDR    be the producer for a run --connect on another host
+                     [--metrics-addr ADDR]  and serve its Prometheus metrics
 `
 
 func run(args []string, stdout, stderr io.Writer) int {
@@ -85,6 +88,7 @@ func serveCmd(args []string, stderr io.Writer) int {
 	listen := fs.String("listen", "", "address to listen on for the control connection (host:port)")
 	once := fs.Bool("once", false, "exit after serving one run")
 	backend := fs.String("backend", "ucx", "transfer engine: ucx or nixl (the consumer must use the same)")
+	metricsAddr := fs.String("metrics-addr", "", "serve the producer's Prometheus metrics on http://ADDR/metrics (host:port)")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return 0
@@ -105,6 +109,17 @@ func serveCmd(args []string, stderr io.Writer) int {
 		return 1
 	}
 	defer l.Close()
+	var hook bench.TransportHook
+	if *metricsAddr != "" {
+		ex, err := metrics.Listen(*metricsAddr)
+		if err != nil {
+			fmt.Fprintf(stderr, "ecxfer-bench serve: --metrics-addr: %v\n", err)
+			return 1
+		}
+		defer ex.Close()
+		hook = followTransport(ex, stderr)
+		fmt.Fprintf(stderr, "ecxfer-bench serve: metrics on http://%s/metrics\n", ex.Addr())
+	}
 	fmt.Fprintf(stderr, "ecxfer-bench serve: listening on %s\n", l.Addr())
 	for {
 		c, err := l.Accept()
@@ -114,7 +129,7 @@ func serveCmd(args []string, stderr io.Writer) int {
 		}
 		fmt.Fprintf(stderr, "ecxfer-bench serve: run from %s\n", c.RemoteAddr())
 		// One run at a time: two runs at once would measure each other.
-		err = bench.Serve(ctrl.New(c, c), *backend)
+		err = bench.ServeHooked(ctrl.New(c, c), *backend, hook)
 		_ = c.Close()
 		if err != nil {
 			fmt.Fprintf(stderr, "ecxfer-bench serve: %v\n", err)
@@ -126,6 +141,25 @@ func serveCmd(args []string, stderr io.Writer) int {
 				return 1
 			}
 			return 0
+		}
+	}
+}
+
+// followTransport exports the metrics of the producer's current Transport.
+// A closed transport stays exported (its counters are final) until the
+// next one opens, so a scrape after a run still sees the run's last cell.
+func followTransport(ex *metrics.Exporter, stderr io.Writer) bench.TransportHook {
+	var cur *ecxfer.Transport
+	return func(t *ecxfer.Transport, open bool) {
+		if !open {
+			return
+		}
+		if cur != nil {
+			ex.Remove(cur)
+		}
+		cur = t
+		if err := ex.Add(t, metrics.WithPeers(16)); err != nil {
+			fmt.Fprintf(stderr, "ecxfer-bench serve: metrics: %v\n", err)
 		}
 	}
 }

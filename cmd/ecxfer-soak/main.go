@@ -20,6 +20,10 @@
 // goroutines and descriptors are back to their baseline, and the resident
 // set grew by less than --rss-bound MiB after warm-up. The totals are
 // printed; the exit status is 1 if any check failed.
+//
+// --metrics-addr HOST:PORT serves the consumer's Prometheus metrics
+// (package metrics) on http://HOST:PORT/metrics while the soak runs;
+// --events logs the consumer's structured events (ecxfer.Event*) to stderr.
 package main
 
 import (
@@ -27,6 +31,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"log/slog"
 	"math/rand"
 	"os"
 	"os/exec"
@@ -45,9 +50,14 @@ import (
 	"github.com/ecxfer/ecxfer/internal/ctrl"
 	"github.com/ecxfer/ecxfer/internal/leakcheck"
 	"github.com/ecxfer/ecxfer/internal/pattern"
+	"github.com/ecxfer/ecxfer/metrics"
 )
 
-var memProfile string
+var (
+	memProfile  string
+	metricsAddr string // serve the consumer's metrics here
+	logEvents   bool   // the consumer's structured events to stderr
+)
 
 const (
 	roleEnv  = "ECXFER_SOAK_ROLE"
@@ -67,6 +77,8 @@ func main() {
 	bs := flag.Int("block", 5120, "block size in bytes")
 	rssBound := flag.Int("rss-bound", 64, "largest RSS growth after warm-up, MiB")
 	flag.StringVar(&memProfile, "memprofile", "", "write a heap profile here at the end of the run")
+	flag.StringVar(&metricsAddr, "metrics-addr", "", "serve the consumer's Prometheus metrics on http://ADDR/metrics (host:port)")
+	flag.BoolVar(&logEvents, "events", false, "log the consumer's structured events (peers, timeouts, engine errors) to stderr")
 	flag.Parse()
 	if *producers < 1 || *workers < 1 || *bs < 8 {
 		fmt.Fprintln(os.Stderr, "ecxfer-soak: need at least one producer, one worker and 8-byte blocks")
@@ -279,11 +291,25 @@ func soak(duration time.Duration, nprod, nwork int, restart time.Duration, bs, r
 		_ = r.Close()
 		_ = w.Close()
 	}
+	var ex *metrics.Exporter
+	if metricsAddr != "" {
+		var err error
+		if ex, err = metrics.Listen(metricsAddr); err != nil {
+			fmt.Fprintf(os.Stderr, "ecxfer-soak: --metrics-addr: %v\n", err)
+			return false
+		}
+		fmt.Printf("ecxfer-soak: metrics on http://%s/metrics\n", ex.Addr())
+	}
 	base := leakcheck.Take()
 	s := &soakRun{duration: duration, restart: restart, nwork: nwork, chaos: max(1, nwork/4), bs: bs, rssBound: rssBound}
 	if err := s.start(nprod); err != nil {
 		fmt.Fprintf(os.Stderr, "ecxfer-soak: %v\n", err)
 		return false
+	}
+	if ex != nil {
+		if err := ex.Add(s.cons, metrics.WithPeers(16)); err != nil {
+			s.fail("metrics: %v", err)
+		}
 	}
 
 	start := time.Now()
@@ -311,6 +337,12 @@ func soak(duration time.Duration, nprod, nwork int, restart time.Duration, bs, r
 	smp.rssMax = max(smp.rssMax, smp.rssEnd)
 
 	st := s.teardown()
+	if ex != nil {
+		// Before the leak check: its connections are not the soak's.
+		if err := ex.Close(); err != nil {
+			s.fail("metrics: %v", err)
+		}
+	}
 	leakErr := base.Wait(10 * time.Second)
 	fmt.Printf("ecxfer-soak: torn down in %v\n", time.Since(end).Round(time.Millisecond))
 	s.report(time.Since(start), st, smp)
@@ -325,7 +357,11 @@ func soak(duration time.Duration, nprod, nwork int, restart time.Duration, bs, r
 
 // start creates the consumer and the first incarnation of every producer.
 func (s *soakRun) start(nprod int) error {
-	cons, err := ecxfer.New(ecxfer.Config{AgentName: fmt.Sprintf("soak-consumer-%d", os.Getpid()), BlockSize: s.bs, NumBlocks: s.nwork * maxRead})
+	cfg := ecxfer.Config{AgentName: fmt.Sprintf("soak-consumer-%d", os.Getpid()), BlockSize: s.bs, NumBlocks: s.nwork * maxRead}
+	if logEvents {
+		cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, nil))
+	}
+	cons, err := ecxfer.New(cfg)
 	if err != nil {
 		return fmt.Errorf("consumer: %w", err)
 	}

@@ -1,0 +1,145 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"regexp"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/ecxfer/ecxfer"
+	"github.com/ecxfer/ecxfer/internal/scrape"
+)
+
+// mainEnv makes the test binary run the soak instead of the tests.
+const mainEnv = "ECXFER_SOAK_TEST_MAIN"
+
+func TestMain(m *testing.M) {
+	if os.Getenv(mainEnv) == "1" || os.Getenv(roleEnv) != "" {
+		main()
+		os.Exit(0)
+	}
+	os.Exit(m.Run())
+}
+
+type syncBuf struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuf) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuf) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+func scrapeURL(t *testing.T, url string) map[string]*scrape.Family {
+	t.Helper()
+	resp, err := http.Get(url)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+	body, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	fams, err := scrape.Parse(bytes.NewReader(body))
+	require.NoError(t, err, "%s", body)
+	return fams
+}
+
+func one(t *testing.T, fams map[string]*scrape.Family, name, typ string) float64 {
+	t.Helper()
+	f := fams[name]
+	require.NotNil(t, f, "%s missing", name)
+	require.Equal(t, typ, f.Type, name)
+	require.Len(t, f.Samples, 1, name)
+	return f.Samples[0].Value
+}
+
+// TestSoakMetrics runs a short soak as its own process with --metrics-addr
+// and --events, scrapes the consumer's metrics over HTTP while it reads,
+// and checks names, types, that the counters move, and that a producer
+// restart shows up as an event.
+func TestSoakMetrics(t *testing.T) {
+	cmd := exec.Command(os.Args[0], "--duration", "4s", "--producers", "1", "--workers", "2", "--restart", "1s",
+		"--metrics-addr", "127.0.0.1:0", "--events")
+	cmd.Env = append(os.Environ(), mainEnv+"=1")
+	var stderr syncBuf
+	cmd.Stderr = &stderr
+	stdout, err := cmd.StdoutPipe()
+	require.NoError(t, err)
+	require.NoError(t, cmd.Start())
+	t.Cleanup(func() { _ = cmd.Process.Kill() })
+	var out syncBuf
+	urlc := make(chan string, 1)
+	copied := make(chan struct{})
+	go func() {
+		defer close(copied)
+		re := regexp.MustCompile(`metrics on (http://\S+)`)
+		sc := bufio.NewScanner(stdout)
+		for sc.Scan() {
+			_, _ = out.Write(append(sc.Bytes(), '\n'))
+			if m := re.FindStringSubmatch(sc.Text()); m != nil {
+				urlc <- m[1]
+			}
+		}
+	}()
+	var url string
+	select {
+	case url = <-urlc:
+	case <-time.After(30 * time.Second):
+		t.Fatalf("no metrics address:\n%s\n%s", out.String(), stderr.String())
+	}
+
+	// Scrape until READs have been counted, then once more to see them move.
+	var first map[string]*scrape.Family
+	require.Eventually(t, func() bool {
+		first = scrapeURL(t, url)
+		return first["ecxfer_reads_done_total"] != nil && first["ecxfer_reads_done_total"].Samples[0].Value > 0
+	}, 30*time.Second, 20*time.Millisecond, "no READ counted:\n%s", out.String())
+	done0 := one(t, first, "ecxfer_reads_done_total", "counter")
+	bytes0 := one(t, first, "ecxfer_read_bytes_total", "counter")
+	var second map[string]*scrape.Family
+	require.Eventually(t, func() bool {
+		second = scrapeURL(t, url)
+		return one(t, second, "ecxfer_reads_done_total", "counter") > done0
+	}, 30*time.Second, 20*time.Millisecond, "reads_done did not move")
+	require.Greater(t, one(t, second, "ecxfer_read_bytes_total", "counter"), bytes0)
+	require.Greater(t, one(t, second, "ecxfer_reads_posted_total", "counter"), 0.0)
+	one(t, second, "ecxfer_reads_in_flight", "gauge")
+	one(t, second, "ecxfer_handles_live", "gauge")
+	require.Equal(t, "histogram", second["ecxfer_read_duration_seconds"].Type)
+	var count float64
+	for _, s := range second["ecxfer_read_duration_seconds"].Samples {
+		if s.Name == "ecxfer_read_duration_seconds_count" {
+			count = s.Value
+		}
+	}
+	require.GreaterOrEqual(t, count, done0)
+	require.Equal(t, "counter", second["ecxfer_reads_failed_total"].Type)
+	peers := second["ecxfer_peer_reads_done_total"]
+	require.NotNil(t, peers)
+	require.Len(t, peers.Samples, 1, "one producer")
+
+	require.NoError(t, cmd.Wait(), "soak:\n%s\n%s", out.String(), stderr.String())
+	<-copied
+	require.Contains(t, out.String(), "ecxfer-soak: ok")
+	ev := stderr.String()
+	require.Contains(t, ev, ecxfer.EventReactorStart)
+	require.Contains(t, ev, ecxfer.EventPeerAdded)
+	require.Contains(t, ev, ecxfer.EventReactorStop)
+	require.True(t, strings.Contains(ev, ecxfer.EventPeerReplaced), "a restart every second replaces the producer:\n%s", ev)
+}
