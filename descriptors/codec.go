@@ -1,13 +1,13 @@
 package descriptors
 
 import (
-	"bytes"
 	"errors"
 	"fmt"
 	"math"
 
 	"github.com/vmihailenco/msgpack/v5"
-	"github.com/vmihailenco/msgpack/v5/msgpcode"
+
+	"github.com/ecxfer/ecxfer/internal/msgp"
 )
 
 // DefaultMaxDescs is the largest number of descriptors Decode accepts:
@@ -218,25 +218,17 @@ func DecodeMax(b []byte, maxDescs int) (List, error) {
 	if maxDescs <= 0 {
 		maxDescs = DefaultMaxDescs
 	}
-	r := bytes.NewReader(b)
-	dec := msgpack.GetDecoder()
-	defer msgpack.PutDecoder(dec)
-	// A bytes.Reader is an io.ByteScanner, so the decoder reads from it
-	// directly without buffering ahead: r.Len() stays exact.
-	dec.Reset(r)
-	p := parser{dec: dec, r: r, size: len(b)}
+	p := parser{r: msgp.NewReader(b)}
 
-	start := p.off()
+	start := p.r.Off()
 	n, err := p.arrayLen(topLevel)
 	if err != nil {
 		return nil, err
 	}
-	if n < 0 || n > maxDescs {
-		// n < 0: an array32 count that does not fit in int on a 32-bit
-		// platform.
-		return nil, errorAt(topLevel, start, true, "list declares %d descriptors, the limit is %d", uint32(n), maxDescs)
+	if n > uint64(maxDescs) {
+		return nil, errorAt(topLevel, start, true, "list declares %d descriptors, the limit is %d", n, maxDescs)
 	}
-	if rest := r.Len(); n > rest/minEncodedDesc {
+	if rest := p.r.Len(); n > uint64(rest/minEncodedDesc) {
 		return nil, errorAt(topLevel, start, false, "truncated input: list declares %d descriptors but only %d bytes follow", n, rest)
 	}
 
@@ -246,43 +238,32 @@ func DecodeMax(b []byte, maxDescs int) (List, error) {
 			return nil, err
 		}
 	}
-	if rest := r.Len(); rest > 0 {
-		return nil, errorAt(topLevel, p.off(), false, "%d trailing bytes after the list", rest)
+	if rest := p.r.Len(); rest > 0 {
+		return nil, errorAt(topLevel, p.r.Off(), false, "%d trailing bytes after the list", rest)
 	}
 	return l, nil
 }
 
-// parser reads one descriptor list through a msgpack Decoder, peeking at
-// every type code before decoding so that it accepts only the codes it
-// means to: the Decoder alone would read nil as 0 and a negative integer as
-// a huge unsigned one.
+// parser reads one descriptor list through the strict msgp reader and
+// words its errors with the element and field at fault.
 type parser struct {
-	dec  *msgpack.Decoder
-	r    *bytes.Reader
-	size int
+	r *msgp.Reader
 }
 
-// off is the offset of the next unread byte.
-func (p *parser) off() int { return p.size - p.r.Len() }
-
-// truncated reports input that ends inside the item that starts at off.
-func truncated(l loc, off int) error {
-	return errorAt(l, off, false, "truncated input")
+// at turns a reader error into this file's error at l.
+func at(l loc, err error) error {
+	var e *msgp.Error
+	if errors.As(err, &e) {
+		return errorAt(l, e.Off, false, "%s", e.Msg)
+	}
+	return errorAt(l, -1, false, "%v", err)
 }
 
 // arrayLen reads an array header of any width.
-func (p *parser) arrayLen(l loc) (int, error) {
-	off := p.off()
-	c, err := p.dec.PeekCode()
+func (p *parser) arrayLen(l loc) (uint64, error) {
+	n, err := p.r.ArrayLen()
 	if err != nil {
-		return 0, truncated(l, off)
-	}
-	if !msgpcode.IsFixedArray(c) && c != msgpcode.Array16 && c != msgpcode.Array32 {
-		return 0, errorAt(l, off, false, "want an array, got %s", typeName(c))
-	}
-	n, err := p.dec.DecodeArrayLen()
-	if err != nil {
-		return 0, truncated(l, off)
+		return 0, at(l, err)
 	}
 	return n, nil
 }
@@ -290,22 +271,24 @@ func (p *parser) arrayLen(l loc) (int, error) {
 // desc reads element i into d and checks it.
 func (p *parser) desc(i int, d *Desc) error {
 	el := loc{elem: i, field: -1}
-	off := p.off()
+	off := p.r.Off()
 	n, err := p.arrayLen(el)
 	if err != nil {
 		return err
 	}
 	if n != 3 {
-		return errorAt(el, off, false, "want a 3-element array [addr, len, dev], got an array of %d", uint32(n))
+		return errorAt(el, off, false, "want a 3-element array [addr, len, dev], got an array of %d", n)
 	}
 	var v [3]uint64
 	var lenOff int
 	for f := range v {
 		if f == 1 {
-			lenOff = p.off()
+			lenOff = p.r.Off()
 		}
-		if v[f], err = p.uint(loc{elem: i, field: f}); err != nil {
-			return err
+		// Any integer encoding, signed ones included, when the value is
+		// not negative: other encoders write Python ints that way.
+		if v[f], err = p.r.NonNegInt(); err != nil {
+			return at(loc{elem: i, field: f}, err)
 		}
 	}
 	*d = Desc{Addr: v[0], Len: v[1], DevID: v[2]}
@@ -313,62 +296,4 @@ func (p *parser) desc(i int, d *Desc) error {
 		return errorAt(loc{elem: i, field: f}, lenOff, false, "%s", reason)
 	}
 	return nil
-}
-
-// uint reads one non-negative integer of any msgpack integer encoding.
-func (p *parser) uint(l loc) (uint64, error) {
-	off := p.off()
-	c, err := p.dec.PeekCode()
-	if err != nil {
-		return 0, truncated(l, off)
-	}
-	switch {
-	case msgpcode.IsFixedNum(c) && c <= msgpcode.PosFixedNumHigh,
-		c == msgpcode.Uint8, c == msgpcode.Uint16, c == msgpcode.Uint32, c == msgpcode.Uint64:
-		v, err := p.dec.DecodeUint64()
-		if err != nil {
-			return 0, truncated(l, off)
-		}
-		return v, nil
-	case msgpcode.IsFixedNum(c),
-		c == msgpcode.Int8, c == msgpcode.Int16, c == msgpcode.Int32, c == msgpcode.Int64:
-		v, err := p.dec.DecodeInt64()
-		if err != nil {
-			return 0, truncated(l, off)
-		}
-		if v < 0 {
-			return 0, errorAt(l, off, false, "negative value %d", v)
-		}
-		return uint64(v), nil
-	default:
-		return 0, errorAt(l, off, false, "want a non-negative integer, got %s", typeName(c))
-	}
-}
-
-// typeName names the msgpack type that code c starts, for error messages.
-func typeName(c byte) string {
-	switch {
-	case msgpcode.IsFixedNum(c), c >= msgpcode.Uint8 && c <= msgpcode.Int64:
-		return "integer"
-	case c == msgpcode.Nil:
-		return "nil"
-	case c == msgpcode.False || c == msgpcode.True:
-		return "bool"
-	case c == msgpcode.Float:
-		return "float32"
-	case c == msgpcode.Double:
-		return "float64"
-	case msgpcode.IsFixedString(c), c == msgpcode.Str8, c == msgpcode.Str16, c == msgpcode.Str32:
-		return "string"
-	case c == msgpcode.Bin8, c == msgpcode.Bin16, c == msgpcode.Bin32:
-		return "binary"
-	case msgpcode.IsFixedArray(c), c == msgpcode.Array16, c == msgpcode.Array32:
-		return "array"
-	case msgpcode.IsFixedMap(c), c == msgpcode.Map16, c == msgpcode.Map32:
-		return "map"
-	case msgpcode.IsExt(c):
-		return "extension"
-	default:
-		return fmt.Sprintf("unused type code %#02x", c)
-	}
 }

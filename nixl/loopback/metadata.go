@@ -2,12 +2,11 @@ package loopback
 
 import (
 	"bytes"
-	"io"
 	"sort"
 
 	"github.com/vmihailenco/msgpack/v5"
-	"github.com/vmihailenco/msgpack/v5/msgpcode"
 
+	"github.com/ecxfer/ecxfer/internal/msgp"
 	"github.com/ecxfer/ecxfer/nixl"
 )
 
@@ -59,54 +58,28 @@ type metadata struct {
 	spans nixl.SpanIndex
 }
 
-// metaReader decodes with type checks stricter than the msgpack decoder's
-// own (which would, for instance, read nil as 0 or a negative int as a
-// huge unsigned one).
-type metaReader struct {
-	r *bytes.Reader
-	d *msgpack.Decoder
-}
-
-func (m metaReader) peek(what string) (byte, error) {
-	c, err := m.d.PeekCode()
-	if err != nil {
-		return 0, metaErr("%s: %v", what, err)
-	}
-	return c, nil
-}
+// metaReader reads metadata through the strict msgp reader and words its
+// errors as this package's.
+type metaReader struct{ r *msgp.Reader }
 
 // array reads an array header with exactly want elements (want < 0: any
 // number up to max).
 func (m metaReader) array(what string, want, max int) (int, error) {
-	c, err := m.peek(what)
-	if err != nil {
-		return 0, err
-	}
-	if !msgpcode.IsFixedArray(c) && c != msgpcode.Array16 && c != msgpcode.Array32 {
-		return 0, metaErr("%s: want an array, found code %#x", what, c)
-	}
-	n, err := m.d.DecodeArrayLen()
+	n, err := m.r.ArrayLen()
 	if err != nil {
 		return 0, metaErr("%s: %v", what, err)
 	}
-	if want >= 0 && n != want {
+	if want >= 0 && n != uint64(want) {
 		return 0, metaErr("%s: want %d elements, found %d", what, want, n)
 	}
-	if n > max || n > m.r.Len() { // every element takes at least a byte
+	if n > uint64(max) || n > uint64(m.r.Len()) { // every element takes at least a byte
 		return 0, metaErr("%s: %d elements is too many", what, n)
 	}
-	return n, nil
+	return int(n), nil
 }
 
 func (m metaReader) uint(what string) (uint64, error) {
-	c, err := m.peek(what)
-	if err != nil {
-		return 0, err
-	}
-	if c > msgpcode.PosFixedNumHigh && (c < msgpcode.Uint8 || c > msgpcode.Uint64) {
-		return 0, metaErr("%s: want an unsigned integer, found code %#x", what, c)
-	}
-	v, err := m.d.DecodeUint64()
+	v, err := m.r.Uint()
 	if err != nil {
 		return 0, metaErr("%s: %v", what, err)
 	}
@@ -114,24 +87,8 @@ func (m metaReader) uint(what string) (uint64, error) {
 }
 
 func (m metaReader) str(what string, max int) (string, error) {
-	c, err := m.peek(what)
+	b, err := m.r.Str(max)
 	if err != nil {
-		return "", err
-	}
-	if !msgpcode.IsString(c) {
-		return "", metaErr("%s: want a string, found code %#x", what, c)
-	}
-	n, err := m.d.DecodeBytesLen()
-	if err != nil {
-		return "", metaErr("%s: %v", what, err)
-	}
-	if n > max || n > m.r.Len() {
-		return "", metaErr("%s: %d bytes is too long", what, n)
-	}
-	// The decoder reads straight from m.r (a bytes.Reader is a ByteScanner,
-	// so it adds no buffering of its own).
-	b := make([]byte, n)
-	if _, err := io.ReadFull(m.r, b); err != nil {
 		return "", metaErr("%s: %v", what, err)
 	}
 	return string(b), nil
@@ -149,8 +106,7 @@ func decodeMetadata(md []byte) (metadata, error) {
 	if len(md) > MaxMetadataSize {
 		return out, metaErr("%d bytes exceeds the limit of %d", len(md), MaxMetadataSize)
 	}
-	r := bytes.NewReader(md)
-	m := metaReader{r: r, d: msgpack.NewDecoder(r)}
+	m := metaReader{msgp.NewReader(md)}
 	if _, err := m.array("header", 5, 5); err != nil {
 		return out, err
 	}
@@ -196,8 +152,8 @@ func decodeMetadata(md []byte) (metadata, error) {
 			return out, err
 		}
 	}
-	if r.Len() != 0 {
-		return out, metaErr("%d trailing bytes", r.Len())
+	if err := m.r.End(); err != nil {
+		return out, metaErr("%v", err)
 	}
 	if out.spans, err = nixl.NewSpanIndex(spans); err != nil {
 		return out, metaErr("%v", err)

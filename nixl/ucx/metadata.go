@@ -8,8 +8,8 @@ import (
 
 	"github.com/cespare/xxhash/v2"
 	"github.com/vmihailenco/msgpack/v5"
-	"github.com/vmihailenco/msgpack/v5/msgpcode"
 
+	"github.com/ecxfer/ecxfer/internal/msgp"
 	"github.com/ecxfer/ecxfer/nixl"
 )
 
@@ -100,67 +100,42 @@ func encodeMetadata(m *metadata) ([]byte, error) {
 	return out.Bytes(), nil
 }
 
-// mdReader is a strict reader over msgpack: every item must have the
-// expected kind, every length is checked against what is left before
-// anything is allocated.
-type mdReader struct {
-	r *bytes.Reader
-	d *msgpack.Decoder
-}
+// mdReader reads metadata through the strict msgp reader and adds, to
+// every error, what was being read.
+type mdReader struct{ r *msgp.Reader }
 
-func newMDReader(b []byte) *mdReader {
-	r := bytes.NewReader(b)
-	// bytes.Reader is an io.ByteScanner, so the decoder reads it directly
-	// and r.Len() is exactly what is left.
-	return &mdReader{r: r, d: msgpack.NewDecoder(r)}
-}
+func newMDReader(b []byte) mdReader { return mdReader{msgp.NewReader(b)} }
 
-func (m *mdReader) arrayLen(what string, lo, hi int) (int, error) {
-	c, err := m.d.PeekCode()
+func (m mdReader) arrayLen(what string, lo, hi int) (int, error) {
+	n, err := m.r.ArrayLen()
 	if err != nil {
 		return 0, fmt.Errorf("%s: %w", what, err)
 	}
-	if !msgpcode.IsFixedArray(c) && c != msgpcode.Array16 && c != msgpcode.Array32 {
-		return 0, fmt.Errorf("%s: not an array (code %#x)", what, c)
-	}
-	n, err := m.d.DecodeArrayLen()
-	if err != nil {
-		return 0, fmt.Errorf("%s: %w", what, err)
-	}
-	if n < lo || n > hi || n > m.r.Len() {
+	// Every element takes at least a byte.
+	if n < uint64(lo) || n > uint64(hi) || n > uint64(m.r.Len()) {
 		return 0, fmt.Errorf("%s: %d elements, want %d..%d", what, n, lo, hi)
 	}
-	return n, nil
+	return int(n), nil
 }
 
-func (m *mdReader) raw(what string, str bool, lo, hi int) ([]byte, error) {
-	c, err := m.d.PeekCode()
+func (m mdReader) bin(what string, lo, hi int) ([]byte, error) {
+	b, err := m.r.Bin(hi)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", what, err)
 	}
-	isStr := msgpcode.IsFixedString(c) || c == msgpcode.Str8 || c == msgpcode.Str16 || c == msgpcode.Str32
-	isBin := c == msgpcode.Bin8 || c == msgpcode.Bin16 || c == msgpcode.Bin32
-	if (str && !isStr) || (!str && !isBin) {
-		return nil, fmt.Errorf("%s: wrong kind (code %#x)", what, c)
+	if len(b) < lo {
+		return nil, fmt.Errorf("%s: length %d, want %d..%d", what, len(b), lo, hi)
 	}
-	n, err := m.d.DecodeBytesLen()
-	if err != nil {
-		return nil, fmt.Errorf("%s: %w", what, err)
-	}
-	if n < lo || n > hi || n > m.r.Len() {
-		return nil, fmt.Errorf("%s: length %d, want %d..%d (%d bytes left)", what, n, lo, hi, m.r.Len())
-	}
-	b := make([]byte, n)
-	if err := m.d.ReadFull(b); err != nil {
-		return nil, fmt.Errorf("%s: %w", what, err)
-	}
-	return b, nil
+	return bytes.Clone(b), nil
 }
 
-func (m *mdReader) str(what string, lo, hi int) (string, error) {
-	b, err := m.raw(what, true, lo, hi)
+func (m mdReader) str(what string, lo, hi int) (string, error) {
+	b, err := m.r.Str(hi)
 	if err != nil {
-		return "", err
+		return "", fmt.Errorf("%s: %w", what, err)
+	}
+	if len(b) < lo {
+		return "", fmt.Errorf("%s: length %d, want %d..%d", what, len(b), lo, hi)
 	}
 	if !utf8.Valid(b) {
 		return "", fmt.Errorf("%s: not UTF-8", what)
@@ -168,25 +143,17 @@ func (m *mdReader) str(what string, lo, hi int) (string, error) {
 	return string(b), nil
 }
 
-func (m *mdReader) uint(what string) (uint64, error) {
-	c, err := m.d.PeekCode()
-	if err != nil {
-		return 0, fmt.Errorf("%s: %w", what, err)
-	}
-	if !msgpcode.IsFixedNum(c) && c != msgpcode.Uint8 && c != msgpcode.Uint16 &&
-		c != msgpcode.Uint32 && c != msgpcode.Uint64 || c >= msgpcode.NegFixedNumLow {
-		return 0, fmt.Errorf("%s: not an unsigned integer (code %#x)", what, c)
-	}
-	v, err := m.d.DecodeUint64()
+func (m mdReader) uint(what string) (uint64, error) {
+	v, err := m.r.Uint()
 	if err != nil {
 		return 0, fmt.Errorf("%s: %w", what, err)
 	}
 	return v, nil
 }
 
-func (m *mdReader) end(what string) error {
-	if m.r.Len() != 0 {
-		return fmt.Errorf("%s: %d trailing bytes", what, m.r.Len())
+func (m mdReader) end(what string) error {
+	if err := m.r.End(); err != nil {
+		return fmt.Errorf("%s: %w", what, err)
 	}
 	return nil
 }
@@ -194,14 +161,19 @@ func (m *mdReader) end(what string) error {
 // decodeMetadata parses a blob strictly. Errors wrap nixl.ErrInvalidParam.
 // It is pure Go: nothing here touches UCX.
 func decodeMetadata(blob []byte) (*metadata, error) {
-	m, err := decodeMetadataErr(blob)
-	if err != nil {
-		return nil, nixl.Errorf(nixl.ErrInvalidParam, "metadata: %v", err)
+	body, err := openEnvelope(blob)
+	if err == nil {
+		var m *metadata
+		if m, err = decodeBody(body); err == nil {
+			return m, nil
+		}
 	}
-	return m, nil
+	return nil, nixl.Errorf(nixl.ErrInvalidParam, "metadata: %v", err)
 }
 
-func decodeMetadataErr(blob []byte) (*metadata, error) {
+// openEnvelope checks the blob's size, magic, version and checksum and
+// returns the body (aliasing blob).
+func openEnvelope(blob []byte) ([]byte, error) {
 	if len(blob) == 0 || len(blob) > maxMetadata {
 		return nil, fmt.Errorf("size %d, want 1..%d", len(blob), maxMetadata)
 	}
@@ -209,9 +181,9 @@ func decodeMetadataErr(blob []byte) (*metadata, error) {
 	if _, err := top.arrayLen("envelope", 4, 4); err != nil {
 		return nil, err
 	}
-	magic, err := top.raw("magic", true, 0, 64)
+	magic, err := top.r.Str(64)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("magic: %w", err)
 	}
 	if string(magic) != mdMagic {
 		return nil, fmt.Errorf("bad magic %q", magic)
@@ -223,7 +195,7 @@ func decodeMetadataErr(blob []byte) (*metadata, error) {
 	if ver != mdVersion {
 		return nil, fmt.Errorf("version %d, this build reads %d", ver, mdVersion)
 	}
-	body, err := top.raw("body", false, 1, maxMetadata)
+	body, err := top.bin("body", 1, maxMetadata)
 	if err != nil {
 		return nil, err
 	}
@@ -237,50 +209,61 @@ func decodeMetadataErr(blob []byte) (*metadata, error) {
 	if xxhash.Sum64(body) != sum {
 		return nil, fmt.Errorf("checksum mismatch")
 	}
+	return body, nil
+}
 
+// decodeBody parses a checked body: the identity fields, then the regions.
+func decodeBody(body []byte) (*metadata, error) {
 	b := newMDReader(body)
 	if _, err := b.arrayLen("body", 9, 9); err != nil {
 		return nil, err
 	}
 	m := &metadata{}
+	var err error
 	if m.Name, err = b.str("name", 1, maxNameLen); err != nil {
 		return nil, err
 	}
 	if m.Host.Boot, err = b.str("boot id", 0, maxBootLen); err != nil {
 		return nil, err
 	}
-	if m.Host.NetNS, err = b.uint("netns"); err != nil {
-		return nil, err
-	}
-	if m.Host.PidNS, err = b.uint("pidns"); err != nil {
-		return nil, err
-	}
-	if m.Pid, err = b.uint("pid"); err != nil {
-		return nil, err
+	for _, f := range []struct {
+		what string
+		v    *uint64
+	}{{"netns", &m.Host.NetNS}, {"pidns", &m.Host.PidNS}, {"pid", &m.Pid}, {"start time", &m.Start}, {"ucx version", &m.UCX}} {
+		if *f.v, err = b.uint(f.what); err != nil {
+			return nil, err
+		}
 	}
 	if m.Pid == 0 || m.Pid > maxPid {
 		return nil, fmt.Errorf("pid %d out of range", m.Pid)
 	}
-	if m.Start, err = b.uint("start time"); err != nil {
+	if m.Worker, err = b.bin("worker address", 1, maxWorkerAddr); err != nil {
 		return nil, err
 	}
-	if m.UCX, err = b.uint("ucx version"); err != nil {
+	if m.Region, err = decodeRegions(b); err != nil {
 		return nil, err
 	}
-	if m.Worker, err = b.raw("worker address", false, 1, maxWorkerAddr); err != nil {
+	if err := b.end("body"); err != nil {
 		return nil, err
 	}
+	return m, nil
+}
+
+// decodeRegions reads the region list and checks that no region is empty,
+// wraps or overlaps another: each remote byte belongs to exactly one
+// region, so each transfer range has exactly one rkey.
+func decodeRegions(b mdReader) ([]region, error) {
 	n, err := b.arrayLen("regions", 0, maxRegions)
 	if err != nil {
 		return nil, err
 	}
-	m.Region = make([]region, n)
-	for i := range m.Region {
+	regions := make([]region, n)
+	for i := range regions {
 		what := fmt.Sprintf("region %d", i)
 		if _, err := b.arrayLen(what, 3, 3); err != nil {
 			return nil, err
 		}
-		r := &m.Region[i]
+		r := &regions[i]
 		if r.Addr, err = b.uint(what + " addr"); err != nil {
 			return nil, err
 		}
@@ -290,25 +273,20 @@ func decodeMetadataErr(blob []byte) (*metadata, error) {
 		if r.Len == 0 || r.Addr+r.Len < r.Addr {
 			return nil, fmt.Errorf("%s: [%#x,+%d) is empty or wraps", what, r.Addr, r.Len)
 		}
-		if r.Rkey, err = b.raw(what+" rkey", false, 1, maxRkeyLen); err != nil {
+		if r.Rkey, err = b.bin(what+" rkey", 1, maxRkeyLen); err != nil {
 			return nil, err
 		}
 	}
-	if err := b.end("body"); err != nil {
-		return nil, err
-	}
-	// Regions must not overlap: each remote byte belongs to exactly one
-	// region, so each transfer range has exactly one rkey.
 	idx := make([]int, n)
 	for i := range idx {
 		idx[i] = i
 	}
-	sort.Slice(idx, func(a, b int) bool { return m.Region[idx[a]].Addr < m.Region[idx[b]].Addr })
+	sort.Slice(idx, func(a, b int) bool { return regions[idx[a]].Addr < regions[idx[b]].Addr })
 	for k := 1; k < n; k++ {
-		p, q := m.Region[idx[k-1]], m.Region[idx[k]]
+		p, q := regions[idx[k-1]], regions[idx[k]]
 		if p.Addr+p.Len > q.Addr {
 			return nil, fmt.Errorf("regions [%#x,+%d) and [%#x,+%d) overlap", p.Addr, p.Len, q.Addr, q.Len)
 		}
 	}
-	return m, nil
+	return regions, nil
 }
