@@ -39,7 +39,8 @@ func (a *Agent) LocalMetadata() ([]byte, error) {
 // LoadRemoteMetadata implements nixl.Agent; ErrNotAllowed (other metadata
 // under a loaded name) comes with that name. The blob is decoded and
 // validated in Go (structure, limits, checksum, UCX version and address
-// format) before any of its bytes reach UCX.
+// format) before any of its bytes reach UCX. Then, for a peer on this
+// host, its pidfd is opened; then it is connected.
 func (a *Agent) LoadRemoteMetadata(md []byte) (string, error) {
 	if a.closed {
 		return "", errClosed
@@ -54,15 +55,8 @@ func (a *Agent) LoadRemoteMetadata(md []byte) (string, error) {
 		}
 		return m.Name, kit.OtherMetadata(m.Name)
 	}
-	if m.UCX>>16 != a.ucxVer>>16 {
-		return "", nixl.Errorf(nixl.ErrInvalidParam, "ucx: peer %q runs UCX %d.%d, this is %d.%d",
-			m.Name, m.UCX>>16, m.UCX&0xffff, a.ucxVer>>16, a.ucxVer&0xffff)
-	}
-	// The low nibble of a packed UCP worker address is its format version;
-	// a peer built against the same UCX writes the same one.
-	if m.Worker[0]&0xf != a.worker[0]&0xf {
-		return "", nixl.Errorf(nixl.ErrInvalidParam, "ucx: peer %q: worker address format %d, want %d",
-			m.Name, m.Worker[0]&0xf, a.worker[0]&0xf)
+	if err := a.checkCompatible(m); err != nil {
+		return "", err
 	}
 	sameHost := m.Host == a.host
 	p := &peer{name: m.Name, blob: append([]byte(nil), md...), pid: m.Pid, pidfd: -1,
@@ -74,17 +68,53 @@ func (a *Agent) LoadRemoteMetadata(md []byte) (string, error) {
 		p.peerMode = !sameHost
 	}
 	if sameHost && !a.cfg.noPidfd {
-		fd, err := unix.PidfdOpen(int(m.Pid), unix.PIDFD_NONBLOCK)
-		if err != nil {
-			return "", nixl.Errorf(nixl.ErrRemoteDisconnect, "ucx: peer %q (pid %d): %v", m.Name, m.Pid, err)
+		if p.pidfd, err = openPidfd(m); err != nil {
+			return "", err
 		}
-		// The pid may have been recycled; the start time tells.
-		if st, err := procStart(int(m.Pid)); err != nil || st != m.Start {
-			unix.Close(fd)
-			return "", nixl.Errorf(nixl.ErrRemoteDisconnect, "ucx: peer %q (pid %d) is gone", m.Name, m.Pid)
-		}
-		p.pidfd = fd
 	}
+	if err := a.connect(p, m); err != nil {
+		a.closePidfd(p)
+		return "", err
+	}
+	a.peers[p.name] = p
+	a.peerTags[p.tag] = p
+	return p.name, nil
+}
+
+// checkCompatible refuses a peer whose UCX this build cannot talk to.
+func (a *Agent) checkCompatible(m *metadata) error {
+	if m.UCX>>16 != a.ucxVer>>16 {
+		return nixl.Errorf(nixl.ErrInvalidParam, "ucx: peer %q runs UCX %d.%d, this is %d.%d",
+			m.Name, m.UCX>>16, m.UCX&0xffff, a.ucxVer>>16, a.ucxVer&0xffff)
+	}
+	// The low nibble of a packed UCP worker address is its format version;
+	// a peer built against the same UCX writes the same one.
+	if m.Worker[0]&0xf != a.worker[0]&0xf {
+		return nixl.Errorf(nixl.ErrInvalidParam, "ucx: peer %q: worker address format %d, want %d",
+			m.Name, m.Worker[0]&0xf, a.worker[0]&0xf)
+	}
+	return nil
+}
+
+// openPidfd opens the pidfd of a peer on this host and checks, by its
+// start time, that the pid still names the process that wrote m.
+func openPidfd(m *metadata) (int, error) {
+	fd, err := unix.PidfdOpen(int(m.Pid), unix.PIDFD_NONBLOCK)
+	if err != nil {
+		return -1, nixl.Errorf(nixl.ErrRemoteDisconnect, "ucx: peer %q (pid %d): %v", m.Name, m.Pid, err)
+	}
+	// The pid may have been recycled; the start time tells.
+	if st, err := procStart(int(m.Pid)); err != nil || st != m.Start {
+		unix.Close(fd)
+		return -1, nixl.Errorf(nixl.ErrRemoteDisconnect, "ucx: peer %q (pid %d) is gone", m.Name, m.Pid)
+	}
+	return fd, nil
+}
+
+// connect indexes p's regions, creates its endpoint, unpacks its rkeys
+// and watches its pidfd. On failure nothing of it is left but the pidfd,
+// which the caller closes.
+func (a *Agent) connect(p *peer, m *metadata) error {
 	spans := make([]nixl.Span, len(m.Region))
 	p.regions = make([]peerRegion, len(m.Region))
 	for i, r := range m.Region {
@@ -92,9 +122,9 @@ func (a *Agent) LoadRemoteMetadata(md []byte) (string, error) {
 		p.regions[i] = peerRegion{addr: r.Addr, len: r.Len, rkey: uint32(i)}
 	}
 	sort.Slice(p.regions, func(i, j int) bool { return p.regions[i].addr < p.regions[j].addr })
+	var err error
 	if p.spans, err = nixl.NewSpanIndex(spans); err != nil {
-		a.closePidfd(p)
-		return "", err
+		return err
 	}
 
 	a.nextTag++
@@ -107,8 +137,7 @@ func (a *Agent) LoadRemoteMetadata(md []byte) (string, error) {
 	st := C.ecx_ep_create(a.c, waddr, mode, C.uint64_t(p.tag), &p.ep, &p.eparg)
 	C.free(waddr)
 	if st != 0 {
-		a.closePidfd(p)
-		return "", ucsErr(st, "ucx: ep_create")
+		return ucsErr(st, "ucx: ep_create")
 	}
 	if n := len(m.Region); n > 0 {
 		p.rkeys = (*C.ucp_rkey_h)(C.calloc(C.size_t(n), C.size_t(unsafe.Sizeof(C.ucp_rkey_h(nil)))))
@@ -119,8 +148,7 @@ func (a *Agent) LoadRemoteMetadata(md []byte) (string, error) {
 			C.free(buf)
 			if st != 0 {
 				C.ecx_ep_close_rkeys(a.c, p.ep, p.eparg, 1, p.rkeys, C.uint32_t(n))
-				a.closePidfd(p)
-				return "", nixl.Errorf(nixl.ErrInvalidParam, "ucx: peer %q region %d: rkey_unpack: %s",
+				return nixl.Errorf(nixl.ErrInvalidParam, "ucx: peer %q region %d: rkey_unpack: %s",
 					m.Name, i, C.GoString(C.ecx_status_string(st)))
 			}
 		}
@@ -129,14 +157,11 @@ func (a *Agent) LoadRemoteMetadata(md []byte) (string, error) {
 		if err := unix.EpollCtl(a.epfd, unix.EPOLL_CTL_ADD, p.pidfd,
 			&unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(p.pidfd)}); err != nil {
 			C.ecx_ep_close_rkeys(a.c, p.ep, p.eparg, 1, p.rkeys, C.uint32_t(len(m.Region)))
-			a.closePidfd(p)
-			return "", nixl.Errorf(nixl.ErrBackend, "ucx: epoll add pidfd: %v", err)
+			return nixl.Errorf(nixl.ErrBackend, "ucx: epoll add pidfd: %v", err)
 		}
 		a.pidPeers = append(a.pidPeers, p)
 	}
-	a.peers[p.name] = p
-	a.peerTags[p.tag] = p
-	return p.name, nil
+	return nil
 }
 
 func (a *Agent) closePidfd(p *peer) {
