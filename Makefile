@@ -9,7 +9,7 @@ DEBS      := libucx-dev ucx-utils pkg-config iproute2 python3-msgpack python3-ve
 SOAK      ?= 60s
 BENCHTIME ?= 1s
 
-.PHONY: python test-python
+.PHONY: python test-python bench-python
 .PHONY: all deps debs venv nixl-venv build test vet staticcheck fmt-check cgo-guard fuzz-seed fuzz run bench soak clean
 
 all: build
@@ -189,3 +189,9 @@ python: deps
 test-python: export UCX_LOG_LEVEL ?= error
 test-python: python
 	cd python && ../$(VENV_PY) -m pytest -q -p no:cacheprovider
+
+# Python consumer -> producer with the harness's workloads, side by side
+# with NIXL's Python API (from .venv) in the same invocation.
+BENCH_PY_ARGS ?=
+bench-python: python
+	$(VENV_PY) python/bench/bench_python.py $(BENCH_PY_ARGS)

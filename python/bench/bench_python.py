@@ -1,0 +1,382 @@
+"""make bench-python: ecxfer from Python, side by side with NIXL's Python
+API driven the way vLLM drives it, in one invocation.
+
+A consumer process READs from a producer process, both Python, over UCX on
+this host, with the harness's workloads: 1 block of 5,120 B; 880 blocks of
+5,120 B contiguous and scattered; 880 blocks of 32 KiB. For each it reports
+p50/p99 post->DONE (post_read, then check_xfer_state in a loop until DONE,
+as vLLM's step loop would if it never slept) and the cost of one post_read
+and one check_xfer_state call. Every READ carries a "{session}:{mm_hash}"
+notification, which the producer drains. Bytes are verified on the first
+READ of every workload.
+
+ecxfer's indices go in as one array('q') buffer (what its post_read reads in
+place); the cost of a post_read given Python lists, as vLLM passes them, is
+reported too. NIXL gets what vLLM passes: lists, under vLLM's lock, with
+make_prepped_xfer + transfer as its post_read does.
+
+Runs in the project's .venv (NIXL's wheel comes from requirements-nixl.txt);
+without NIXL its rows say they were skipped and why.
+"""
+
+import argparse
+import array
+import base64
+import ctypes
+import json
+import mmap
+import os
+import random
+import select
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+WORKLOADS = [
+    # name, block size, blocks per READ, layout
+    ("1 block", 5120, 1, "-"),
+    ("880 contig", 5120, 880, "contig"),
+    ("880 scatter", 5120, 880, "scatter"),
+    ("880 x 32KiB", 32768, 880, "contig"),
+]
+NUM_BLOCKS = {5120: 4096, 32768: 2048}
+
+
+def pattern(seed: int, block: int, size: int) -> bytes:
+    base = bytes(((block * 131 + seed + 7 * j) & 0xFF) for j in range(256))
+    return (base * (size // 256 + 1))[:size]
+
+
+class Region:
+    """A MAP_SHARED /dev/shm file, like vLLM's EC region."""
+
+    def __init__(self, size):
+        self.path = f"/dev/shm/vllm_ec_bench-{os.getpid()}-{uuid.uuid4().hex[:8]}.mmap"
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        os.ftruncate(fd, size)
+        self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED)
+        os.close(fd)
+        os.unlink(self.path)  # the mapping stays; nothing is left behind
+        self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
+
+
+def say(**msg):
+    sys.stdout.write("@@ " + json.dumps(msg) + "\n")
+    sys.stdout.flush()
+
+
+def leave(code=0):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # NIXL 1.5.1's wheel crashes in its destructors at exit
+
+
+# -- the two implementations, with vLLM's calls -----------------------------
+
+
+class EcxferSide:
+    name = "ecxfer"
+
+    def __init__(self, agent, region, nb, bs):
+        from ecxfer import EcxferDataTransport
+
+        self.t = EcxferDataTransport(
+            agent_name=agent, base_ptr=region.addr, num_blocks=nb, block_size_bytes=bs, total_size_bytes=nb * bs
+        )
+
+    def blobs(self):
+        return self.t.get_agent_metadata(), self.t.get_mem_descriptor()
+
+    def add_peer(self, md, desc):
+        return self.t.add_remote_peer(md, desc)
+
+    def indices(self, idx):
+        return array.array("q", idx)
+
+    def post_read(self, local, peer, remote, notif):
+        return self.t.post_read(local, peer, remote, notif)
+
+    def check(self, h):
+        return self.t.check_xfer_state(h)
+
+    def wait(self, h):
+        return self.t.wait(h, 30)
+
+    def release(self, h):
+        self.t.release_xfer_handle(h)
+
+    def serve(self):
+        while True:
+            self.t.wait_notifs(1.0)
+
+
+class NixlSide:
+    """NIXL's Python API the way vLLM's NixlDataTransport drives it."""
+
+    name = "nixl"
+
+    def __init__(self, agent, region, nb, bs):
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.a = nixl_agent(agent, nixl_agent_config(backends=["UCX"]))
+        self.a.register_memory([(region.addr, nb * bs, 0, "")], "DRAM", backends=["UCX"])
+        self.blocks = [(region.addr + i * bs, bs, 0) for i in range(nb)]
+        self.local = self.a.prep_xfer_dlist("NIXL_INIT_AGENT", self.blocks, "DRAM", backends=["UCX"])
+        self.lock = threading.Lock()
+        self.remote = {}
+
+    def blobs(self):
+        import msgpack
+
+        return self.a.get_agent_metadata(), msgpack.packb(self.blocks)
+
+    def add_peer(self, md, desc):
+        import msgpack
+
+        with self.lock:
+            peer = self.a.add_remote_agent(md)
+            peer = peer.decode() if isinstance(peer, bytes) else peer
+            blocks = [tuple(d) for d in msgpack.unpackb(desc)]
+            self.remote[peer] = self.a.prep_xfer_dlist(peer, blocks, "DRAM", backends=["UCX"])
+        return peer
+
+    def indices(self, idx):
+        return list(idx)
+
+    def post_read(self, local, peer, remote, notif):
+        if len(local) != len(remote):
+            raise ValueError("mismatch")
+        rh = self.remote[peer]
+        with self.lock:
+            h = self.a.make_prepped_xfer("READ", self.local, local, rh, remote, notif_msg=notif)
+            self.a.transfer(h)
+        return h
+
+    def check(self, h):
+        with self.lock:
+            return self.a.check_xfer_state(h)
+
+    def release(self, h):
+        with self.lock:
+            self.a.release_xfer_handle(h)
+
+    def serve(self):
+        while True:  # vLLM's producer drains once per engine step
+            with self.lock:
+                self.a.get_new_notifs()
+            time.sleep(0.001)
+
+
+SIDES = {"ecxfer": EcxferSide, "nixl": NixlSide}
+
+
+# -- roles --------------------------------------------------------------------
+
+
+def producer(impl, bs):
+    nb = NUM_BLOCKS[bs]
+    region = Region(nb * bs)
+    for i in range(nb):
+        region.mm[i * bs : (i + 1) * bs] = pattern(bs, i, bs)
+    side = SIDES[impl](f"{impl}-encoder-{bs}", region, nb, bs)
+    md, desc = side.blobs()
+    say(md=base64.b64encode(md).decode(), desc=base64.b64encode(desc).decode())
+    threading.Thread(target=side.serve, daemon=True).start()
+    sys.stdin.read()  # until the consumer closes it
+    leave(0)
+
+
+def start_producer(impl, bs):
+    p = subprocess.Popen(
+        [sys.executable, __file__, "--role", "producer", "--impl", impl, "--bs", str(bs)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        r, _, _ = select.select([p.stdout], [], [], 1)
+        if r:
+            line = p.stdout.readline()
+            if not line:
+                raise RuntimeError(f"{impl} producer exited with {p.wait()}")
+            if line.startswith("@@ "):
+                m = json.loads(line[3:])
+                return p, base64.b64decode(m["md"]), base64.b64decode(m["desc"])
+    raise RuntimeError(f"{impl} producer did not start")
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def run_workload(side, peer, bs, n, layout, duration, rng, mode="poll"):
+    nb = NUM_BLOCKS[bs]
+    if layout == "scatter":
+        local_idx, remote_idx = rng.sample(range(nb), n), rng.sample(range(nb), n)
+    else:
+        off = rng.randrange(0, nb - n + 1)
+        local_idx, remote_idx = list(range(n)), list(range(off, off + n))
+    local, remote = side.indices(local_idx), side.indices(remote_idx)
+    region = side.region
+    # First READ: verify the bytes.
+    h = side.post_read(local, peer, remote, b"sess-0:mm-verify")
+    while side.check(h) == "PROC":
+        pass
+    if side.check(h) != "DONE":
+        raise RuntimeError(f"READ ended {side.check(h)}")
+    side.release(h)
+    for li, ri in zip(local_idx, remote_idx):
+        if region.mm[li * bs : (li + 1) * bs] != pattern(bs, ri, bs):
+            raise RuntimeError(f"block {li} (remote {ri}) differs")
+    post, e2e = [], []
+    clock = time.perf_counter_ns
+    end = time.monotonic() + duration
+    k = 0
+    while time.monotonic() < end or k < 20:
+        notif = b"sess-%d:mm-%d" % (k, k)
+        t0 = clock()
+        h = side.post_read(local, peer, remote, notif)
+        t1 = clock()
+        if mode == "wait":
+            st = side.wait(h)
+        else:
+            st = side.check(h)
+            while st == "PROC":
+                st = side.check(h)
+        t2 = clock()
+        if st != "DONE":
+            raise RuntimeError(f"READ ended {st}")
+        side.release(h)
+        if k >= 5:  # warm-up
+            post.append(t1 - t0)
+            e2e.append(t2 - t0)
+        k += 1
+    # One check_xfer_state call, on a finished READ.
+    h = side.post_read(local, peer, remote, b"sess-x:mm-x")
+    while side.check(h) == "PROC":
+        pass
+    reps = 20000
+    t0 = clock()
+    for _ in range(reps):
+        side.check(h)
+    check_ns = (clock() - t0) / reps
+    side.release(h)
+    row = {
+        "reads": len(e2e),
+        "post_p50_us": pct(post, 0.5) / 1e3,
+        "e2e_p50_us": pct(e2e, 0.5) / 1e3,
+        "e2e_p99_us": pct(e2e, 0.99) / 1e3,
+        "check_us": check_ns / 1e3,
+        "gbps": (n * bs * len(e2e)) / (sum(e2e) / 1e9) / 1e9,
+    }
+    if isinstance(side, EcxferSide) and mode == "poll":  # what a caller passing lists pays
+        lists = []
+        for _ in range(200):
+            t0 = clock()
+            h = side.post_read(local_idx, peer, remote_idx, b"sess-l:mm-l")
+            lists.append(clock() - t0)
+            while side.check(h) == "PROC":
+                pass
+            side.release(h)
+        row["post_list_p50_us"] = pct(lists, 0.5) / 1e3
+    return row
+
+
+def consumer(impl, duration):
+    rng = random.Random(12)
+    results = {}
+    for bs in sorted({w[1] for w in WORKLOADS}):
+        prod, md, desc = start_producer(impl, bs)
+        try:
+            nb = NUM_BLOCKS[bs]
+            region = Region(nb * bs)
+            side = SIDES[impl](f"{impl}-prefill-{bs}", region, nb, bs)
+            side.region = region
+            peer = side.add_peer(md, desc)
+            for name, wbs, n, layout in WORKLOADS:
+                if wbs == bs:
+                    results[name] = run_workload(side, peer, bs, n, layout, duration, rng)
+                    if impl == "ecxfer":
+                        results[name + "/wait"] = run_workload(side, peer, bs, n, layout, duration, rng, "wait")
+        finally:
+            prod.stdin.close()
+            prod.wait(30)
+    say(results=results)
+    leave(0)
+
+
+def nixl_missing():
+    try:
+        import msgpack  # noqa: F401
+        from nixl._api import nixl_agent  # noqa: F401
+    except Exception as e:  # ImportError, or the wheel failing to load
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def run_consumer(impl, duration):
+    r = subprocess.run(
+        [sys.executable, __file__, "--role", "consumer", "--impl", impl, "--duration", str(duration)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    for line in r.stdout.splitlines():
+        if line.startswith("@@ "):
+            return json.loads(line[3:])["results"]
+    raise RuntimeError(f"{impl} consumer failed ({r.returncode}):\n{r.stderr[-3000:]}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--duration", type=float, default=2.0, help="seconds per workload (default 2)")
+    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--skip-nixl", action="store_true")
+    ap.add_argument("--role", help=argparse.SUPPRESS)
+    ap.add_argument("--impl", help=argparse.SUPPRESS)
+    ap.add_argument("--bs", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    os.environ.setdefault("UCX_LOG_LEVEL", "error")
+    if args.role == "producer":
+        return producer(args.impl, args.bs)
+    if args.role == "consumer":
+        return consumer(args.impl, args.duration)
+
+    load0 = os.getloadavg()
+    out = {"ecxfer": run_consumer("ecxfer", args.duration)}
+    why = "--skip-nixl" if args.skip_nixl else nixl_missing()
+    if why is None:
+        out["nixl"] = run_consumer("nixl", args.duration)
+    load1 = os.getloadavg()
+    cols = (
+        f"{'workload':>12} {'impl':>12} {'reads':>6} {'GB/s':>6} {'p50 us':>8} {'p99 us':>9} {'post us':>8}"
+        f" {'post(list) us':>13} {'check us':>9} {'p50 nixl/this':>13}"
+    )
+    print(cols)
+    for name, *_ in WORKLOADS:
+        n = out.get("nixl", {}).get(name)
+        for label, r in (("ecxfer poll", out["ecxfer"][name]), ("ecxfer wait", out["ecxfer"][name + "/wait"]), ("nixl poll", n)):
+            if r is None:
+                print(f"{name:>12} {label:>12}  skipped: {why}")
+                continue
+            ratio = f"{n['e2e_p50_us'] / r['e2e_p50_us']:.2f}x" if n and r is not n else "-"
+            lst = f"{r['post_list_p50_us']:.2f}" if "post_list_p50_us" in r else "-"
+            print(
+                f"{name:>12} {label:>12} {r['reads']:>6} {r['gbps']:>6.2f} {r['e2e_p50_us']:>8.1f} {r['e2e_p99_us']:>9.1f}"
+                f" {r['post_p50_us']:>8.2f} {lst:>13} {r['check_us']:>9.3f} {ratio:>13}"
+            )
+    print(f"load average before/after: {load0[0]:.2f} / {load1[0]:.2f} ({os.cpu_count()} CPUs)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"results": out, "load": [load0, load1], "nixl_skipped": why}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
