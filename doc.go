@@ -15,8 +15,10 @@
 // without any call from its owner.
 //
 // Backends: "ucx" (the default) moves bytes with UCX, over shared memory on
-// one host and TCP or RDMA across hosts; "loopback" keeps both agents in one
-// process and is for tests and for measuring the reactor alone.
+// one host and TCP or RDMA across hosts; "nixl" drives the NIXL library
+// (package nixl/libnixl), so ecxfer and vLLM's own NIXL agents can read each
+// other's blocks; "loopback" keeps both agents in one process and is for
+// tests and for measuring the reactor alone.
 //
 // A producer and a consumer in one process (two processes exchange
 // AgentMetadata and MemDescriptor over any channel they like):

@@ -64,8 +64,10 @@ type Config struct {
 	// AgentName is this agent's name, unique among its peers: 1 to 256
 	// bytes of printable ASCII without spaces.
 	AgentName string
-	// Backend is "ucx" (the default), "loopback" (in-process, for tests)
-	// or "nixl" (the NIXL library).
+	// Backend is "ucx" (the default, engine nixl/ucx), "loopback"
+	// (in-process, for tests; nixl/loopback) or "nixl" (the NIXL library,
+	// engine nixl/libnixl). Package nixl itself is the interface every
+	// engine implements, not an engine; see its documentation.
 	Backend string
 	// BlockSize is the size of one block in bytes; NumBlocks how many
 	// blocks the region holds. Both required.
