@@ -1,0 +1,338 @@
+package fleet
+
+import (
+	"context"
+	"encoding/binary"
+	"fmt"
+	"math/rand"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/ecxfer/ecxfer"
+	"github.com/ecxfer/ecxfer/internal/ctrl"
+	"github.com/ecxfer/ecxfer/internal/pattern"
+)
+
+// ConsumersConfig sizes a Consumers run.
+type ConsumersConfig struct {
+	Consumers     int
+	BlockSize     int
+	NumBlocks     int // the producer's region
+	BlocksPerRead int // scattered blocks per READ
+	Duration      time.Duration
+	// ProducerWrap and ConsumerWrap are commands the processes run under
+	// (ip netns exec NS), and ProducerEnv/ConsumerEnv their extra
+	// environment (UCX_TLS, UCX_NET_DEVICES), for runs across namespaces.
+	ProducerWrap, ConsumerWrap []string
+	ProducerEnv, ConsumerEnv   []string
+}
+
+func (c *ConsumersConfig) defaults() error {
+	if c.Consumers <= 0 {
+		return fmt.Errorf("fleet: %d consumers", c.Consumers)
+	}
+	if c.BlockSize <= 0 {
+		c.BlockSize = 32768
+	}
+	if c.NumBlocks <= 0 {
+		c.NumBlocks = 1024
+	}
+	if c.BlocksPerRead <= 0 {
+		c.BlocksPerRead = 64
+	}
+	c.BlocksPerRead = min(c.BlocksPerRead, c.NumBlocks)
+	if c.Duration <= 0 {
+		c.Duration = 2 * time.Second
+	}
+	return nil
+}
+
+// ConsumersResult is what a Consumers run measured.
+type ConsumersResult struct {
+	Consumers        int
+	Reads            uint64
+	Bytes            uint64
+	Duration         time.Duration // the longest consumer's measured time
+	Verified         uint64        // READs whose bytes were checked
+	Notifs           int           // notifications matched to a READ
+	NotifP50         time.Duration // consumer saw DONE → producer's WaitNotifs returned it
+	NotifP99         time.Duration
+	Early            int           // notifications seen before the consumer saw DONE
+	ProducerCPU      time.Duration // the producer reactor's CPU time over the run
+	ProducerCPUPerGB time.Duration
+}
+
+// GBps is the aggregate throughput.
+func (r *ConsumersResult) GBps() float64 {
+	if r.Duration <= 0 {
+		return 0
+	}
+	return float64(r.Bytes) / r.Duration.Seconds() / 1e9
+}
+
+// Consumers starts one producer process and cfg.Consumers consumer
+// processes that read from it together for cfg.Duration, every READ with
+// a notification, and reports aggregate throughput, the producer's
+// notification latency and its reactor's CPU time per GB served.
+func Consumers(ctx context.Context, cfg ConsumersConfig) (*ConsumersResult, error) {
+	if err := cfg.defaults(); err != nil {
+		return nil, err
+	}
+	var all []*Proc
+	defer func() {
+		for _, p := range all {
+			_ = p.Stop(30 * time.Second)
+		}
+	}()
+	prod, err := Spawn("producer", cfg.ProducerWrap, cfg.ProducerEnv)
+	if err != nil {
+		return nil, err
+	}
+	all = append(all, prod)
+	if err := prod.C.Send(ctrl.Message{Kind: "setup", Ints: map[string]int64{"bs": int64(cfg.BlockSize), "nb": int64(cfg.NumBlocks)}}); err != nil {
+		return nil, err
+	}
+	hello, err := prod.C.Expect("hello")
+	if err != nil {
+		return nil, fmt.Errorf("producer: %w", err)
+	}
+	cons := make([]*Proc, cfg.Consumers)
+	for i := range cons {
+		if cons[i], err = Spawn("consumer", cfg.ConsumerWrap, cfg.ConsumerEnv); err != nil {
+			return nil, err
+		}
+		all = append(all, cons[i])
+		err = cons[i].C.Send(ctrl.Message{Kind: "setup", Metadata: hello.Metadata, MemDesc: hello.MemDesc, Ints: map[string]int64{
+			"id": int64(i), "bs": int64(cfg.BlockSize), "nb": int64(cfg.NumBlocks), "k": int64(cfg.BlocksPerRead),
+			"seed": hello.Ints["seed"]}})
+		if err != nil {
+			return nil, err
+		}
+	}
+	for i, c := range cons {
+		if _, err := c.C.Expect("ready"); err != nil {
+			return nil, fmt.Errorf("consumer %d: %w", i, err)
+		}
+	}
+	if err := prod.C.Send(ctrl.Message{Kind: "start"}); err != nil {
+		return nil, err
+	}
+	if _, err := prod.C.Expect("started"); err != nil {
+		return nil, err
+	}
+	for _, c := range cons {
+		if err := c.C.Send(ctrl.Message{Kind: "go", Ints: map[string]int64{"ns": int64(cfg.Duration)}}); err != nil {
+			return nil, err
+		}
+	}
+	res := &ConsumersResult{Consumers: cfg.Consumers}
+	done := map[[2]uint32]int64{} // (consumer, seq) → when it saw DONE
+	var errs []string
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	for i, c := range cons {
+		wg.Add(1)
+		go func(i int, c *Proc) {
+			defer wg.Done()
+			m, err := c.C.Expect("result")
+			mu.Lock()
+			defer mu.Unlock()
+			if err != nil {
+				errs = append(errs, fmt.Sprintf("consumer %d: %v", i, err))
+				return
+			}
+			res.Reads += uint64(m.Ints["reads"])
+			res.Bytes += uint64(m.Ints["bytes"])
+			res.Verified += uint64(m.Ints["verified"])
+			res.Duration = max(res.Duration, time.Duration(m.Ints["ns"]))
+			for b := m.Data; len(b) >= 12; b = b[12:] {
+				done[[2]uint32{uint32(i), binary.LittleEndian.Uint32(b)}] = int64(binary.LittleEndian.Uint64(b[4:]))
+			}
+		}(i, c)
+	}
+	wg.Wait()
+	if len(errs) > 0 {
+		return nil, fmt.Errorf("fleet: %s", strings.Join(errs, "; "))
+	}
+	// Let the last notifications arrive.
+	time.Sleep(100 * time.Millisecond)
+	if err := prod.C.Send(ctrl.Message{Kind: "stop"}); err != nil {
+		return nil, err
+	}
+	st, err := prod.C.Expect("stats")
+	if err != nil {
+		return nil, fmt.Errorf("producer: %w", err)
+	}
+	res.ProducerCPU = time.Duration(st.Ints["cpu"])
+	if res.Bytes > 0 {
+		res.ProducerCPUPerGB = time.Duration(float64(res.ProducerCPU) / (float64(res.Bytes) / 1e9))
+	}
+	var lat []time.Duration
+	for b := st.Data; len(b) >= 16; b = b[16:] {
+		key := [2]uint32{binary.LittleEndian.Uint32(b), binary.LittleEndian.Uint32(b[4:])}
+		at, ok := done[key]
+		if !ok {
+			continue
+		}
+		d := int64(binary.LittleEndian.Uint64(b[8:])) - at
+		if d < 0 {
+			res.Early++
+			d = 0
+		}
+		lat = append(lat, time.Duration(d))
+	}
+	sortDurations(lat)
+	res.Notifs = len(lat)
+	res.NotifP50, res.NotifP99 = quantile(lat, 0.5), quantile(lat, 0.99)
+	return res, nil
+}
+
+// maxTimed bounds the READs a consumer reports times for.
+const maxTimed = 1 << 18
+
+// producerChild is the producer: it serves READs, and between start and
+// stop times every notification and its reactor's CPU.
+func producerChild(c *ctrl.Conn) error {
+	m, err := c.Expect("setup")
+	if err != nil {
+		return err
+	}
+	bs, nb := int(m.Ints["bs"]), int(m.Ints["nb"])
+	t, err := ecxfer.New(ecxfer.Config{AgentName: fmt.Sprintf("fleet-producer-%d", monoNow()%1e9), BlockSize: bs, NumBlocks: nb})
+	if err != nil {
+		return err
+	}
+	defer t.Deregister()
+	seed := uint64(monoNow())
+	pattern.FillRegion(t.Region(), seed, bs)
+	if err := c.Send(ctrl.Message{Kind: "hello", Metadata: t.AgentMetadata(), MemDesc: t.MemDescriptor(), Ints: map[string]int64{"seed": int64(seed)}}); err != nil {
+		return err
+	}
+	if _, err := c.Expect("start"); err != nil {
+		return err
+	}
+	cpu0, _ := t.ReactorCPU()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var recs []byte // (consumer, seq, when) per notification
+	collected := make(chan struct{})
+	go func() {
+		defer close(collected)
+		for {
+			ns, err := t.WaitNotifs(ctx)
+			now := monoNow()
+			for _, msgs := range ns {
+				for _, msg := range msgs {
+					if len(msg) == 8 && len(recs) < ctrl.MaxFrame-4096 {
+						recs = binary.LittleEndian.AppendUint64(append(recs, msg...), uint64(now))
+					}
+				}
+			}
+			if err != nil {
+				return
+			}
+		}
+	}()
+	if err := c.Send(ctrl.Message{Kind: "started"}); err != nil {
+		return err
+	}
+	if _, err := c.Expect("stop"); err != nil {
+		return err
+	}
+	cancel()
+	<-collected
+	cpu1, _ := t.ReactorCPU()
+	if err := c.Send(ctrl.Message{Kind: "stats", Data: recs, Ints: map[string]int64{"cpu": int64(cpu1 - cpu0)}}); err != nil {
+		return err
+	}
+	return waitEOF(c)
+}
+
+// consumerChild reads scattered blocks from the producer, one READ at a
+// time, each with a notification naming it, and verifies every 16th.
+func consumerChild(c *ctrl.Conn) error {
+	m, err := c.Expect("setup")
+	if err != nil {
+		return err
+	}
+	id, bs, nb, k, seed := uint32(m.Ints["id"]), int(m.Ints["bs"]), int(m.Ints["nb"]), int(m.Ints["k"]), uint64(m.Ints["seed"])
+	t, err := ecxfer.New(ecxfer.Config{AgentName: fmt.Sprintf("fleet-consumer-%d-%d", monoNow()%1e9, id), BlockSize: bs, NumBlocks: k})
+	if err != nil {
+		return err
+	}
+	defer t.Deregister()
+	peer, err := t.AddRemotePeer(m.Metadata, m.MemDesc)
+	if err != nil {
+		return err
+	}
+	rng := rand.New(rand.NewSource(int64(id) + 1))
+	local, remote := make([]int, k), make([]int, k)
+	for i := range local {
+		local[i] = i
+	}
+	ctx := context.Background()
+	// read returns when it saw the READ DONE (CLOCK_MONOTONIC).
+	read := func(notif []byte) (int64, error) {
+		for i := range remote {
+			remote[i] = rng.Intn(nb)
+		}
+		h, err := t.PostRead(local, peer, remote, notif)
+		if err != nil {
+			return 0, err
+		}
+		if err := t.Wait(ctx, h); err != nil {
+			return 0, err
+		}
+		at := monoNow()
+		return at, t.ReleaseXferHandle(h)
+	}
+	for i := 0; i < 8; i++ { // connect and warm up, unmeasured
+		if _, err := read(nil); err != nil {
+			return err
+		}
+	}
+	if err := c.Send(ctrl.Message{Kind: "ready"}); err != nil {
+		return err
+	}
+	g, err := c.Expect("go")
+	if err != nil {
+		return err
+	}
+	dur := time.Duration(g.Ints["ns"])
+	var (
+		reads, verified uint64
+		times           []byte
+		notif           [8]byte
+	)
+	binary.LittleEndian.PutUint32(notif[:4], id)
+	start := time.Now()
+	for seq := uint32(0); time.Since(start) < dur; seq++ {
+		binary.LittleEndian.PutUint32(notif[4:], seq)
+		doneAt, err := read(notif[:])
+		if err != nil {
+			return fmt.Errorf("READ %d: %w", seq, err)
+		}
+		if len(times) < maxTimed*12 {
+			times = binary.LittleEndian.AppendUint32(times, seq)
+			times = binary.LittleEndian.AppendUint64(times, uint64(doneAt))
+		}
+		reads++
+		if seq%16 == 0 {
+			region := t.Region()
+			for i, r := range remote {
+				if ok, off := pattern.Check(region[i*bs:(i+1)*bs], seed, r); !ok {
+					return fmt.Errorf("READ %d block %d: wrong byte at %d", seq, r, off)
+				}
+			}
+			verified++
+		}
+	}
+	el := time.Since(start)
+	err = c.Send(ctrl.Message{Kind: "result", Data: times, Ints: map[string]int64{
+		"reads": int64(reads), "bytes": int64(reads) * int64(k*bs), "verified": int64(verified), "ns": int64(el)}})
+	if err != nil {
+		return err
+	}
+	return waitEOF(c)
+}

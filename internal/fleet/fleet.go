@@ -1,0 +1,175 @@
+// Package fleet measures ecxfer the way a deployment uses it: one consumer
+// against many producer agents (Peers), and one producer serving many
+// consumer processes (Consumers). Every party but the orchestrator is a
+// real process: this binary re-executed in a child role (see Child), so a
+// program that uses the package must call Child first thing in main (and
+// a test binary in TestMain).
+package fleet
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"runtime"
+	"sort"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/ecxfer/ecxfer/internal/ctrl"
+)
+
+// RoleEnv names the child role of a re-executed process.
+const RoleEnv = "ECXFER_FLEET_ROLE"
+
+// Child runs the child role named by RoleEnv, if any, and returns the
+// process's exit code and true; without a role it returns (0, false).
+func Child() (int, bool) {
+	role := os.Getenv(RoleEnv)
+	if role == "" {
+		return 0, false
+	}
+	c := ctrl.New(os.Stdin, os.Stdout)
+	var err error
+	switch role {
+	case "agents":
+		err = agentsChild(c)
+	case "producer":
+		err = producerChild(c)
+	case "consumer":
+		err = consumerChild(c)
+	default:
+		err = fmt.Errorf("unknown role %q", role)
+	}
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "fleet %s (pid %d): %v\n", role, os.Getpid(), err)
+		return 1, true
+	}
+	return 0, true
+}
+
+// Proc is a started child.
+type Proc struct {
+	cmd    *exec.Cmd
+	stdin  io.WriteCloser
+	C      *ctrl.Conn
+	exited chan struct{}
+	err    error
+}
+
+// Spawn starts this executable in a child role. wrap, if not empty, is a
+// command the child runs under (for example ip netns exec NS); env is
+// added to this process's environment.
+func Spawn(role string, wrap []string, env []string) (*Proc, error) {
+	exe, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	argv := append(append([]string(nil), wrap...), exe)
+	cmd := exec.Command(argv[0], argv[1:]...)
+	cmd.Env = append(append(os.Environ(), env...), RoleEnv+"="+role)
+	stdin, stdout, err := ctrl.StartPiped(cmd)
+	if err != nil {
+		return nil, err
+	}
+	p := &Proc{cmd: cmd, stdin: stdin, C: ctrl.New(stdout, stdin), exited: make(chan struct{})}
+	go func() {
+		p.err = cmd.Wait()
+		close(p.exited)
+	}()
+	return p, nil
+}
+
+// Stop closes the child's stdin, which tells it to clean up and exit, and
+// waits; after timeout it kills it.
+func (p *Proc) Stop(timeout time.Duration) error {
+	_ = p.stdin.Close()
+	select {
+	case <-p.exited:
+		return p.err
+	case <-time.After(timeout):
+		_ = p.cmd.Process.Kill()
+		<-p.exited
+		return fmt.Errorf("fleet: child %d did not exit within %v", p.cmd.Process.Pid, timeout)
+	}
+}
+
+// waitEOF blocks until the orchestrator closes the child's stdin.
+func waitEOF(c *ctrl.Conn) error {
+	m, err := c.Recv()
+	switch {
+	case errors.Is(err, io.EOF):
+		return nil
+	case err != nil:
+		return err
+	}
+	return fmt.Errorf("unexpected %q", m.Kind)
+}
+
+// Mem is a process's memory as the kernel sees it.
+type Mem struct {
+	RSS        int64 // resident set
+	SharedMaps int   // mappings of shared memory: System V, /dev/shm, memfd
+	SharedSize int64 // their total size (mapped, not necessarily resident)
+	FDs        int
+	Goroutines int
+}
+
+// ReadMem reads this process's figures from /proc.
+func ReadMem() Mem {
+	var m Mem
+	if b, err := os.ReadFile("/proc/self/status"); err == nil {
+		for _, line := range strings.Split(string(b), "\n") {
+			if f := strings.Fields(line); len(f) >= 2 && f[0] == "VmRSS:" {
+				kb, _ := strconv.ParseInt(f[1], 10, 64)
+				m.RSS = kb << 10
+			}
+		}
+	}
+	if b, err := os.ReadFile("/proc/self/maps"); err == nil {
+		for _, line := range strings.Split(string(b), "\n") {
+			f := strings.Fields(line)
+			if len(f) < 6 {
+				continue
+			}
+			path := strings.Join(f[5:], " ")
+			if !(strings.Contains(path, "SYSV") || strings.HasPrefix(path, "/dev/shm/") || strings.HasPrefix(path, "/memfd:")) {
+				continue
+			}
+			var lo, hi int64
+			if _, err := fmt.Sscanf(f[0], "%x-%x", &lo, &hi); err == nil {
+				m.SharedMaps++
+				m.SharedSize += hi - lo
+			}
+		}
+	}
+	if ents, err := os.ReadDir("/proc/self/fd"); err == nil {
+		m.FDs = len(ents)
+	}
+	m.Goroutines = runtime.NumGoroutine()
+	return m
+}
+
+// quantile of sorted durations (nearest rank).
+func quantile(s []time.Duration, q float64) time.Duration {
+	if len(s) == 0 {
+		return 0
+	}
+	i := int(q*float64(len(s))+0.5) - 1
+	i = max(0, min(len(s)-1, i))
+	return s[i]
+}
+
+func sortDurations(s []time.Duration) {
+	sort.Slice(s, func(i, j int) bool { return s[i] < s[j] })
+}
+
+// monoNow is CLOCK_MONOTONIC in ns: the same clock in every process of
+// the machine, network namespaces included.
+func monoNow() int64 {
+	var ts unixTimespec
+	clockMonotonic(&ts)
+	return ts.Sec*1e9 + ts.Nsec
+}

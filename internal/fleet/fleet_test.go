@@ -1,0 +1,56 @@
+package fleet
+
+import (
+	"context"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+func TestMain(m *testing.M) {
+	if code, ok := Child(); ok {
+		os.Exit(code)
+	}
+	os.Exit(m.Run())
+}
+
+// TestPeers: one consumer, 32 producer agents in 4 processes; every agent
+// is read from with its bytes verified, and once they are all removed
+// nothing is left (Peers checks descriptors and goroutines; here the
+// shared memory mapped).
+func TestPeers(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	res, err := Peers(ctx, PeersConfig{Agents: 32, Procs: 4})
+	require.NoError(t, err)
+	require.Equal(t, 32, res.PeersSeen)
+	require.Equal(t, 32, res.ReadsVerified)
+	require.Equal(t, 32*4, res.BlocksRead)
+	require.NoError(t, res.LeakErr)
+	require.LessOrEqual(t, res.Removed.FDs, res.Base.FDs, "descriptors left after removing every peer")
+	require.LessOrEqual(t, res.Removed.SharedMaps, res.Base.SharedMaps, "shared memory left mapped after removing every peer")
+	require.Greater(t, res.AddP50, time.Duration(0))
+	require.LessOrEqual(t, res.AddP50, res.AddP99)
+	t.Logf("AddRemotePeer p50 %v p99 %v; RSS/peer added %.0f B, read %.0f B; shared maps %d→%d→%d→%d",
+		res.AddP50, res.AddP99, res.PerPeer(res.Base.RSS, res.Added.RSS), res.PerPeer(res.Base.RSS, res.Read.RSS),
+		res.Base.SharedMaps, res.Added.SharedMaps, res.Read.SharedMaps, res.Removed.SharedMaps)
+}
+
+// TestConsumers: one producer process, three consumer processes reading
+// with notifications; every notification reaches the producer.
+func TestConsumers(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	res, err := Consumers(ctx, ConsumersConfig{Consumers: 3, BlockSize: 4096, NumBlocks: 256, BlocksPerRead: 8, Duration: 300 * time.Millisecond})
+	require.NoError(t, err)
+	require.Greater(t, res.Reads, uint64(0))
+	require.Equal(t, res.Reads*8*4096, res.Bytes)
+	require.Greater(t, res.Verified, uint64(0))
+	require.Equal(t, int(res.Reads), res.Notifs, "every READ's notification reached the producer")
+	require.Greater(t, res.ProducerCPU, time.Duration(0))
+	require.LessOrEqual(t, res.NotifP50, res.NotifP99)
+	t.Logf("%d reads, %.2f GB/s, notif p50 %v p99 %v (%d early), producer CPU %v (%v/GB)",
+		res.Reads, res.GBps(), res.NotifP50, res.NotifP99, res.Early, res.ProducerCPU, res.ProducerCPUPerGB)
+}

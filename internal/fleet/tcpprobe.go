@@ -1,0 +1,127 @@
+package fleet
+
+import (
+	"context"
+	"encoding/binary"
+	"fmt"
+	"io"
+	"net"
+	"time"
+)
+
+// TCPResult is a link's own TCP figures.
+type TCPResult struct {
+	Bytes          int64
+	Duration       time.Duration
+	Pings          int
+	RTTP50, RTTP99 time.Duration
+}
+
+// GBps is the one-stream throughput.
+func (r *TCPResult) GBps() float64 { return float64(r.Bytes) / r.Duration.Seconds() / 1e9 }
+
+// TCPServe answers probes on addr until ctx ends: each connection starts
+// with one byte, 's' (sink: read and discard until EOF, then reply with the
+// byte count) or 'p' (echo single bytes).
+func TCPServe(ctx context.Context, addr string, log io.Writer) error {
+	l, err := net.Listen("tcp", addr)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(log, "tcp-serve: listening on %s\n", l.Addr())
+	go func() { <-ctx.Done(); _ = l.Close() }()
+	for {
+		c, err := l.Accept()
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			return err
+		}
+		go serveProbe(c)
+	}
+}
+
+func serveProbe(c net.Conn) {
+	defer c.Close()
+	var kind [1]byte
+	if _, err := io.ReadFull(c, kind[:]); err != nil {
+		return
+	}
+	switch kind[0] {
+	case 's':
+		n, _ := io.Copy(io.Discard, c)
+		_, _ = c.Write(binary.LittleEndian.AppendUint64(nil, uint64(n)))
+	case 'p':
+		var b [1]byte
+		for {
+			if _, err := io.ReadFull(c, b[:]); err != nil {
+				return
+			}
+			if _, err := c.Write(b[:]); err != nil {
+				return
+			}
+		}
+	}
+}
+
+// TCPProbe streams to a TCPServe for d on one connection and then
+// ping-pongs single bytes for up to a second on another.
+func TCPProbe(addr string, d time.Duration) (*TCPResult, error) {
+	r := &TCPResult{}
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		return nil, err
+	}
+	buf := make([]byte, 1<<20)
+	if _, err := c.Write([]byte{'s'}); err != nil {
+		c.Close()
+		return nil, err
+	}
+	start := time.Now()
+	for time.Since(start) < d {
+		n, err := c.Write(buf)
+		r.Bytes += int64(n)
+		if err != nil {
+			c.Close()
+			return nil, err
+		}
+	}
+	_ = c.(*net.TCPConn).CloseWrite()
+	var ack [8]byte
+	_, err = io.ReadFull(c, ack[:])
+	r.Duration = time.Since(start) // until the far end has everything
+	c.Close()
+	if err != nil {
+		return nil, fmt.Errorf("tcp probe: %w", err)
+	}
+	if got := int64(binary.LittleEndian.Uint64(ack[:])); got != r.Bytes {
+		return nil, fmt.Errorf("tcp probe: sent %d bytes, the far end got %d", r.Bytes, got)
+	}
+
+	p, err := net.Dial("tcp", addr)
+	if err != nil {
+		return nil, err
+	}
+	defer p.Close()
+	_ = p.(*net.TCPConn).SetNoDelay(true)
+	if _, err := p.Write([]byte{'p'}); err != nil {
+		return nil, err
+	}
+	var rtts []time.Duration
+	b := []byte{1}
+	for t0 := time.Now(); time.Since(t0) < time.Second && len(rtts) < 20000; {
+		s := time.Now()
+		if _, err := p.Write(b); err != nil {
+			return nil, err
+		}
+		if _, err := io.ReadFull(p, b); err != nil {
+			return nil, err
+		}
+		rtts = append(rtts, time.Since(s))
+	}
+	sortDurations(rtts)
+	r.Pings = len(rtts)
+	r.RTTP50, r.RTTP99 = quantile(rtts, 0.5), quantile(rtts, 0.99)
+	return r, nil
+}
