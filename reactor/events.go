@@ -43,6 +43,10 @@ const (
 	// second; attributes: op, error, count (failures since the last
 	// record, this one included).
 	EventEngineError = "ecxfer.engine.error"
+	// EventNotifOversized: a notification longer than MaxNotif arrived
+	// and was dropped (Stats.NotifsOversized counts them all). Logged once
+	// per sender. Attributes: peer, bytes, limit.
+	EventNotifOversized = "ecxfer.notif.oversized"
 )
 
 // events is the loop's logging state. Every method is a no-op without a
@@ -52,6 +56,28 @@ type events struct {
 	errAt      int64 // r.now() of the last engine error record
 	errLogged  bool  // errAt is set
 	errPending uint64
+	// oversized holds the senders whose oversized notification was
+	// logged; bounded so that a stream of invented names cannot grow it.
+	oversized map[string]struct{}
+}
+
+// maxOversizedSenders bounds events.oversized.
+const maxOversizedSenders = 1024
+
+// logOversized logs EventNotifOversized once per sender. Loop thread only.
+func (r *Reactor) logOversized(sender string, n int) {
+	if r.ev.log == nil {
+		return
+	}
+	if _, ok := r.ev.oversized[sender]; ok || len(r.ev.oversized) >= maxOversizedSenders {
+		return
+	}
+	if r.ev.oversized == nil {
+		r.ev.oversized = map[string]struct{}{}
+	}
+	r.ev.oversized[sender] = struct{}{}
+	r.logEvent(slog.LevelWarn, EventNotifOversized,
+		slog.String("peer", sender), slog.Int("bytes", n), slog.Int("limit", r.opts.MaxNotif))
 }
 
 func (r *Reactor) logEvent(level slog.Level, event string, attrs ...slog.Attr) {

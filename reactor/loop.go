@@ -187,6 +187,7 @@ func (r *Reactor) turn() bool {
 	}
 	if n := r.agent.GetNotifs(r.notifTmp); n > 0 {
 		work = true
+		n -= r.dropOversized()
 		r.st.notifsReceived.Add(uint64(n))
 		r.notifMu.Lock()
 		for k, v := range r.notifTmp {
@@ -210,6 +211,32 @@ func (r *Reactor) turn() bool {
 	}
 	r.lastWork = work
 	return work
+}
+
+// dropOversized removes from notifTmp the notifications longer than
+// MaxNotif, whatever limit their sender was configured with, counts them
+// and logs the first from each sender. It returns how many it dropped.
+func (r *Reactor) dropOversized() int {
+	dropped := 0
+	for sender, msgs := range r.notifTmp {
+		keep := msgs[:0]
+		for _, m := range msgs {
+			if len(m) <= r.opts.MaxNotif {
+				keep = append(keep, m)
+				continue
+			}
+			dropped++
+			r.st.notifsOversized.Add(1)
+			r.logOversized(sender, len(m))
+		}
+		clear(msgs[len(keep):])
+		if len(keep) == 0 {
+			delete(r.notifTmp, sender)
+		} else {
+			r.notifTmp[sender] = keep
+		}
+	}
+	return dropped
 }
 
 func (r *Reactor) broadcast() {
@@ -241,10 +268,12 @@ func (r *Reactor) submit(h uint64) {
 		return
 	}
 	loc := r.loc.Load()
-	id, err := r.agent.MakeXfer(nixl.Read, loc.dlist, s.localIdx, p.dlist, s.remoteIdx, s.notif)
-	// The engine copied the request: drop buffers too large to keep (the
+	// The notification stays with the slot: the reactor sends it itself,
+	// once the READ is published DONE (see complete).
+	id, err := r.agent.MakeXfer(nixl.Read, loc.dlist, s.localIdx, p.dlist, s.remoteIdx, nil)
+	// The engine copied the indices: drop buffers too large to keep (the
 	// slot is still ours, nothing is published yet).
-	s.trim()
+	s.trimIdx()
 	if err == nil {
 		if err = r.agent.PostXfer(id); err != nil {
 			_ = r.agent.ReleaseXfer(id)
@@ -308,13 +337,20 @@ func equalDescs(a, b descriptors.List) bool {
 }
 
 // finish publishes the end of an in-flight transfer whose engine request
-// has already been released. A slot released meanwhile is left as it is:
-// onCancel frees it.
-func (r *Reactor) finish(h uint64, s *slot, code uint64) {
+// has already been released, and reports whether it did. A slot released
+// meanwhile is left as it is (false): onCancel frees it.
+func (r *Reactor) finish(h uint64, s *slot, code uint64) bool {
+	trimmed := false
 	for {
 		w := s.word.Load()
 		if w&r.tab.genMask() != h&r.tab.genMask() {
-			return
+			return false
+		}
+		if !trimmed {
+			// The slot's buffers are the reactor's until the state word
+			// says otherwise: drop the large ones now.
+			s.trim()
+			trimmed = true
 		}
 		switch wordState(w) {
 		case stProc:
@@ -326,10 +362,10 @@ func (r *Reactor) finish(h uint64, s *slot, code uint64) {
 			}
 			if s.word.CompareAndSwap(w, nw) {
 				r.ended = true
-				return
+				return true
 			}
 		default:
-			return
+			return false
 		}
 	}
 }
@@ -361,15 +397,39 @@ func (r *Reactor) complete(c nixl.Completion) {
 		r.finish(h, s, code)
 		return
 	}
-	r.st.done.Add(1)
-	r.st.bytes.Add(s.bytes)
-	s.peer.pc.done.Add(1)
-	s.peer.pc.bytes.Add(s.bytes)
-	if s.hasNotif {
-		r.st.notifsSent.Add(1)
+	// Once finish publishes DONE the caller may release the handle and a
+	// new READ may take the slot: take what is still needed out of it
+	// first. The message buffer is swapped for the spare one, so no READ
+	// allocates.
+	p, bytes, posted, notify := s.peer, s.bytes, s.posted, s.hasNotif
+	var msg []byte
+	if notify {
+		msg, s.notif = s.notif, r.notifSpare[:0]
+		r.notifSpare = nil
 	}
-	r.st.latency.Add(time.Duration(r.lastTime - s.posted))
-	r.finish(h, s, codeNone)
+	if !r.finish(h, s, codeNone) {
+		// Released while the engine finished it: canceled, and the
+		// producer is not told its blocks are free.
+		r.st.canceled.Add(1)
+	} else {
+		r.st.done.Add(1)
+		r.st.bytes.Add(bytes)
+		p.pc.done.Add(1)
+		p.pc.bytes.Add(bytes)
+		r.st.latency.Add(time.Duration(r.lastTime - posted))
+		if notify {
+			// Only now, with the READ published DONE, is the producer
+			// told: a READ released or timed out first never notifies.
+			if err := r.agent.SendNotif(p.Name, msg); err != nil {
+				r.engineError("notify", err)
+			} else {
+				r.st.notifsSent.Add(1)
+			}
+		}
+	}
+	if notify && cap(msg) <= 8*slotKeep {
+		r.notifSpare = msg
+	}
 }
 
 // abort releases an in-flight transfer's engine request and ends it with

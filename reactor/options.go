@@ -88,8 +88,11 @@ type Options struct {
 	// when the ring or the table is full.
 	WaitWhenBusy bool
 	// MaxNotif is the longest notification accepted (default
-	// nixl.DefaultMaxNotif, 64 KiB; at most MaxNotifLimit). The engine is
-	// configured with the same limit.
+	// nixl.DefaultMaxNotif, 64 KiB; at most MaxNotifLimit), both ways:
+	// Post refuses longer ones, and longer ones received from a peer
+	// configured with a larger limit are dropped and counted
+	// (Stats.NotifsOversized), never handed out. The engine is configured
+	// with the same limit.
 	MaxNotif int
 
 	// Logger receives the reactor's structured events (the Event*

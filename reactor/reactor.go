@@ -105,8 +105,11 @@ type Reactor struct {
 	comps     []nixl.Completion
 	ctrlBuf   []*ctrlOp
 	notifTmp  map[string][][]byte
-	lastTime  int64
-	lastWork  bool // the last turn found work (its time counts as busy)
+	// notifSpare is a message buffer handed to the next slot whose
+	// notification is taken out for sending (see complete).
+	notifSpare []byte
+	lastTime   int64
+	lastWork   bool // the last turn found work (its time counts as busy)
 }
 
 // Setup prepares the agent's local memory: it registers the block memory

@@ -13,6 +13,7 @@ type counters struct {
 	bytes                          atomic.Uint64
 	notifsSent, notifsReceived     atomic.Uint64
 	notifsDroppedByEngine          atomic.Uint64
+	notifsOversized                atomic.Uint64
 	engineErrors                   atomic.Uint64
 	loops, parks                   atomic.Uint64
 	latency                        Histogram
@@ -26,21 +27,24 @@ type counters struct {
 
 // Stats is a snapshot of the reactor's counters, taken without stopping it.
 type Stats struct {
-	ReadsPosted    uint64       // handed to the engine
-	ReadsDone      uint64       // finished with every byte landed
-	ReadsFailed    uint64       // finished in ERR (engine error, disconnect, timeout, close)
-	ReadsCanceled  uint64       // released in flight, or dropped with their peer
-	BytesRead      uint64       // bytes of the reads that finished DONE
-	NotifsSent     uint64       // notifications sent with finished reads
-	NotifsReceived uint64       // notifications received from peers
-	EngineErrors   uint64       // engine calls that failed
-	LiveHandles    int64        // handles not yet released
-	InFlight       int64        // reads the engine is working on
-	Peers          int          // peers currently known
-	LoopTurns      uint64       // event loop turns
-	Parks          uint64       // times the reactor slept
-	WaitBlocks     uint64       // times Wait spun for WaitSpin and then blocked
-	Latency        HistSnapshot // post → DONE
+	ReadsPosted    uint64 // handed to the engine
+	ReadsDone      uint64 // finished with every byte landed
+	ReadsFailed    uint64 // finished in ERR (engine error, disconnect, timeout, close)
+	ReadsCanceled  uint64 // released in flight, or dropped with their peer
+	BytesRead      uint64 // bytes of the reads that finished DONE
+	NotifsSent     uint64 // notifications sent with finished reads
+	NotifsReceived uint64 // notifications received from peers
+	// NotifsOversized counts notifications dropped on receipt for being
+	// longer than Options.MaxNotif (never handed to the application).
+	NotifsOversized uint64
+	EngineErrors    uint64       // engine calls that failed
+	LiveHandles     int64        // handles not yet released
+	InFlight        int64        // reads the engine is working on
+	Peers           int          // peers currently known
+	LoopTurns       uint64       // event loop turns
+	Parks           uint64       // times the reactor slept
+	WaitBlocks      uint64       // times Wait spun for WaitSpin and then blocked
+	Latency         HistSnapshot // post → DONE
 
 	// For operators (the metrics package).
 	FailedBy     [NumFailReasons]uint64 // ReadsFailed by reason, indexed like FailReasons
@@ -79,6 +83,7 @@ func (r *Reactor) Stats() Stats {
 		BusyTime:       time.Duration(r.st.busyNs.Load()),
 
 		NotifsDroppedByEngine: r.st.notifsDroppedByEngine.Load(),
+		NotifsOversized:       r.st.notifsOversized.Load(),
 	}
 }
 

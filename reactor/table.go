@@ -86,14 +86,20 @@ const slotKeep = 64
 
 // trim drops buffers larger than slotKeep.
 func (s *slot) trim() {
+	s.trimIdx()
+	if cap(s.notif) > 8*slotKeep {
+		s.notif = nil
+	}
+}
+
+// trimIdx drops index buffers larger than slotKeep; the notification stays
+// until the READ has ended.
+func (s *slot) trimIdx() {
 	if cap(s.localIdx) > slotKeep {
 		s.localIdx = nil
 	}
 	if cap(s.remoteIdx) > slotKeep {
 		s.remoteIdx = nil
-	}
-	if cap(s.notif) > 8*slotKeep {
-		s.notif = nil
 	}
 }
 
