@@ -144,6 +144,16 @@ bench: deps
 	$(GO) test -run '^$$' -bench . -benchmem -count 6 $(PKGS)
 	$(GO) run ./cmd/ecxfer-bench run --duration 5s --warmup 1s --json bench.json --svg bench.svg
 
+# Two hosts on one machine: two network namespaces and a veth pair, made
+# and removed by scripts/bench-hosts.sh; the harness's producer in one, its
+# consumer in the other, UCX over TCP, every workload and mode, beside the
+# link's own TCP throughput and RTT; then one producer against 1, 4 and 16
+# consumer processes across the link. Needs root.
+.PHONY: bench-hosts
+bench-hosts: export UCX_LOG_LEVEL ?= error
+bench-hosts: deps
+	GO="$(GO)" ./scripts/bench-hosts.sh
+
 clean:
 	$(GO) clean -testcache
 

@@ -1,0 +1,88 @@
+#!/bin/sh
+# make bench-hosts: ecxfer between two "hosts" on this machine. Two network
+# namespaces joined by a veth pair, created here and removed on exit; the
+# harness's producer (ecxfer-bench serve) in one, the consumer (run
+# --connect) in the other, UCX over TCP on the veth; the link's own TCP
+# throughput and round-trip time measured in the same run, before and
+# after, as the limit; then one producer against 1, 4 and 16 consumer
+# processes across the same link (ecxfer-fleet consumers).
+#
+# Needs root and iproute2. Environment: GO (go), BENCH_FLAGS (extra flags
+# for ecxfer-bench run), FLEET_FLAGS (extra flags for ecxfer-fleet
+# consumers).
+set -eu
+
+GO=${GO:-go}
+ID=$$
+NSA=ecxh-p$ID
+NSB=ecxh-c$ID
+DEVA=$(echo "ecxhp$ID" | cut -c1-15)
+DEVB=$(echo "ecxhc$ID" | cut -c1-15)
+IPA=10.203.0.1
+IPB=10.203.0.2
+TMP=$(mktemp -d)
+PIDS=""
+
+cleanup() {
+	for p in $PIDS; do kill "$p" 2>/dev/null || true; done
+	wait 2>/dev/null || true
+	ip netns del "$NSA" 2>/dev/null || true
+	ip netns del "$NSB" 2>/dev/null || true
+	rm -rf "$TMP"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+if [ "$(id -u)" != 0 ]; then
+	echo "bench-hosts: needs root (network namespaces)" >&2
+	exit 1
+fi
+
+echo "bench-hosts: building"
+$GO build -o "$TMP/ecxfer-bench" ./cmd/ecxfer-bench
+$GO build -o "$TMP/ecxfer-fleet" ./cmd/ecxfer-fleet
+
+echo "bench-hosts: namespaces $NSA ($IPA on $DEVA) and $NSB ($IPB on $DEVB), one veth pair"
+ip netns add "$NSA"
+ip netns add "$NSB"
+ip link add "$DEVA" netns "$NSA" type veth peer name "$DEVB" netns "$NSB"
+ip -n "$NSA" addr add "$IPA/30" dev "$DEVA"
+ip -n "$NSB" addr add "$IPB/30" dev "$DEVB"
+for x in "$NSA $DEVA" "$NSB $DEVB" "$NSA lo" "$NSB lo"; do
+	set -- $x
+	ip -n "$1" link set "$2" up
+done
+# UCX ignores a device whose operational state is not up.
+for x in "$NSA $DEVA" "$NSB $DEVB"; do
+	set -- $x
+	i=0
+	until ip -n "$1" -o link show dev "$2" | grep -q "state UP"; do
+		i=$((i + 1))
+		[ $i -lt 1000 ] || { echo "bench-hosts: $2 not up" >&2; exit 1; }
+		sleep 0.01
+	done
+done
+
+ip netns exec "$NSA" "$TMP/ecxfer-fleet" tcp-serve --listen "$IPA:7101" &
+PIDS="$PIDS $!"
+sleep 0.3
+probe() {
+	echo "bench-hosts: the link itself ($1)"
+	ip netns exec "$NSB" "$TMP/ecxfer-fleet" tcp-probe --connect "$IPA:7101" --duration 2s
+}
+probe before
+
+echo "bench-hosts: the harness, producer in $NSA, consumer in $NSB, UCX over TCP"
+ip netns exec "$NSA" env UCX_TLS=tcp UCX_NET_DEVICES="$DEVA" "$TMP/ecxfer-bench" serve --listen "$IPA:7100" &
+PIDS="$PIDS $!"
+sleep 0.5
+# shellcheck disable=SC2086
+ip netns exec "$NSB" env UCX_TLS=tcp UCX_NET_DEVICES="$DEVB" "$TMP/ecxfer-bench" run --connect "$IPA:7100" --no-refs ${BENCH_FLAGS:-}
+
+echo "bench-hosts: one producer in $NSA, consumer processes in $NSB"
+# shellcheck disable=SC2086
+"$TMP/ecxfer-fleet" consumers --producer-netns "$NSA" --producer-dev "$DEVA" \
+	--consumer-netns "$NSB" --consumer-dev "$DEVB" ${FLEET_FLAGS:-}
+
+probe after
+echo "bench-hosts: done; removing the namespaces"
