@@ -336,6 +336,25 @@ func TestWaitWokenByAbort(t *testing.T) {
 	require.NoError(t, cons.ReleaseXferHandle(h))
 }
 
+// A Wait blocked on a READ that another goroutine releases wakes with
+// ErrBadHandle instead of sleeping until its context ends.
+func TestWaitWokenByRelease(t *testing.T) {
+	_, cons, pname := loopbackPair(t, 512, 8)
+	engine(t, cons).SetDelay(time.Hour)
+	h, err := cons.PostRead([]int{0}, pname, []int{0}, nil)
+	require.NoError(t, err)
+	got := make(chan error, 1)
+	go func() { got <- cons.Wait(context.Background(), h) }()
+	time.Sleep(20 * time.Millisecond) // Wait is past its spin and blocked
+	require.NoError(t, cons.ReleaseXferHandle(h))
+	select {
+	case err := <-got:
+		require.ErrorIs(t, err, ErrBadHandle)
+	case <-time.After(10 * time.Second):
+		t.Fatal("Wait did not wake when its handle was released")
+	}
+}
+
 // Wait spins for WaitSpin and then blocks; a completion wakes a blocked Wait.
 func TestWaitSpinThenBlock(t *testing.T) {
 	for _, c := range []struct {

@@ -472,6 +472,7 @@ func (r *Reactor) onCancel(h uint64) {
 	// buffers.
 	s.trim()
 	r.tab.free(s, w)
+	r.ended = true // a Wait blocked on this handle must see it gone
 }
 
 // expire ends the transfers whose deadline has passed. Deadlines are kept in

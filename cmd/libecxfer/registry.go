@@ -230,7 +230,9 @@ func wait(id, h uint64, timeout time.Duration) (int, error) {
 	case err == nil:
 		return stateDone, nil
 	case ctx.Err() != nil && err == ctx.Err():
-		return stateProc, nil
+		// Time ran out: report the state as it is now, which need not be
+		// PROC (the READ may have ended, or been released, meanwhile).
+		return checkState(id, h)
 	}
 	return 0, err
 }

@@ -10,7 +10,7 @@ import time
 
 from conftest import HELPERS, ShmRegion, shm_path
 
-from ecxfer import EcxferDataTransport
+from ecxfer import BadHandleError, EcxferDataTransport
 
 PEER = str(HELPERS / "peer.py")
 
@@ -18,8 +18,8 @@ PEER = str(HELPERS / "peer.py")
 def test_wait_releases_the_gil(peers, monkeypatch):
     """A READ from a stopped producer over TCP stays PROC. One thread
     blocks in wait(); the main thread, which needs the GIL for every line
-    it runs, counts, then lets the producer continue, which ends the
-    wait with DONE. Were the GIL held during wait(), the main thread could
+    it runs, counts, then releases the handle, which ends the wait (ERR);
+    a second wait ends in DONE when it lets the producer continue. Were the GIL held during wait(), the main thread could
     not run at all, and the wait would end only at its 60 s timeout, in
     PROC."""
     # TCP only: a get over TCP needs the producer's progress, so it stays
@@ -58,6 +58,20 @@ def test_wait_releases_the_gil(peers, monkeypatch):
             counted += 1
         assert th.is_alive(), "the READ should still be in flight"
         assert t.check_xfer_state(h) == "PROC"
+        # Releasing the handle from this thread ends the other's wait.
+        t.release_xfer_handle(h)
+        th.join(30)
+        assert not th.is_alive()
+        assert out["state"] == "ERR" and isinstance(out["error"], BadHandleError), out
+
+        h = t.post_read(list(range(256)), peer, list(range(256)), b"")
+        out.clear()
+        entered.clear()
+        th = threading.Thread(target=waiter)
+        th.start()
+        entered.wait()
+        time.sleep(0.1)
+        assert th.is_alive(), "the READ should still be in flight"
         os.kill(prod.p.pid, signal.SIGCONT)
         th.join(60)
         assert not th.is_alive()
