@@ -52,35 +52,22 @@ type region struct {
 	mapped []byte // AllocMem's mapping, unmapped at DeregisterMem
 }
 
+// A peer's PeerBase.Dead is set when NIXL reported the peer gone.
 type peer struct {
+	enginekit.PeerBase
 	name     string
 	blob     []byte
 	spans    nixl.SpanIndex
-	checked  bool  // spans hold the regions the peer advertised
-	dead     error // set when NIXL reported the peer gone
-	zombies  int   // released requests to this peer still running in NIXL
-	draining bool  // invalidated; NIXL forgets it once zombies is 0
-	dlists   map[nixl.DlistID]*dlist
+	checked  bool // spans hold the regions the peer advertised
+	zombies  int  // released requests to this peer still running in NIXL
+	draining bool // invalidated; NIXL forgets it once zombies is 0
 	inflight map[nixl.XferID]*xfer
 }
 
 type dlist struct {
-	id    nixl.DlistID
-	peer  *peer // nil: local memory
-	c     *C.ecxnixl_dlist
-	descs descriptors.List
-	mems  []*region // local: regions referenced, each once
-	valid bool
+	enginekit.ListBase[*peer, *region]
+	c *C.ecxnixl_dlist
 }
-
-// Remote implements enginekit.Dlist.
-func (d *dlist) Remote() bool { return d.peer != nil }
-
-// Usable implements enginekit.Dlist.
-func (d *dlist) Usable() bool { return d.valid && d.peer.dead == nil }
-
-// Gone implements enginekit.Peer.
-func (p *peer) Gone() error { return p.dead }
 
 type xfer struct {
 	id     nixl.XferID
@@ -117,10 +104,10 @@ type Agent struct {
 	lib      *lib
 	c        *C.ecxnixl_agent
 	closed   bool
-	nextID   uint64
+	ids      enginekit.IDs
 	mems     enginekit.Regions[*region]
 	peers    map[string]*peer
-	dlists   map[nixl.DlistID]*dlist
+	dlists   enginekit.Lists[*dlist, *peer, *region]
 	xfers    map[nixl.XferID]*xfer
 	inflight []*xfer
 	reqs     []*C.ecxnixl_req // parallel to inflight
@@ -183,7 +170,7 @@ func New(cfg Config) (*Agent, error) {
 		lib:    l,
 		mems:   enginekit.NewRegions[*region](kit),
 		peers:  map[string]*peer{},
-		dlists: map[nixl.DlistID]*dlist{},
+		dlists: enginekit.NewLists[*dlist](),
 		xfers:  map[nixl.XferID]*xfer{},
 
 		draining: map[string]*peer{},
@@ -235,11 +222,6 @@ func xferErr(code int32, id nixl.XferID) error {
 		return nixl.Errorf(nixl.ErrRemoteDisconnect, "libnixl: xfer %d: peer gone (%v)", id, nixl.Status(code))
 	}
 	return codeErr(code, "xfer %d", id)
-}
-
-func (a *Agent) newID() uint64 {
-	a.nextID++
-	return a.nextID
 }
 
 // Name implements nixl.Agent.
@@ -309,10 +291,10 @@ func (a *Agent) Close() error {
 		a.zombies = nil
 		return nixl.Errorf(nixl.ErrBackend, "libnixl: %d transfers did not finish within %v; the NIXL agent and its memory were left in place", n, closeWait)
 	}
-	for id, d := range a.dlists {
+	for _, d := range a.dlists.ByID() {
 		_ = C.ecx_dl_release_dlist(a.lib.c, a.c, d.c)
-		delete(a.dlists, id)
 	}
+	a.dlists.Clear()
 	for name := range a.draining {
 		delete(a.draining, name)
 	}

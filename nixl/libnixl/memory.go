@@ -37,7 +37,7 @@ func (a *Agent) register(buf []byte, devID uint64, mapped []byte) (nixl.MemID, e
 	if err := codeErr(int32(st), "registering %d bytes", n); err != nil {
 		return 0, err
 	}
-	m := &region{Region: enginekit.Region{ID: nixl.MemID(a.newID()), Addr: addr, Len: n}, dev: devID, mapped: mapped}
+	m := &region{Region: enginekit.Region{ID: nixl.MemID(a.ids.Next()), Addr: addr, Len: n}, dev: devID, mapped: mapped}
 	a.mems.Add(m)
 	return m.ID, nil
 }

@@ -63,16 +63,16 @@ func (a *Agent) LoadRemoteMetadata(md []byte) (string, error) {
 		}
 	}
 	if p := a.peers[pm.name]; p != nil {
-		if p.dead == nil && bytes.Equal(p.blob, md) {
+		if p.Dead == nil && bytes.Equal(p.blob, md) {
 			return p.name, nil
 		}
-		if p.dead != nil {
-			return p.name, nixl.Errorf(nixl.ErrNotAllowed, "libnixl: peer %q is gone (%v); invalidate it first", p.name, p.dead)
+		if p.Dead != nil {
+			return p.name, nixl.Errorf(nixl.ErrNotAllowed, "libnixl: peer %q is gone (%v); invalidate it first", p.name, p.Dead)
 		}
 		return p.name, kit.OtherMetadata(p.name)
 	}
 	p := &peer{name: pm.name, blob: append([]byte(nil), md...),
-		dlists: map[nixl.DlistID]*dlist{}, inflight: map[nixl.XferID]*xfer{}}
+		inflight: map[nixl.XferID]*xfer{}}
 	if pm.known {
 		if p.spans, err = nixl.NewSpanIndex(pm.regions); err != nil {
 			return "", err
@@ -111,9 +111,7 @@ func (a *Agent) InvalidateRemoteMetadata(name string) error {
 	p := a.peers[name]
 	if p != nil {
 		a.failPeer(p, kit.Invalidated(name))
-		for _, d := range p.dlists {
-			d.valid = false
-		}
+		a.dlists.Invalidate(p)
 		delete(a.peers, name)
 		if p.zombies > 0 {
 			p.draining = true

@@ -30,10 +30,11 @@ func (a *Agent) PrepDlist(peerName string, descs descriptors.List, mem nixl.MemT
 	if len(descs) == 0 {
 		return 0, nixl.Errorf(nixl.ErrInvalidParam, "libnixl: empty descriptor list")
 	}
-	d := &dlist{descs: append(descriptors.List(nil), descs...), valid: true}
+	d := &dlist{}
+	d.Descs, d.Valid = append(descriptors.List(nil), descs...), true
 	if peerName == "" {
 		var i int
-		if d.mems, i = a.mems.Covering(descs); i >= 0 {
+		if d.Mems, i = a.mems.Covering(descs); i >= 0 {
 			ds := descs[i]
 			return 0, kit.Errorf(nixl.ErrInvalidParam, "descriptor %d [%#x,+%d) is outside registered memory", i, ds.Addr, ds.Len)
 		}
@@ -47,7 +48,7 @@ func (a *Agent) PrepDlist(peerName string, descs descriptors.List, mem nixl.MemT
 				return 0, err
 			}
 		}
-		d.peer = p
+		d.Peer = p
 	}
 	n := len(descs)
 	addr := make([]uint64, n)
@@ -67,13 +68,7 @@ func (a *Agent) PrepDlist(peerName string, descs descriptors.List, mem nixl.MemT
 	if err := codeErr(int32(st), "preparing a list of %d descriptors", n); err != nil {
 		return 0, err
 	}
-	enginekit.AddRefs(d.mems, 1)
-	d.id = nixl.DlistID(a.newID())
-	a.dlists[d.id] = d
-	if d.peer != nil {
-		d.peer.dlists[d.id] = d
-	}
-	return d.id, nil
+	return a.dlists.Add(d, &a.ids), nil
 }
 
 // ReleaseDlist implements nixl.Agent.
@@ -81,15 +76,10 @@ func (a *Agent) ReleaseDlist(id nixl.DlistID) error {
 	if a.closed {
 		return errClosed
 	}
-	d := a.dlists[id]
-	if d == nil {
-		return kit.DlistNotFound(id)
+	d, err := a.dlists.Release(kit, id)
+	if err != nil {
+		return err
 	}
-	enginekit.AddRefs(d.mems, -1)
-	if d.peer != nil {
-		delete(d.peer.dlists, id)
-	}
-	delete(a.dlists, id)
 	st := C.ecx_dl_release_dlist(a.lib.c, a.c, d.c)
 	d.c = nil
 	return codeErr(int32(st), "releasing dlist %d", id)
@@ -104,19 +94,19 @@ func (a *Agent) MakeXfer(op nixl.Op, local nixl.DlistID, localIdx []int, remote 
 	if a.closed {
 		return 0, errClosed
 	}
-	ld, rd, err := enginekit.XferLists(kit, a.dlists, op, local, remote, len(notif), a.cfg.MaxNotif)
+	ld, rd, err := enginekit.XferLists(kit, a.dlists.ByID(), op, local, remote, len(notif), a.cfg.MaxNotif)
 	if err != nil {
 		return 0, err
 	}
-	if len(ld.descs) > 1<<31-1 || len(rd.descs) > 1<<31-1 {
+	if len(ld.Descs) > 1<<31-1 || len(rd.Descs) > 1<<31-1 {
 		return 0, nixl.Errorf(nixl.ErrInvalidParam, "libnixl: list too long for NIXL's int indices")
 	}
 	// MergeRuns checks counts, ranges and paired lengths; the runs
 	// themselves are NIXL's business.
-	if _, err := kit.MergeRuns(&a.rangeBuf, ld.descs, rd.descs, localIdx, remoteIdx); err != nil {
+	if _, err := kit.MergeRuns(&a.rangeBuf, ld.Descs, rd.Descs, localIdx, remoteIdx); err != nil {
 		return 0, err
 	}
-	x := &xfer{id: nixl.XferID(a.newID()), op: op, local: ld, remote: rd, slot: -1,
+	x := &xfer{id: nixl.XferID(a.ids.Next()), op: op, local: ld, remote: rd, slot: -1,
 		lidx: make([]int32, len(localIdx)), ridx: make([]int32, len(remoteIdx))}
 	for i, v := range localIdx {
 		x.lidx[i] = int32(v)
@@ -127,7 +117,7 @@ func (a *Agent) MakeXfer(op nixl.Op, local nixl.DlistID, localIdx []int, remote 
 	if len(notif) > 0 {
 		x.notif = append([]byte(nil), notif...)
 	}
-	x.mems = ld.mems
+	x.mems = ld.Mems
 	enginekit.AddRefs(x.mems, 1)
 	a.xfers[x.id] = x
 	return x.id, nil
@@ -146,11 +136,11 @@ func (a *Agent) PostXfer(id nixl.XferID) error {
 	if err := kit.CheckPost(id, x.state); err != nil {
 		return err
 	}
-	p := x.remote.peer
-	if p.dead != nil {
-		return p.dead
+	p := x.remote.Peer
+	if p.Dead != nil {
+		return p.Dead
 	}
-	if !x.remote.valid || a.peers[p.name] != p {
+	if !x.remote.Valid || a.peers[p.name] != p {
 		return nixl.Errorf(nixl.ErrRemoteDisconnect, "libnixl: xfer %d: peer %q is gone", id, p.name)
 	}
 	a.dropReq(x)
@@ -172,7 +162,7 @@ func (a *Agent) PostXfer(id nixl.XferID) error {
 		notif, C.size_t(len(x.notif)), &req)
 	if st < 0 {
 		if nixl.Status(st) == nixl.ErrRemoteDisconnect {
-			p.dead = nixl.Errorf(nixl.ErrRemoteDisconnect, "libnixl: peer %q disconnected", p.name)
+			p.Dead = nixl.Errorf(nixl.ErrRemoteDisconnect, "libnixl: peer %q disconnected", p.name)
 		}
 		return xferPostErr(int32(st), id)
 	}
@@ -226,8 +216,8 @@ func (a *Agent) bury(x *xfer) {
 	if x.req == nil {
 		return
 	}
-	a.zombies = append(a.zombies, zombie{req: x.req, peer: x.remote.peer})
-	x.remote.peer.zombies++
+	a.zombies = append(a.zombies, zombie{req: x.req, peer: x.remote.Peer})
+	x.remote.Peer.zombies++
 	x.req = nil
 }
 
@@ -293,13 +283,13 @@ func (a *Agent) drain(p *peer, wait time.Duration) error {
 // finish records the final status of in-flight x.
 func (a *Agent) finish(x *xfer, code int32) {
 	a.unlink(x)
-	delete(x.remote.peer.inflight, x.id)
+	delete(x.remote.Peer.inflight, x.id)
 	x.state = enginekit.Done
 	x.err = xferErr(code, x.id)
 	if nixl.Status(code) == nixl.ErrRemoteDisconnect {
-		p := x.remote.peer
-		if p.dead == nil {
-			p.dead = x.err
+		p := x.remote.Peer
+		if p.Dead == nil {
+			p.Dead = x.err
 		}
 	}
 	a.pending.Push(x.id, x.gen, x.err)
@@ -369,7 +359,7 @@ func (a *Agent) ReleaseXfer(id nixl.XferID) error {
 	}
 	if x.state == enginekit.Inflight {
 		a.unlink(x)
-		delete(x.remote.peer.inflight, id)
+		delete(x.remote.Peer.inflight, id)
 		a.bury(x)
 	} else {
 		a.dropReq(x)

@@ -87,6 +87,7 @@ type peerRegion struct {
 }
 
 type peer struct {
+	enginekit.PeerBase
 	name     string
 	tag      uint64
 	blob     []byte // the metadata it was loaded from, to recognise a reload
@@ -98,28 +99,12 @@ type peer struct {
 	spans    nixl.SpanIndex
 	peerMode bool
 	pidfd    int
-	dead     error // why the peer is unusable, nil while alive
 	inflight map[nixl.XferID]*xfer
-	dlists   map[nixl.DlistID]*dlist
 }
 
 type dlist struct {
-	id     nixl.DlistID
-	peer   *peer // nil: local memory
-	descs  descriptors.List
-	region []uint32     // remote: region index of each descriptor
-	mems   []*memRegion // local: regions referenced (each once)
-	valid  bool
+	enginekit.ListBase[*peer, *memRegion]
 }
-
-// Remote implements enginekit.Dlist.
-func (d *dlist) Remote() bool { return d.peer != nil }
-
-// Usable implements enginekit.Dlist.
-func (d *dlist) Usable() bool { return d.valid && d.peer.dead == nil }
-
-// Gone implements enginekit.Peer.
-func (p *peer) Gone() error { return p.dead }
 
 type xfer struct {
 	id      nixl.XferID
@@ -152,13 +137,13 @@ type Agent struct {
 	worker   []byte
 	epfd     int
 	closed   bool
-	nextID   uint64
+	ids      enginekit.IDs
 	nextTag  uint64
 	mems     enginekit.Regions[*memRegion]
 	peers    map[string]*peer
 	peerTags map[uint64]*peer
 	pidPeers []*peer
-	dlists   map[nixl.DlistID]*dlist
+	dlists   enginekit.Lists[*dlist, *peer, *memRegion]
 	xfers    map[nixl.XferID]*xfer
 	pending  enginekit.Completions
 	compBuf  *C.ecx_completion_t
@@ -204,7 +189,7 @@ func New(cfg Config) (*Agent, error) {
 		mems:     enginekit.NewRegions[*memRegion](kit),
 		peers:    map[string]*peer{},
 		peerTags: map[uint64]*peer{},
-		dlists:   map[nixl.DlistID]*dlist{},
+		dlists:   enginekit.NewLists[*dlist](),
 		xfers:    map[nixl.XferID]*xfer{},
 	}
 	var ma, mi C.uint32_t
@@ -260,11 +245,6 @@ func ucsErr(st C.int, what string) error {
 		return nixl.Errorf(nixl.ErrCanceled, "%s: %s", what, C.GoString(C.ecx_status_string(st)))
 	}
 	return nixl.Errorf(nixl.ErrBackend, "%s: %s", what, C.GoString(C.ecx_status_string(st)))
-}
-
-func (a *Agent) newID() uint64 {
-	a.nextID++
-	return a.nextID
 }
 
 // Name implements nixl.Agent.
@@ -369,7 +349,7 @@ func (a *Agent) Close() error {
 		}
 	}
 	a.mems.Clear()
-	a.dlists = map[nixl.DlistID]*dlist{}
+	a.dlists.Clear()
 	a.dropped = uint64(a.c.notif_dropped)
 	C.ecx_destroy(a.c)
 	a.c = nil

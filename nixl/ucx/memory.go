@@ -73,7 +73,7 @@ func (a *Agent) addMem(memh C.ucp_mem_h, addr, n uint64) (nixl.MemID, error) {
 		C.ecx_mem_unmap(a.c, memh)
 		return 0, ucsErr(C.int(rl), "ucx: rkey_pack")
 	}
-	m := &memRegion{Region: enginekit.Region{ID: nixl.MemID(a.newID()), Addr: addr, Len: n}, memh: memh,
+	m := &memRegion{Region: enginekit.Region{ID: nixl.MemID(a.ids.Next()), Addr: addr, Len: n}, memh: memh,
 		rkey: C.GoBytes(buf, C.int(rl))}
 	C.free(buf)
 	a.mems.Add(m)

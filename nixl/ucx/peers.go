@@ -60,7 +60,7 @@ func (a *Agent) LoadRemoteMetadata(md []byte) (string, error) {
 	}
 	sameHost := m.Host == a.host
 	p := &peer{name: m.Name, blob: append([]byte(nil), md...), pid: m.Pid, pidfd: -1,
-		inflight: map[nixl.XferID]*xfer{}, dlists: map[nixl.DlistID]*dlist{}}
+		inflight: map[nixl.XferID]*xfer{}}
 	switch a.cfg.ErrMode {
 	case ErrModePeer:
 		p.peerMode = true
@@ -183,10 +183,10 @@ func (a *Agent) closePidfd(p *peer) {
 // endpoint (forced when the peer is dead or in PEER mode, flushed
 // otherwise), releasing its rkeys once nothing can use them.
 func (a *Agent) failPeer(p *peer, err error, force bool) {
-	if p.dead != nil {
+	if p.Dead != nil {
 		return
 	}
-	p.dead = err
+	p.Dead = err
 	for id, x := range p.inflight {
 		a.failXfer(x, err)
 		delete(p.inflight, id)
@@ -232,9 +232,7 @@ func (a *Agent) InvalidateRemoteMetadata(name string) error {
 	}
 	alive := pidAlive(p)
 	a.failPeer(p, kit.Invalidated(name), !alive)
-	for _, d := range p.dlists {
-		d.valid = false
-	}
+	a.dlists.Invalidate(p)
 	delete(a.peers, name)
 	return nil
 }

@@ -28,13 +28,13 @@ func (a *Agent) PrepDlist(peerName string, descs descriptors.List, mem nixl.MemT
 	if err := kit.CheckMem(mem); err != nil {
 		return 0, err
 	}
-	d := &dlist{descs: append(descriptors.List(nil), descs...), valid: true}
+	d := &dlist{}
+	d.Descs, d.Valid = append(descriptors.List(nil), descs...), true
 	if peerName == "" {
 		if err := a.mems.Spans().CheckList(descs); err != nil {
 			return 0, err
 		}
-		d.mems, _ = a.mems.Covering(descs) // every descriptor was just checked
-		enginekit.AddRefs(d.mems, 1)
+		d.Mems, _ = a.mems.Covering(descs) // every descriptor was just checked
 	} else {
 		p, err := enginekit.LivePeer(kit, a.peers, peerName)
 		if err != nil {
@@ -43,18 +43,9 @@ func (a *Agent) PrepDlist(peerName string, descs descriptors.List, mem nixl.MemT
 		if err := p.spans.CheckList(descs); err != nil {
 			return 0, err
 		}
-		d.peer = p
-		d.region = make([]uint32, len(descs))
-		for i, ds := range descs {
-			d.region[i] = uint32(p.regionAt(ds.Addr))
-		}
+		d.Peer = p
 	}
-	d.id = nixl.DlistID(a.newID())
-	a.dlists[d.id] = d
-	if d.peer != nil {
-		d.peer.dlists[d.id] = d
-	}
-	return d.id, nil
+	return a.dlists.Add(d, &a.ids), nil
 }
 
 // regionAt returns the index in p.regions of the region containing addr.
@@ -67,16 +58,8 @@ func (a *Agent) ReleaseDlist(id nixl.DlistID) error {
 	if a.closed {
 		return errClosed
 	}
-	d := a.dlists[id]
-	if d == nil {
-		return kit.DlistNotFound(id)
-	}
-	enginekit.AddRefs(d.mems, -1)
-	if d.peer != nil {
-		delete(d.peer.dlists, id)
-	}
-	delete(a.dlists, id)
-	return nil
+	_, err := a.dlists.Release(kit, id)
+	return err
 }
 
 // -------------------------------------------------------------- transfers
@@ -88,15 +71,15 @@ func (a *Agent) MakeXfer(op nixl.Op, local nixl.DlistID, localIdx []int, remote 
 	if a.closed {
 		return 0, errClosed
 	}
-	ld, rd, err := enginekit.XferLists(kit, a.dlists, op, local, remote, len(notif), a.cfg.MaxNotif)
+	ld, rd, err := enginekit.XferLists(kit, a.dlists.ByID(), op, local, remote, len(notif), a.cfg.MaxNotif)
 	if err != nil {
 		return 0, err
 	}
-	rs, err := kit.MergeRuns(&a.rangeBuf, ld.descs, rd.descs, localIdx, remoteIdx)
+	rs, err := kit.MergeRuns(&a.rangeBuf, ld.Descs, rd.Descs, localIdx, remoteIdx)
 	if err != nil {
 		return 0, err
 	}
-	p := rd.peer
+	p := rd.Peer
 	// Count the pieces after splitting at remote region ends.
 	n := 0
 	for _, r := range rs {
@@ -112,7 +95,7 @@ func (a *Agent) MakeXfer(op nixl.Op, local nixl.DlistID, localIdx []int, remote 
 	} else {
 		x = &xfer{}
 	}
-	*x = xfer{id: nixl.XferID(a.newID()), op: op, peer: p, nranges: n, nlen: len(notif),
+	*x = xfer{id: nixl.XferID(a.ids.Next()), op: op, peer: p, nranges: n, nlen: len(notif),
 		ranges: x.ranges, rcap: x.rcap}
 	if n > x.rcap {
 		C.free(unsafe.Pointer(x.ranges))
@@ -139,7 +122,7 @@ func (a *Agent) MakeXfer(op nixl.Op, local nixl.DlistID, localIdx []int, remote 
 	if len(notif) > 0 {
 		x.notif = (*C.char)(C.CBytes(notif))
 	}
-	x.mems = ld.mems
+	x.mems = ld.Mems
 	enginekit.AddRefs(x.mems, 1)
 	a.xfers[x.id] = x
 	return x.id, nil
@@ -172,8 +155,8 @@ func (a *Agent) PostXfer(id nixl.XferID) error {
 		return err
 	}
 	p := x.peer
-	if p.dead != nil {
-		return p.dead
+	if p.Dead != nil {
+		return p.Dead
 	}
 	op := C.int(C.ECX_OP_READ)
 	if x.op == nixl.Write {
