@@ -56,7 +56,8 @@ type Stats struct {
 	// (ucx: arrived by rendezvous, oversized, or no memory to queue them;
 	// libnixl: records it could not parse). It stays 0 for an engine that
 	// cannot tell (one that is no nixl.NotifDropper). Notifications a peer
-	// never sent are not in it.
+	// never sent are not in it, nor those the reactor itself drops
+	// (NotifsOversized).
 	NotifsDroppedByEngine uint64
 }
 
