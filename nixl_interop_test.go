@@ -111,16 +111,25 @@ func (l *lockedBuffer) String() string {
 type pyPeer struct {
 	t      *testing.T
 	name   string
+	cmd    *exec.Cmd
 	stdin  io.WriteCloser
 	lines  chan []string
 	stderr *lockedBuffer
+	killed bool // killed on purpose: its exit status is not checked
+}
+
+// kill ends the peer with SIGKILL.
+func (p *pyPeer) kill() {
+	p.t.Helper()
+	p.killed = true
+	require.NoError(p.t, p.cmd.Process.Kill())
 }
 
 func startPyPeer(t *testing.T, role, name string, bs, nb int, seed uint64) *pyPeer {
 	t.Helper()
 	cmd := exec.Command(interopPython(), interopPeer, role, name,
 		strconv.Itoa(bs), strconv.Itoa(nb), strconv.FormatUint(seed, 10))
-	p := &pyPeer{t: t, name: name, lines: make(chan []string, 16), stderr: &lockedBuffer{}}
+	p := &pyPeer{t: t, name: name, cmd: cmd, lines: make(chan []string, 16), stderr: &lockedBuffer{}}
 	cmd.Stderr = p.stderr
 	stdin, stdout, err := ctrl.StartPiped(cmd)
 	require.NoError(t, err)
@@ -147,7 +156,7 @@ func startPyPeer(t *testing.T, role, name string, bs, nb int, seed uint64) *pyPe
 			werr = <-done
 			t.Errorf("python %s peer did not exit within 10s of its stdin closing; killed", role)
 		}
-		if werr != nil && !t.Failed() {
+		if werr != nil && !t.Failed() && !p.killed {
 			t.Errorf("python %s peer: %v", role, werr)
 		}
 		if t.Failed() {
@@ -266,4 +275,56 @@ func TestNIXLPythonInterop(t *testing.T) {
 		}
 		require.Equal(t, map[string][][]byte{py.name: {msg}}, got)
 	})
+}
+
+// A NIXL peer process that dies: with vLLM's defaults (error mode peer,
+// so UCX uses TCP and notices the broken connection), READs posted to it
+// afterwards end in ErrEngine. NIXL's C API reports REMOTE_DISCONNECT as a
+// generic backend error, so the engine cannot tell ErrRemoteDisconnect.
+// This also takes UCX's TCP error path, where UCX 1.13 was seen to abort.
+func TestNIXLPythonPeerKilled(t *testing.T) {
+	requireNIXLPython(t)
+	leakcheck.Check(t)
+	const bs, nb, n, seed = 5120, 256, 64, 13
+	pyName := uniqueName("py-dead")
+	py := startPyPeer(t, "producer", pyName, bs, nb, seed)
+	md := unhex(t, py.expect("meta", 1)[0])
+	descs := unhex(t, py.expect("desc", 1)[0])
+	cons := env{t: t, backend: "nixl"}.transport(uniqueName("go-cons"), bs, nb,
+		func(c *Config) { c.XferTimeout = 15 * time.Second })
+	_, err := cons.AddRemotePeer(md, descs)
+	require.NoError(t, err)
+	idx := make([]int, n)
+	for i := range idx {
+		idx[i] = i
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), interopStep)
+	defer cancel()
+	h, err := cons.PostRead(idx, pyName, idx, nil)
+	require.NoError(t, err)
+	require.NoError(t, cons.Wait(ctx, h), "a READ while the peer lives")
+	require.NoError(t, cons.ReleaseXferHandle(h))
+
+	py.kill()
+	// The first READs after the kill may still be accepted by the dead
+	// connection; within a few tries UCX has noticed.
+	var last error
+	deadline := time.Now().Add(interopStep)
+	for time.Now().Before(deadline) {
+		h, err := cons.PostRead(idx, pyName, idx, nil)
+		if err != nil {
+			last = err
+			break
+		}
+		last = cons.Wait(ctx, h)
+		require.NoError(t, cons.ReleaseXferHandle(h))
+		if last != nil {
+			break
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	t.Logf("after the kill: %v", last)
+	require.Error(t, last, "READs from a killed NIXL peer keep succeeding")
+	require.ErrorIs(t, last, ErrEngine, "a dead NIXL peer's READ: %v", last)
+	require.NoError(t, cons.RemoveRemotePeer(pyName))
 }
