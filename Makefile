@@ -186,6 +186,25 @@ test-nixl: nixl
 	VIRTUAL_ENV=$(NIXL_VENV) ECXFER_REQUIRE_NIXL=1 $(GO) test -race -count=1 -run 'NIXL' .
 	VIRTUAL_ENV=$(NIXL_VENV) ECXFER_REQUIRE_NIXL=1 $(GO) test -race -count=1 ./nixl/libnixl
 
+# NIXL beside ecxfer, in one run: the harness's latency and image cells on
+# ecxfer's UCX engine, then on its NIXL engine (the raw rows are NIXL's C
+# API driven directly) with vLLM's error mode (peer) and with none, then
+# NIXL's own Python API the way vLLM's transport calls it, with both modes
+# (bench/nixl_python.py). About 3 minutes.
+BENCH_NIXL_ARGS ?= --workloads latency,image --modes reactor,locked,raw --no-refs
+.PHONY: bench-nixl
+bench-nixl: export UCX_LOG_LEVEL ?= error
+bench-nixl: nixl
+	@echo "== ecxfer, UCX engine (Debian's UCX 1.13)"
+	$(GO) run ./cmd/ecxfer-bench run --backend ucx $(BENCH_NIXL_ARGS)
+	@echo "== ecxfer, NIXL engine (NIXL's wheel), vLLM's error mode (peer)"
+	ECXFER_NIXL_PARAMS= VIRTUAL_ENV=$(NIXL_VENV) $(GO) run ./cmd/ecxfer-bench run --backend nixl $(BENCH_NIXL_ARGS)
+	@echo "== ecxfer, NIXL engine (NIXL's wheel), error mode none"
+	ECXFER_NIXL_PARAMS=ucx_error_handling_mode=none VIRTUAL_ENV=$(NIXL_VENV) $(GO) run ./cmd/ecxfer-bench run --backend nixl $(BENCH_NIXL_ARGS)
+	@echo "== NIXL's Python API"
+	NIXL_LOG_LEVEL=WARN $(NIXL_VENV)/bin/python bench/nixl_python.py --error-mode peer
+	NIXL_LOG_LEVEL=WARN $(NIXL_VENV)/bin/python bench/nixl_python.py --error-mode none
+
 # The Python package (python/, import name ecxfer): libecxfer.so, the C ABI
 # of cmd/libecxfer, built into the package, where it loads it from.
 PY_LIB := python/ecxfer/libecxfer.so

@@ -179,14 +179,35 @@ ecxnixl_check_nixl(char *found, size_t found_cap, char *errbuf, size_t errcap) {
  * The wheel's UCX in turn loads its transport modules (cma, ib, ...) with
  * plain dlopen, and those would bind to the system UCX the same way (a
  * crash in uct_tl_register). When the system UCX is in the process, the
- * wheel's UCX is therefore told to load no module: UCX_MODULES, which its
- * libucs reads in its constructor, is set to a name that matches none
- * while the plugin loads, and put back afterwards. NIXL's UCX then has
- * the transports built into UCX itself (shared memory, tcp), and not the
- * cma or InfiniBand modules. Without the system UCX nothing is changed.
+ * wheel's UCX is therefore allowed only the cma module (UCX_MODULES, which
+ * its libucs reads in its constructor, is set to "cma" while the plugin
+ * loads and put back afterwards), and the shim loads that module itself
+ * first, with RTLD_DEEPBIND, so that UCX's own dlopen finds it loaded and
+ * bound to the right UCX. cma matters: it gives one-sided gets between
+ * processes on one host; without it a READ waits for the producer to
+ * progress its worker (about 1 ms per READ with ecxfer's reactor, which
+ * NIXL gives no descriptor to sleep on). Other modules (InfiniBand) are
+ * not available in such a process. Without the system UCX nothing is
+ * changed.
  */
 static pthread_mutex_t preload_mu = PTHREAD_MUTEX_INITIALIZER;
 static int preloaded;
+
+/* Loads the wheel's cma module (beside its libucp, in ucx/) deep-bound;
+ * NIXL's UCX then finds it loaded. Without it NIXL works, only slower. */
+static void
+preload_cma(void *plugin) {
+    void *sym = dlsym(plugin, "ucp_init_version"); /* the wheel's libucp */
+    Dl_info di;
+    if (sym == NULL || dladdr(sym, &di) == 0 || di.dli_fname == NULL) return;
+    char path[4096];
+    snprintf(path, sizeof path, "%s", di.dli_fname);
+    char *slash = strrchr(path, '/');
+    if (slash == NULL) return;
+    size_t at = (size_t)(slash - path) + 1;
+    snprintf(path + at, sizeof path - at, "ucx/libuct_cma.so.0.0.0");
+    (void)dlopen(path, RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND);
+}
 
 static int
 preload_plugin(char *errbuf, size_t errcap) {
@@ -217,10 +238,11 @@ preload_plugin(char *errbuf, size_t errcap) {
         const char *old = getenv("UCX_MODULES");
         had = old != NULL;
         if (had) saved = strdup(old);
-        setenv("UCX_MODULES", "ecxfer-no-module", 1);
+        setenv("UCX_MODULES", "cma", 1);
     }
     void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND);
     const char *e = h == NULL ? dlerror() : NULL;
+    if (h != NULL && system_ucx) preload_cma(h);
     if (system_ucx) {
         if (had)
             setenv("UCX_MODULES", saved, 1);
