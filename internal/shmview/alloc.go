@@ -6,6 +6,7 @@ import (
 	"strconv"
 	"sync"
 
+	"github.com/ecxfer/ecxfer/nixl"
 	"golang.org/x/sys/unix"
 )
 
@@ -52,7 +53,7 @@ func Alloc(name string, size int) (*Region, error) {
 func (r *Region) Advert() (Advert, error) {
 	a := Advert{
 		Kind: KindFile,
-		Base: baseOf(r.Mem),
+		Base: nixl.Addr(r.Mem),
 		Size: uint64(len(r.Mem)),
 		Path: "/proc/" + strconv.Itoa(os.Getpid()) + "/fd/" + strconv.Itoa(r.fd),
 		Dev:  r.dev,
@@ -87,7 +88,7 @@ func FileAdvert(region []byte) (Advert, error) {
 	if err != nil {
 		return Advert{}, err
 	}
-	a := Advert{Kind: KindFile, Base: baseOf(region), Size: uint64(len(region)),
+	a := Advert{Kind: KindFile, Base: nixl.Addr(region), Size: uint64(len(region)),
 		Path: b.Path, Offset: b.Offset, Dev: b.Dev, Ino: b.Ino}
 	if err := Self(&a); err != nil {
 		return Advert{}, err
@@ -97,7 +98,7 @@ func FileAdvert(region []byte) (Advert, error) {
 
 // ProcAdvert describes a region to be read with a kernel copy.
 func ProcAdvert(region []byte) (Advert, error) {
-	a := Advert{Kind: KindProc, Base: baseOf(region), Size: uint64(len(region))}
+	a := Advert{Kind: KindProc, Base: nixl.Addr(region), Size: uint64(len(region))}
 	if err := Self(&a); err != nil {
 		return Advert{}, err
 	}

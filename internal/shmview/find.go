@@ -8,8 +8,8 @@ import (
 	"os"
 	"strconv"
 	"strings"
-	"unsafe"
 
+	"github.com/ecxfer/ecxfer/nixl"
 	"golang.org/x/sys/unix"
 )
 
@@ -42,7 +42,7 @@ func Find(region []byte) (Backing, error) {
 		return Backing{}, fmt.Errorf("shmview: %w", err)
 	}
 	defer f.Close()
-	start := uint64(uintptr(unsafe.Pointer(unsafe.SliceData(region))))
+	start := nixl.Addr(region)
 	return findIn(f, start, start+uint64(len(region)))
 }
 

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"os"
 	"sync/atomic"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -30,8 +29,6 @@ var mapped atomic.Int64
 
 // Mapped returns how many views are mapped right now.
 func Mapped() int64 { return mapped.Load() }
-
-func baseOf(b []byte) uint64 { return uint64(uintptr(unsafe.Pointer(unsafe.SliceData(b)))) }
 
 // Open maps an advertised file region read-only. The opened file must have
 // the advertised identity and hold the whole window.
