@@ -20,6 +20,10 @@ import (
 	"github.com/ecxfer/ecxfer/nixl/internal/enginekit"
 )
 
+// firstBuf is the size of the first buffer LocalMetadata and GetNotifs
+// give the shim; the shim says when it needs more and the buffer grows.
+const firstBuf = 64 << 10
+
 // maxNameLen bounds agent names.
 const maxNameLen = 256
 
@@ -192,7 +196,7 @@ func New(cfg Config) (*Agent, error) {
 		}
 		return nil, codeErr(int32(st), "%s (library %s)", msg, l.path)
 	}
-	a.ncap = 64 << 10
+	a.ncap = firstBuf
 	a.nbuf = C.malloc(C.size_t(a.ncap))
 	return a, nil
 }

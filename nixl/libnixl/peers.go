@@ -22,7 +22,7 @@ func (a *Agent) LocalMetadata() ([]byte, error) {
 	if a.closed {
 		return nil, errClosed
 	}
-	size := 64 << 10
+	size := firstBuf
 	for {
 		buf := C.malloc(C.size_t(size))
 		var n C.size_t
