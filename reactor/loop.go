@@ -117,8 +117,8 @@ func (r *Reactor) park(events []unix.EpollEvent, idle time.Duration) {
 	if r.agent.EventFD() < 0 && timeout > time.Millisecond {
 		timeout = time.Millisecond // the engine cannot wake us
 	}
-	if r.dlLen > 0 {
-		until := time.Duration(r.deadlines[r.dlHead].at - r.now())
+	if t := r.timeout.Load(); t > 0 && r.pLen > 0 {
+		until := time.Duration(r.postings[r.pHead].posted + t - r.now())
 		if until < timeout {
 			timeout = until
 		}
@@ -182,7 +182,7 @@ func (r *Reactor) turn() bool {
 			break
 		}
 	}
-	if r.dlLen > 0 {
+	if r.pLen > 0 {
 		completed += r.expire()
 	}
 	if n := r.agent.GetNotifs(r.notifTmp); n > 0 {
@@ -296,32 +296,33 @@ func (r *Reactor) submit(h uint64) {
 	r.xfers[id] = h
 	r.inflight.Add(1)
 	r.st.posted.Add(1)
-	if t := r.timeout.Load(); t > 0 {
-		if r.dlLen == len(r.deadlines) {
-			r.compactDeadlines()
-		}
-		r.deadlines[(r.dlHead+r.dlLen)%len(r.deadlines)] = deadline{h: h, at: r.lastTime + t}
-		r.dlLen++
+	// Every posting is recorded, with the timeout on or off: the timeout
+	// can be set later and then applies to this transfer too.
+	if r.pLen == len(r.postings) {
+		r.compactPostings()
 	}
+	r.postings[(r.pHead+r.pLen)%len(r.postings)] = posting{h: h, posted: r.lastTime}
+	r.pLen++
 }
 
-// compactDeadlines drops the entries of transfers that already finished.
+// compactPostings drops the entries of transfers that already finished.
 // The ring has a place per table slot and at most one live entry per slot,
-// so after compaction there is always room.
-func (r *Reactor) compactDeadlines() {
-	n := len(r.deadlines)
+// and the transfer being posted has none yet, so after compaction there is
+// always room.
+func (r *Reactor) compactPostings() {
+	n := len(r.postings)
 	kept := 0
-	for i := 0; i < r.dlLen; i++ {
-		d := r.deadlines[(r.dlHead+i)%n]
+	for i := 0; i < r.pLen; i++ {
+		d := r.postings[(r.pHead+i)%n]
 		if s, w := r.tab.lookup(d.h); s != nil && wordState(w) == stProc {
-			r.deadlines[(r.dlHead+kept)%n] = d
+			r.postings[(r.pHead+kept)%n] = d
 			kept++
 		}
 	}
-	for i := kept; i < r.dlLen; i++ {
-		r.deadlines[(r.dlHead+i)%n] = deadline{}
+	for i := kept; i < r.pLen; i++ {
+		r.postings[(r.pHead+i)%n] = posting{}
 	}
-	r.dlLen = kept
+	r.pLen = kept
 }
 
 func equalDescs(a, b descriptors.List) bool {
@@ -475,22 +476,25 @@ func (r *Reactor) onCancel(h uint64) {
 	r.ended = true // a Wait blocked on this handle must see it gone
 }
 
-// expire ends the transfers whose deadline has passed. Deadlines are kept in
-// post order, and every transfer gets the same timeout, so only the head
-// needs looking at.
+// expire ends the transfers older than the timeout in force now, and drops
+// the entries of transfers that have finished from the front of the ring.
+// Entries are in post order and one timeout applies to all of them, so the
+// transfers expire in that order too and only the front needs looking at.
+// With the timeout off it only drops finished entries.
 func (r *Reactor) expire() int {
+	t := r.timeout.Load()
 	n := 0
 	peer := ""
-	for r.dlLen > 0 {
-		d := r.deadlines[r.dlHead]
+	for r.pLen > 0 {
+		d := r.postings[r.pHead]
 		s, w := r.tab.lookup(d.h)
 		live := s != nil && wordState(w) == stProc && s.xfer != 0
-		if live && d.at > r.lastTime {
+		if live && (t <= 0 || r.lastTime-d.posted < t) {
 			break
 		}
-		r.deadlines[r.dlHead] = deadline{}
-		r.dlHead = (r.dlHead + 1) % len(r.deadlines)
-		r.dlLen--
+		r.postings[r.pHead] = posting{}
+		r.pHead = (r.pHead + 1) % len(r.postings)
+		r.pLen--
 		if live {
 			if n == 0 {
 				peer = s.peer.Name

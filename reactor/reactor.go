@@ -52,9 +52,11 @@ type ctrlOp struct {
 	done chan error
 }
 
-type deadline struct {
-	h  uint64
-	at int64
+// posting is one transfer handed to the engine: its handle and when it was
+// posted.
+type posting struct {
+	h      uint64
+	posted int64
 }
 
 // Reactor owns one nixl.Agent on one locked OS thread and runs the event
@@ -95,16 +97,16 @@ type Reactor struct {
 	finalCPU atomic.Int64
 
 	// Loop-only state.
-	stop      bool
-	ended     bool // a transfer left PROC or a notification arrived since the last broadcast
-	xfers     map[nixl.XferID]uint64
-	deadlines []deadline // ring buffer, ordered by post time
-	dlHead    int
-	dlLen     int
-	batch     []uint64
-	comps     []nixl.Completion
-	ctrlBuf   []*ctrlOp
-	notifTmp  map[string][][]byte
+	stop     bool
+	ended    bool // a transfer left PROC or a notification arrived since the last broadcast
+	xfers    map[nixl.XferID]uint64
+	postings []posting // ring buffer, ordered by post time; see expire
+	pHead    int
+	pLen     int
+	batch    []uint64
+	comps    []nixl.Completion
+	ctrlBuf  []*ctrlOp
+	notifTmp map[string][][]byte
 	// notifSpare is a message buffer handed to the next slot whose
 	// notification is taken out for sending (see complete).
 	notifSpare []byte
@@ -151,7 +153,7 @@ func Start(agent nixl.Agent, opts Options, setup Setup) (*Reactor, error) {
 	// entry, so each slot has at most one entry on the ring at a time: a
 	// ring with a place per slot is never full.
 	r.cancel = ring.NewMPSC[uint64](len(r.tab.slots))
-	r.deadlines = make([]deadline, len(r.tab.slots))
+	r.postings = make([]posting, len(r.tab.slots))
 	ch := make(chan struct{})
 	r.waitCh.Store(&ch)
 	empty := map[string]*Peer{}
@@ -251,7 +253,8 @@ func (r *Reactor) wakeAlways() {
 }
 
 // SetTimeout sets the age after which an in-flight transfer ends in
-// ErrTimeout; 0 disables it.
+// ErrTimeout; 0 disables it. A change applies at once to every transfer in
+// flight, each measured from its post.
 func (r *Reactor) SetTimeout(d time.Duration) { r.timeout.Store(int64(d)) }
 
 // Post queues a READ of remoteIdx blocks of peer into localIdx blocks and

@@ -1,0 +1,67 @@
+package reactor
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/ecxfer/ecxfer/internal/leakcheck"
+)
+
+// waitEnd waits up to 5 s for h to leave StateProc and returns its error;
+// it fails the test if h is still in flight then.
+func waitEnd(t *testing.T, r *Reactor, h uint64) error {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	err := r.Wait(ctx, h)
+	require.NotErrorIs(t, err, context.DeadlineExceeded, "transfer still in flight after 5 s")
+	return err
+}
+
+// inFlight waits until the engine holds n transfers: the reactor has
+// posted them, under the timeout in force then.
+func inFlight(t *testing.T, r *Reactor, n int64) {
+	t.Helper()
+	require.Eventually(t, func() bool { return r.inflight.Load() == n }, 5*time.Second, 100*time.Microsecond)
+}
+
+// The timeout can change while transfers are in flight: it applies at once
+// to every transfer, measured from its post.
+func TestTimeoutChangesApplyToTransfersInFlight(t *testing.T) {
+	leakcheck.Check(t)
+	p := newPair(t, 16, Options{})
+	p.consEng.SetDelay(time.Hour) // nothing completes on its own
+
+	// Posted with the timeout off, then the timeout is set.
+	off, err := p.cons.Post(p.pname, []int{0}, []int{0}, nil)
+	require.NoError(t, err)
+	inFlight(t, p.cons, 1)
+	// Posted under a long timeout, then it is shortened.
+	p.cons.SetTimeout(time.Hour)
+	first, err := p.cons.Post(p.pname, []int{1}, []int{1}, nil)
+	require.NoError(t, err)
+	inFlight(t, p.cons, 2)
+	p.cons.SetTimeout(20 * time.Millisecond)
+	second, err := p.cons.Post(p.pname, []int{2}, []int{2}, nil)
+	require.NoError(t, err)
+
+	require.ErrorIs(t, waitEnd(t, p.cons, second), ErrTimeout, "a transfer posted behind a longer timeout")
+	require.ErrorIs(t, waitEnd(t, p.cons, first), ErrTimeout, "a transfer posted under the longer timeout")
+	require.ErrorIs(t, waitEnd(t, p.cons, off), ErrTimeout, "a transfer posted while the timeout was off")
+	for _, h := range []uint64{off, first, second} {
+		require.NoError(t, p.cons.Release(h))
+	}
+
+	// Turned off again: a transfer in flight stays in flight.
+	p.cons.SetTimeout(0)
+	h, err := p.cons.Post(p.pname, []int{3}, []int{3}, nil)
+	require.NoError(t, err)
+	time.Sleep(50 * time.Millisecond)
+	st, err := p.cons.State(h)
+	require.NoError(t, err)
+	require.Equal(t, StateProc, st)
+	require.NoError(t, p.cons.Release(h))
+}
