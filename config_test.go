@@ -3,10 +3,12 @@ package ecxfer
 import (
 	"bytes"
 	"errors"
+	"runtime"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/ecxfer/ecxfer/internal/leakcheck"
 	"github.com/ecxfer/ecxfer/reactor"
@@ -68,4 +70,59 @@ func TestMaxNotifLimitTravels(t *testing.T) {
 
 	_, err = cons.PostRead([]int{0}, pname, []int{1}, append(msg, 'x'))
 	require.ErrorIs(t, err, ErrBadNotif)
+}
+
+var globalBlocks [4096]byte
+
+func TestOnGoHeap(t *testing.T) {
+	small, large := make([]byte, 64), make([]byte, 4<<20)
+	require.True(t, onGoHeap(small), "a small heap slice")
+	require.True(t, onGoHeap(large), "a large heap slice")
+	require.True(t, onGoHeap(large[1000:]), "a slice into the middle of a heap object")
+	m, err := unix.Mmap(-1, 0, 1<<16, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, unix.Munmap(m)) }()
+	require.False(t, onGoHeap(m), "mmap memory")
+	require.False(t, onGoHeap(m[100:]), "the middle of mmap memory")
+	require.False(t, onGoHeap(globalBlocks[:]), "a package variable (never freed or moved)")
+	require.False(t, onGoHeap(nil))
+	runtime.KeepAlive(small)
+	runtime.KeepAlive(large)
+}
+
+// A Region on the Go heap is refused: the engine would keep the address of
+// memory the garbage collector manages. Memory outside the heap works.
+func TestNewRefusesGoHeapRegion(t *testing.T) {
+	leakcheck.Check(t)
+	const bs, nb = 64, 8
+	for _, backend := range []string{"ucx", "loopback"} {
+		t.Run(backend, func(t *testing.T) {
+			tr, err := New(Config{AgentName: uniqueName("heap"), Backend: backend, BlockSize: bs, NumBlocks: nb,
+				Region: make([]byte, bs*nb)})
+			if tr != nil {
+				_ = tr.Deregister()
+			}
+			require.ErrorIs(t, err, ErrConfig)
+
+			m, err := unix.Mmap(-1, 0, bs*nb, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
+			require.NoError(t, err)
+			defer func() { require.NoError(t, unix.Munmap(m)) }()
+			e := env{t: t, backend: backend}
+			pname := uniqueName("mmap")
+			prod := e.transport(pname, bs, nb, func(c *Config) { c.Region = m })
+			copy(m[3*bs:4*bs], bytes.Repeat([]byte{0xa5}, bs))
+			cons := e.transport(uniqueName("c"), bs, nb)
+			_, err = cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+			require.NoError(t, err)
+			h, err := cons.PostRead([]int{0}, pname, []int{3}, nil)
+			require.NoError(t, err)
+			st, err := wait(t, cons, h)
+			require.NoError(t, err)
+			require.Equal(t, StateDone, st)
+			require.Equal(t, m[3*bs:4*bs], block(cons, bs, 0))
+			require.NoError(t, cons.ReleaseXferHandle(h))
+			require.NoError(t, cons.Deregister())
+			require.NoError(t, prod.Deregister())
+		})
+	}
 }

@@ -74,8 +74,9 @@ type Config struct {
 	BlockSize int
 	NumBlocks int
 	// Region is optional caller memory of at least BlockSize*NumBlocks
-	// bytes. It must live outside the Go heap (mmap): the engine and remote
-	// peers access it while Go code runs. Nil: the transport allocates the
+	// bytes. It must live outside the Go heap (mmap): the engine keeps its
+	// address, and it and remote peers access it while Go code runs; New
+	// refuses Go heap memory with ErrConfig. Nil: the transport allocates the
 	// region through the engine, and New first checks that it fits (with a
 	// margin) in the memory available, under the memory cgroup's limit and,
 	// for the ucx and nixl engines, in /dev/shm's free space; a region that
@@ -181,6 +182,8 @@ func checkConfig(cfg *Config) error {
 		return fmt.Errorf("%w: BlockSize*NumBlocks exceeds %d bytes", ErrConfig, uint64(maxRegion))
 	case cfg.Region != nil && len(cfg.Region) < cfg.BlockSize*cfg.NumBlocks:
 		return fmt.Errorf("%w: Region has %d bytes, need %d", ErrConfig, len(cfg.Region), cfg.BlockSize*cfg.NumBlocks)
+	case onGoHeap(cfg.Region):
+		return fmt.Errorf("%w: Region is on the Go heap; the engine keeps its address, so it must live outside (mmap it)", ErrConfig)
 	}
 	if err := cfg.Reactor.Check(); err != nil {
 		return fmt.Errorf("%w: %v", ErrConfig, err)
