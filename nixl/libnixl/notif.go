@@ -57,9 +57,10 @@ func (a *Agent) GetNotifs(dst map[string][][]byte) int {
 		}
 		if int(used) > a.ncap {
 			// The shim wrote past the buffer it was given, or says so:
-			// nothing in it can be trusted.
+			// nothing in it can be trusted, and asking again at once
+			// could meet the same fault.
 			a.dropped += uint64(count)
-			continue
+			return total
 		}
 		buf := unsafe.Slice((*byte)(a.nbuf), int(used))
 		n, _ := parseNotifs(buf, int(count), dst)
