@@ -24,6 +24,10 @@ const (
 	// KindProc: no file; read the producer's memory with a kernel copy
 	// (process_vm_readv) at Base.
 	KindProc Kind = 2
+	// KindSysV: attach the System V shared memory segment Ino (its shmid)
+	// read-only; the region starts at Offset in it. UCX allocates engine
+	// regions this way.
+	KindSysV Kind = 3
 )
 
 func (k Kind) String() string {
@@ -32,6 +36,8 @@ func (k Kind) String() string {
 		return "file"
 	case KindProc:
 		return "proc"
+	case KindSysV:
+		return "sysv"
 	}
 	return "Kind(" + strconv.Itoa(int(k)) + ")"
 }
@@ -115,7 +121,7 @@ func (a *Advert) Validate() error {
 		return fmt.Errorf("%w: "+format, append([]any{ErrBadAdvert}, args...)...)
 	}
 	switch {
-	case a.Kind != KindFile && a.Kind != KindProc:
+	case a.Kind != KindFile && a.Kind != KindProc && a.Kind != KindSysV:
 		return bad("kind %d", a.Kind)
 	case a.PID == 0 || a.PID > 1<<22:
 		return bad("pid %d", a.PID)
@@ -129,6 +135,17 @@ func (a *Advert) Validate() error {
 	if a.Kind == KindProc {
 		if a.Path != "" || a.Offset != 0 || a.Dev != 0 || a.Ino != 0 {
 			return bad("process advertisement carries file fields")
+		}
+		return nil
+	}
+	if a.Kind == KindSysV {
+		switch {
+		case a.Path != "" || a.Dev != 0:
+			return bad("System V advertisement carries a path or device")
+		case a.Ino > 1<<31-1:
+			return bad("shmid %d", a.Ino)
+		case a.Offset+a.Size < a.Offset || a.Offset+a.Size > 1<<62:
+			return bad("segment window [%d, +%d)", a.Offset, a.Size)
 		}
 		return nil
 	}

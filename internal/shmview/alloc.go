@@ -1,6 +1,7 @@
 package shmview
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"strconv"
@@ -88,8 +89,33 @@ func FileAdvert(region []byte) (Advert, error) {
 	if err != nil {
 		return Advert{}, err
 	}
+	if b.SysV {
+		return Advert{}, fmt.Errorf("%w: System V segment, not a file", ErrNoFile)
+	}
 	a := Advert{Kind: KindFile, Base: nixl.Addr(region), Size: uint64(len(region)),
 		Path: b.Path, Offset: b.Offset, Dev: b.Dev, Ino: b.Ino}
+	if err := Self(&a); err != nil {
+		return Advert{}, err
+	}
+	return a, a.Validate()
+}
+
+// Describe advertises a region the best way it can be reached: its backing
+// file, its System V segment, or else a kernel copy of this process's
+// memory.
+func Describe(region []byte) (Advert, error) {
+	b, err := Find(region)
+	if errors.Is(err, ErrNoFile) {
+		return ProcAdvert(region)
+	}
+	if err != nil {
+		return Advert{}, err
+	}
+	a := Advert{Kind: KindFile, Base: nixl.Addr(region), Size: uint64(len(region)),
+		Path: b.Path, Offset: b.Offset, Dev: b.Dev, Ino: b.Ino}
+	if b.SysV {
+		a.Kind, a.Path, a.Dev = KindSysV, "", 0
+	}
 	if err := Self(&a); err != nil {
 		return Advert{}, err
 	}

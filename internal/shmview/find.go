@@ -21,6 +21,7 @@ var ErrNoFile = errors.New("shmview: region has no shareable backing file")
 // Backing is the file behind a region: the region's first byte is at
 // Offset in the file named Path, whose identity is (Dev, Ino).
 type Backing struct {
+	SysV   bool // a System V segment: Ino is its shmid, Path means nothing
 	Path   string
 	Offset uint64
 	Dev    uint64 // as stat reports it (unix.Mkdev(major, minor))
@@ -76,7 +77,7 @@ func findIn(r io.Reader, lo, hi uint64) (Backing, error) {
 			if err := shareable(m); err != nil {
 				return Backing{}, err
 			}
-			b = Backing{Path: m.path, Offset: m.offset + (lo - m.lo), Dev: m.dev, Ino: m.ino}
+			b = Backing{Path: m.path, Offset: m.offset + (lo - m.lo), Dev: m.dev, Ino: m.ino, SysV: isSysV(m)}
 		} else {
 			if m.lo != next || m.dev != b.Dev || m.ino != b.Ino || m.offset != nextOff {
 				return Backing{}, fmt.Errorf("%w: region [%#x, %#x) spans mappings that are not one window of %s", ErrNoFile, lo, hi, b.Path)
@@ -106,10 +107,17 @@ func shareable(m mapping) error {
 		return fmt.Errorf("%w: private mapping", ErrNoFile)
 	case m.ino == 0 || !strings.HasPrefix(m.path, "/"):
 		return fmt.Errorf("%w: anonymous mapping %q", ErrNoFile, m.path)
-	case m.deleted:
+	case m.deleted && !isSysV(m):
 		return fmt.Errorf("%w: %s was deleted", ErrNoFile, m.path)
 	}
 	return nil
+}
+
+// isSysV reports a System V shared memory segment: the kernel names them
+// "/SYSV<key in hex>" and, once removed (UCX removes its segments as soon
+// as they are attached), "(deleted)"; the inode is the shmid.
+func isSysV(m mapping) bool {
+	return strings.HasPrefix(m.path, "/SYSV") && len(m.path) == 13
 }
 
 // parseMapsLine parses "lo-hi perms offset major:minor inode [path]".

@@ -108,14 +108,16 @@ func TestFindInListing(t *testing.T) {
 7f0000020000-7f0000030000 rw-s 00000000 00:1a 43  /dev/shm/b
 7f0000030000-7f0000040000 rw-s 00000000 00:01 44  /memfd:x (deleted)
 7f0000040000-7f0000050000 rw-p 00000000 00:00 0
+7f000005f000-7f0000070000 rw-s 00000000 00:01 720946                     /SYSV00000000 (deleted)
 `
 	cases := []struct {
 		lo, hi uint64
 		want   Backing
 		err    bool
 	}{
-		{0x7f0000000000, 0x7f0000020000, Backing{"/dev/shm/a file", 0, unix.Mkdev(0, 0x1a), 42}, false},
-		{0x7f0000008000, 0x7f0000018000, Backing{"/dev/shm/a file", 0x8000, unix.Mkdev(0, 0x1a), 42}, false},
+		{0x7f0000000000, 0x7f0000020000, Backing{Path: "/dev/shm/a file", Dev: unix.Mkdev(0, 0x1a), Ino: 42}, false},
+		{0x7f0000008000, 0x7f0000018000, Backing{Path: "/dev/shm/a file", Offset: 0x8000, Dev: unix.Mkdev(0, 0x1a), Ino: 42}, false},
+		{0x7f0000060000, 0x7f0000061000, Backing{SysV: true, Path: "/SYSV00000000", Offset: 0x1000, Dev: unix.Mkdev(0, 1), Ino: 720946}, false},
 		{0x7f0000018000, 0x7f0000028000, Backing{}, true}, // two files
 		{0x7f0000030000, 0x7f0000031000, Backing{}, true}, // deleted
 		{0x7f0000040000, 0x7f0000041000, Backing{}, true}, // private anonymous
@@ -440,5 +442,77 @@ func TestViewReadOnly(t *testing.T) {
 	}
 	if !strings.Contains(string(out), "SIGSEGV") && !strings.Contains(string(out), "unexpected fault") {
 		t.Fatalf("child did not die of a fault:\n%s", out)
+	}
+}
+
+// UCX allocates engine regions as System V segments; a consumer attaches
+// them read-only after checking who created them.
+func TestSysV(t *testing.T) {
+	leakcheck.Check(t)
+	const size = 1 << 20
+	id, err := unix.SysvShmGet(unix.IPC_PRIVATE, size, unix.IPC_CREAT|0o600)
+	if err != nil {
+		t.Skipf("shmget: %v", err)
+	}
+	seg, err := unix.SysvShmAttach(id, 0, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Removed at once, as UCX does: it lives while attached.
+	if _, err := unix.SysvShmCtl(id, unix.IPC_RMID, nil); err != nil {
+		t.Fatal(err)
+	}
+	defer unix.SysvShmDetach(seg)
+	fill(seg, 7)
+	region := seg[8192 : 8192+100000]
+	a, err := Describe(region)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if a.Kind != KindSysV || a.Ino != uint64(id) || a.Offset != 8192 {
+		t.Fatalf("Describe = %+v, want sysv %d at 8192", a, id)
+	}
+	got, err := DecodeAdvert(a.Append(nil))
+	if err != nil || got != a {
+		t.Fatalf("round trip: %+v, %v", got, err)
+	}
+	base := Mapped()
+	v, err := Open(&a)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(v.Bytes(), region) {
+		t.Fatal("view differs")
+	}
+	v.Close()
+	if Mapped() != base {
+		t.Fatal("segment still attached")
+	}
+	for name, f := range map[string]func(a *Advert){
+		"other creator": func(a *Advert) { a.PID++ },
+		"too large":     func(a *Advert) { a.Size = size },
+		"no segment":    func(a *Advert) { a.Ino = 1<<31 - 1 },
+	} {
+		b := a
+		f(&b)
+		if v, err := Open(&b); err == nil {
+			v.Close()
+			t.Errorf("%s: opened", name)
+		}
+	}
+}
+
+func TestDescribe(t *testing.T) {
+	mem, _ := shmFile(t, 1<<16)
+	if a, err := Describe(mem); err != nil || a.Kind != KindFile {
+		t.Fatalf("file region: %+v, %v", a, err)
+	}
+	anon, err := unix.Mmap(-1, 0, 1<<16, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(anon)
+	if a, err := Describe(anon); err != nil || a.Kind != KindProc {
+		t.Fatalf("anonymous region: %+v, %v", a, err)
 	}
 }

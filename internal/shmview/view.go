@@ -17,6 +17,7 @@ var ErrIdentity = errors.New("shmview: advertised file does not match")
 // the opener holds one reference, each copy that Acquires it another, and
 // the mapping goes away when the last is released.
 type View struct {
+	sysv bool // mem is a System V attachment, not an mmap
 	adv  Advert
 	mem  []byte // the whole mapping, page aligned
 	data []byte // the region: data[0] is the byte at adv.Base
@@ -36,11 +37,15 @@ func Open(a *Advert) (*View, error) {
 	if err := a.Validate(); err != nil {
 		return nil, err
 	}
-	if a.Kind != KindFile {
-		return nil, fmt.Errorf("%w: %s advertisement has no file", ErrNoFile, a.Kind)
-	}
 	if uint64(int(a.Size)) != a.Size || int(a.Size) < 0 {
 		return nil, fmt.Errorf("%w: region of %d bytes", ErrBadAdvert, a.Size)
+	}
+	switch a.Kind {
+	case KindSysV:
+		return openSysV(a)
+	case KindFile:
+	default:
+		return nil, fmt.Errorf("%w: %s advertisement has no file", ErrNoFile, a.Kind)
 	}
 	fd, err := unix.Open(a.Path, unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NOCTTY, 0)
 	if err != nil {
@@ -112,7 +117,11 @@ func (v *View) Acquire() bool {
 func (v *View) Release() {
 	switch n := v.refs.Add(-1); {
 	case n == 0:
-		_ = unix.Munmap(v.mem)
+		if v.sysv {
+			_ = unix.SysvShmDetach(v.mem)
+		} else {
+			_ = unix.Munmap(v.mem)
+		}
 		mapped.Add(-1)
 	case n < 0:
 		panic("shmview: View released more often than acquired")
@@ -125,4 +134,33 @@ func (v *View) Close() {
 	if !v.shut.Swap(true) {
 		v.Release()
 	}
+}
+
+// openSysV attaches a System V segment read-only, after checking that the
+// segment was created by the advertised process (a shmid is reused once a
+// segment is gone) and holds the whole window.
+func openSysV(a *Advert) (*View, error) {
+	id := int(a.Ino)
+	var ds unix.SysvShmDesc
+	if _, err := unix.SysvShmCtl(id, unix.IPC_STAT, &ds); err != nil {
+		return nil, fmt.Errorf("shmview: shmctl(%d, IPC_STAT): %w", id, err)
+	}
+	switch {
+	case uint32(ds.Cpid) != a.PID:
+		return nil, fmt.Errorf("%w: segment %d was created by pid %d, advertised %d", ErrIdentity, id, ds.Cpid, a.PID)
+	case ds.Segsz < a.Offset+a.Size:
+		return nil, fmt.Errorf("%w: segment %d has %d bytes, window ends at %d", ErrIdentity, id, ds.Segsz, a.Offset+a.Size)
+	}
+	mem, err := unix.SysvShmAttach(id, 0, unix.SHM_RDONLY)
+	if err != nil {
+		return nil, fmt.Errorf("shmview: shmat(%d): %w", id, err)
+	}
+	if uint64(len(mem)) < a.Offset+a.Size {
+		_ = unix.SysvShmDetach(mem)
+		return nil, fmt.Errorf("%w: segment %d shrank", ErrIdentity, id)
+	}
+	v := &View{sysv: true, adv: *a, mem: mem, data: mem[a.Offset : a.Offset+a.Size : a.Offset+a.Size]}
+	v.refs.Store(1)
+	mapped.Add(1)
+	return v, nil
 }
