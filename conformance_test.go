@@ -33,12 +33,13 @@ func uniqueName(prefix string) string {
 type env struct {
 	t       *testing.T
 	backend string
+	base    []func(*Config) // applied to every transport of the suite
 }
 
 func (e env) transport(name string, blockSize, numBlocks int, opts ...func(*Config)) *Transport {
 	e.t.Helper()
 	cfg := Config{AgentName: name, Backend: e.backend, BlockSize: blockSize, NumBlocks: numBlocks}
-	for _, o := range opts {
+	for _, o := range append(e.base[:len(e.base):len(e.base)], opts...) {
 		o(&cfg)
 	}
 	tr, err := New(cfg)
@@ -100,10 +101,17 @@ func notifsUntil(tr *Transport, want int, timeout time.Duration) map[string][][]
 
 func block(tr *Transport, bs, i int) []byte { return tr.Region()[i*bs : (i+1)*bs] }
 
-func runConformance(t *testing.T, backend string) {
+func runConformance(t *testing.T, backend string, base ...func(*Config)) {
 	e := func(t *testing.T) env {
 		leakcheck.Check(t)
-		return env{t: t, backend: backend}
+		return env{t: t, backend: backend, base: base}
+	}
+	// New with the suite's base options.
+	New := func(cfg Config) (*Transport, error) {
+		for _, o := range base {
+			o(&cfg)
+		}
+		return New(cfg)
 	}
 
 	t.Run("ReadVerified", func(t *testing.T) {
@@ -483,6 +491,20 @@ func runConformance(t *testing.T, backend string) {
 func TestConformanceLoopback(t *testing.T) { runConformance(t, "loopback") }
 
 func TestConformanceUCX(t *testing.T) { runConformance(t, "ucx") }
+
+// TestConformanceDirect runs the suite with READs of same-host peers on the
+// direct path: engine regions (UCX System V segments) mapped read-only,
+// small READs copied inside PostRead, large ones by the copy workers.
+func TestConformanceDirect(t *testing.T) {
+	runConformance(t, "ucx", func(c *Config) { c.Direct = DirectOn })
+}
+
+// TestConformanceDirectProc runs it on the kernel-copy direct path
+// (loopback regions are anonymous memory), with every READ on the copy
+// workers.
+func TestConformanceDirectProc(t *testing.T) {
+	runConformance(t, "loopback", func(c *Config) { c.Direct = DirectOn; c.InlineBytes = -1 })
+}
 
 // TestConformanceNIXL runs the suite on the NIXL library engine when it is
 // installed (make test-nixl sets ECXFER_REQUIRE_NIXL=1, which turns a

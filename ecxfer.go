@@ -10,6 +10,8 @@ import (
 
 	"github.com/ecxfer/ecxfer/descriptors"
 	"github.com/ecxfer/ecxfer/internal/affinity"
+	"github.com/ecxfer/ecxfer/internal/copypool"
+	"github.com/ecxfer/ecxfer/internal/shmview"
 	"github.com/ecxfer/ecxfer/nixl"
 	"github.com/ecxfer/ecxfer/reactor"
 )
@@ -94,7 +96,44 @@ type Config struct {
 	// "agent" attribute with AgentName. Nil means silent. It is handed to
 	// the reactor unless Reactor.Logger is already set.
 	Logger *slog.Logger
+
+	// Direct chooses whether READs of peers on this host bypass the
+	// engine: the producer advertises its region (its /dev/shm file, its
+	// UCX System V segment, or, for anonymous memory, its process for
+	// kernel copies) and the consumer maps it read-only and copies. See
+	// DirectMode.
+	Direct DirectMode
+	// InlineBytes is the largest direct READ the caller copies inside
+	// PostRead (the handle is DONE when PostRead returns); larger ones go
+	// to the copy workers. Zero means DefaultInlineBytes; negative: none.
+	InlineBytes int
+	// CopyWorkers is the number of copy threads for direct READs larger
+	// than InlineBytes (zero: DefaultCopyWorkers). They are pinned like
+	// the reactor: with BindNUMA to the node's CPUs, with PinCPU to the
+	// other allowed CPUs.
+	CopyWorkers int
 }
+
+// DirectMode says whether READs of same-host peers bypass the engine.
+type DirectMode uint8
+
+const (
+	// DirectAuto is the default: off for now (see DirectOn).
+	DirectAuto DirectMode = iota
+	// DirectOn advertises this transport's region to same-host peers and
+	// reads same-host peers that advertise theirs directly. The "nixl"
+	// backend cannot carry the advertisement and ignores it.
+	DirectOn
+	// DirectOff neither advertises nor reads directly: every READ goes
+	// through the engine.
+	DirectOff
+)
+
+// Defaults of the direct path.
+const (
+	DefaultInlineBytes = 64 << 10
+	DefaultCopyWorkers = 2
+)
 
 // The structured events a Transport logs through Config.Logger: the
 // record's message is the event name. reactor's documentation lists each
@@ -127,6 +166,10 @@ type Transport struct {
 	md      []byte
 	memDesc []byte
 	closed  atomic.Bool
+
+	direct bool           // the direct path is on
+	host   shmview.Host   // this process's host, for the same-host check
+	pool   *copypool.Pool // copy workers of the direct path
 }
 
 var _ DataTransport = (*Transport)(nil)
@@ -149,15 +192,26 @@ func New(cfg Config) (*Transport, error) {
 		return nil, err
 	}
 	t := &Transport{cfg: cfg, agent: agent}
+	if err := t.startDirect(); err != nil {
+		_ = agent.Close()
+		return nil, err
+	}
+	cfg.InlineBytes, cfg.CopyWorkers = t.cfg.InlineBytes, t.cfg.CopyWorkers
 	r, err := reactor.Start(agent, cfg.Reactor, t.setup)
 	if err != nil {
 		_ = agent.Close()
+		t.closePool()
 		if errors.Is(err, affinity.ErrNoCPU) || errors.Is(err, affinity.ErrNoNode) {
 			return nil, fmt.Errorf("%w: %v", ErrConfig, err)
 		}
 		return nil, err
 	}
 	t.r = r
+	if err := t.enableDirect(); err != nil {
+		_ = r.Close()
+		t.closePool()
+		return nil, err
+	}
 	t.region.Store(&t.mem)
 	if cfg.XferTimeout == 0 {
 		cfg.XferTimeout = DefaultXferTimeout
@@ -232,6 +286,7 @@ func (t *Transport) setup(a nixl.Agent) (descriptors.List, nixl.DlistID, error) 
 	if t.md, err = a.LocalMetadata(); err != nil {
 		return nil, 0, fmt.Errorf("ecxfer: local metadata: %w", err)
 	}
+	t.advertise(region)
 	if t.memDesc, err = descriptors.Encode(descs); err != nil {
 		return nil, 0, fmt.Errorf("ecxfer: encoding descriptors: %w", err)
 	}
@@ -287,7 +342,11 @@ func (t *Transport) AddRemotePeer(metadata, memDescriptor []byte) (string, error
 	if len(metadata) == 0 {
 		return "", fmt.Errorf("%w: empty", ErrBadMetadata)
 	}
-	return t.r.AddPeer(metadata, descs)
+	md, d, err := t.directPeer(metadata, descs)
+	if err != nil {
+		return "", err
+	}
+	return t.r.AddPeerDirect(md, descs, d)
 }
 
 // maxDevID bounds a descriptor's device id: vLLM's are small device
@@ -404,6 +463,7 @@ func (t *Transport) Deregister() error {
 		return nil
 	}
 	err := t.r.Close()
+	t.closePool()
 	t.region.Store(nil)
 	return err
 }

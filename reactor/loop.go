@@ -96,6 +96,9 @@ func (r *Reactor) park(events []unix.EpollEvent, idle time.Duration) {
 	if r.sub.Len() > 0 || r.cancel.Len() > 0 || r.ctrl.Len() > 0 {
 		return
 	}
+	if d := r.dir; d != nil && (d.finished.Len() > 0 || d.notifQ.Len() > 0) {
+		return
+	}
 	timeout := r.opts.ParkTimeout
 	if ok, err := r.agent.Arm(); err != nil || !ok {
 		// The engine has events pending, so its fd cannot be armed: the
@@ -165,6 +168,9 @@ func (r *Reactor) turn() bool {
 		for _, h := range r.batch[:n] {
 			r.submit(h)
 		}
+	}
+	if r.dir != nil && r.drainDirect() {
+		work = true
 	}
 	if did, err := r.agent.Progress(); did {
 		work = true
@@ -257,14 +263,20 @@ func (r *Reactor) submit(h uint64) {
 	if wordState(w) == stCanceling {
 		// Released before it was posted; onCancel frees the slot when it
 		// drains the release's cancel entry.
+		r.dropJob(s)
 		s.trim()
 		return
 	}
 	s.xfer = 0
 	p := s.peer
 	if code := p.gone.Load(); code != 0 {
+		r.dropJob(s)
 		s.trim()
 		r.fail(h, s, code)
+		return
+	}
+	if s.job != nil {
+		r.submitDirect(h, s, p)
 		return
 	}
 	loc := r.loc.Load()
@@ -469,6 +481,12 @@ func (r *Reactor) onCancel(h uint64) {
 			r.st.canceled.Add(1)
 		}
 	}
+	if s.job != nil {
+		if s.job.running {
+			return // endJob frees the slot when the copy ends
+		}
+		r.dropJob(s)
+	}
 	// Released before submit saw it, the request may still hold large
 	// buffers.
 	s.trim()
@@ -515,19 +533,43 @@ func (r *Reactor) expire() int {
 // known name replaces the peer: reads of the old one end in
 // ErrRemoteDisconnect.
 func (r *Reactor) AddPeer(md []byte, descs descriptors.List) (string, error) {
+	return r.AddPeerDirect(md, descs, nil)
+}
+
+// AddPeerDirect is AddPeer for a peer on this host whose region d reaches
+// without the engine (nil: the engine path). The reactor owns d from here
+// on, whatever the outcome: it closes it when the peer goes, or at once
+// when d is not used (an error, the same peer loaded again, or a reactor
+// without the direct path).
+func (r *Reactor) AddPeerDirect(md []byte, descs descriptors.List, d *Direct) (string, error) {
 	if r.closing.Load() {
+		if d != nil {
+			d.Close()
+		}
 		return "", ErrClosed
 	}
 	var name string
+	ran := false
 	err := r.do(func() error {
+		ran = true
 		var err error
-		name, err = r.addPeer(md, descs)
+		name, err = r.addPeer(md, descs, d)
 		return err
 	})
+	if !ran && d != nil {
+		d.Close()
+	}
 	return name, err
 }
 
-func (r *Reactor) addPeer(md []byte, descs descriptors.List) (string, error) {
+func (r *Reactor) addPeer(md []byte, descs descriptors.List, d *Direct) (_ string, err error) {
+	if d != nil {
+		defer func() {
+			if d.pidfd >= 0 && (err != nil || !r.isDirect(d)) {
+				d.Close()
+			}
+		}()
+	}
 	name, err := r.agent.LoadRemoteMetadata(md)
 	restarted, failed := false, 0
 	if errors.Is(err, nixl.ErrNotAllowed) && name != "" {
@@ -560,14 +602,19 @@ func (r *Reactor) addPeer(md []byte, descs descriptors.List) (string, error) {
 		return "", fmt.Errorf("%w: %v", ErrBadDescriptor, err)
 	}
 	p := &Peer{Name: name, Descs: descs, md: append([]byte(nil), md...), dlist: dl}
+	if d != nil && r.dir != nil {
+		p.direct = d
+	}
 	if old != nil {
 		// Same agent, a new block list: reads posted against the old list
 		// keep it until they finish, so it is released only when idle.
 		old.gone.Store(codeRemoteDisconnect)
 		failed = r.failPeerReads(old, codeRemoteDisconnect)
 		_ = r.agent.ReleaseDlist(old.dlist)
+		r.unwatchPeer(old)
 	}
 	r.publishPeer(name, p)
+	r.watchPeer(p)
 	switch {
 	case restarted:
 		r.logPeer(EventPeerReplaced, name, slog.String("why", "restarted"),
@@ -606,6 +653,7 @@ func (r *Reactor) dropPeer(p *Peer, code uint64) int {
 	_ = r.agent.ReleaseDlist(p.dlist)
 	_ = r.agent.InvalidateRemoteMetadata(p.Name)
 	r.publishPeer(p.Name, nil)
+	r.unwatchPeer(p)
 	return n
 }
 
@@ -617,7 +665,7 @@ func (r *Reactor) failPeerReads(p *Peer, code uint64) int {
 			n++
 		}
 	}
-	return n
+	return n + r.failDirectReads(p, code)
 }
 
 func (r *Reactor) publishPeer(name string, p *Peer) {
@@ -680,8 +728,14 @@ func (r *Reactor) teardown() error {
 	}
 	for _, p := range *r.peers.Load() {
 		p.gone.Store(codeClosed)
+		r.failDirectReads(p, codeClosed)
+	}
+	// Copies write into the local region, which goes with the engine.
+	r.waitDirect()
+	for _, p := range *r.peers.Load() {
 		_ = r.agent.ReleaseDlist(p.dlist)
 		_ = r.agent.InvalidateRemoteMetadata(p.Name)
+		r.unwatchPeer(p)
 	}
 	empty := map[string]*Peer{}
 	r.peers.Store(&empty)

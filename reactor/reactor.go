@@ -38,6 +38,8 @@ type Peer struct {
 	dlist nixl.DlistID
 	gone  atomic.Uint64 // 0 while usable; else the error code its reads end with
 
+	direct *Direct // set when READs bypass the engine (same host)
+
 	deadLogged bool // loop only: EventPeerDead was logged
 	pc         peerCounters
 }
@@ -95,6 +97,7 @@ type Reactor struct {
 	tid atomic.Int32 // the reactor thread's id, once it runs
 	// finalCPU is the thread's CPU time in ns, stored as it exits.
 	finalCPU atomic.Int64
+	dir      *direct // nil unless SetDirect enabled the direct path
 
 	// Loop-only state.
 	stop     bool
@@ -301,8 +304,6 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 	// transfer, another Post claimed the freed slot) is not ours to free.
 	claimed := r.tab.claimedWord(h)
 	s.peer = p
-	s.localIdx = append(s.localIdx[:0], localIdx...)
-	s.remoteIdx = append(s.remoteIdx[:0], remoteIdx...)
 	s.notif = append(s.notif[:0], notif...)
 	s.hasNotif = len(notif) > 0
 	var bytes uint64
@@ -310,9 +311,23 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 		bytes += loc.descs[i].Len
 	}
 	s.bytes = bytes
+	if p.direct != nil && r.dir != nil {
+		if bytes <= r.dir.inline {
+			// Copied here and now: the index lists are not kept.
+			return r.postInline(h, s, p, localIdx, remoteIdx)
+		}
+		// The copy's runs are built here; the reactor hands them to the
+		// copy workers.
+		s.job = r.newJob(h, p, loc.descs, localIdx, remoteIdx)
+	} else {
+		s.job = nil
+		s.localIdx = append(s.localIdx[:0], localIdx...)
+		s.remoteIdx = append(s.remoteIdx[:0], remoteIdx...)
+	}
 
 	for !r.sub.TryPush(h) {
 		if !r.opts.WaitWhenBusy || r.closing.Load() {
+			s.job = nil
 			r.tab.free(s, claimed)
 			if r.closing.Load() {
 				return 0, ErrClosed
@@ -331,6 +346,9 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 		// nobody drains and the slot still holds the claimed word: ours
 		// to free.
 		<-r.done
+		if s.word.Load() == claimed {
+			s.job = nil
+		}
 		r.tab.free(s, claimed)
 		return 0, ErrClosed
 	}

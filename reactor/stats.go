@@ -59,11 +59,16 @@ type Stats struct {
 	// never sent are not in it, nor those the reactor itself drops
 	// (NotifsOversized).
 	NotifsDroppedByEngine uint64
+
+	// The direct path.
+	DirectPeers int    // peers read on the direct path (same host, region mapped)
+	DirectReads uint64 // READs of direct peers that copied every byte
+	InlineReads uint64 // of those, READs the caller copied inside Post
 }
 
 // Stats returns the counters.
 func (r *Reactor) Stats() Stats {
-	return Stats{
+	st := Stats{
 		ReadsPosted:    r.st.posted.Load(),
 		ReadsDone:      r.st.done.Load(),
 		ReadsFailed:    r.st.failed.Load(),
@@ -86,6 +91,15 @@ func (r *Reactor) Stats() Stats {
 		NotifsDroppedByEngine: r.st.notifsDroppedByEngine.Load(),
 		NotifsOversized:       r.st.notifsOversized.Load(),
 	}
+	if d := r.dir; d != nil {
+		st.DirectReads, st.InlineReads = d.reads.Load(), d.inlineReads.Load()
+		for _, p := range *r.peers.Load() {
+			if p.direct != nil {
+				st.DirectPeers++
+			}
+		}
+	}
+	return st
 }
 
 func (r *Reactor) failedBy() (out [NumFailReasons]uint64) {

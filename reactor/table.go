@@ -68,7 +68,12 @@ type slot struct {
 	notif     []byte
 	hasNotif  bool
 
+	// notifPending: an inline direct READ's notification still waits for
+	// the reactor; the slot is not reused until it is sent.
+	notifPending atomic.Bool
+
 	// reactor-only
+	job    *dirJob // the copy of a direct READ, while it runs
 	xfer   nixl.XferID
 	posted int64 // monotonic ns at post
 	bytes  uint64
@@ -143,7 +148,7 @@ func (t *table) claim() (uint64, *slot) {
 	for i := uint64(0); i < probeWindow; i++ {
 		idx := (home + i) & t.mask
 		s := &t.slots[idx]
-		if s.word.Load() != 0 {
+		if s.word.Load() != 0 || s.notifPending.Load() {
 			continue
 		}
 		if s.word.CompareAndSwap(0, gbits|stProc) {

@@ -1,0 +1,133 @@
+package ecxfer
+
+import (
+	"fmt"
+	"slices"
+
+	"github.com/ecxfer/ecxfer/descriptors"
+	"github.com/ecxfer/ecxfer/internal/affinity"
+	"github.com/ecxfer/ecxfer/internal/copypool"
+	"github.com/ecxfer/ecxfer/internal/shmview"
+	"github.com/ecxfer/ecxfer/reactor"
+)
+
+// The direct path, transport side: which transports advertise, which peers
+// are read directly, and the copy workers. The reactor package documents
+// where each copy happens.
+
+// directOn resolves Config.Direct for the configured backend.
+func directOn(cfg *Config) bool {
+	return cfg.Direct == DirectOn && cfg.Backend != "nixl"
+}
+
+// startDirect starts the copy workers when the direct path is on.
+func (t *Transport) startDirect() error {
+	cfg := &t.cfg
+	if cfg.InlineBytes == 0 {
+		cfg.InlineBytes = DefaultInlineBytes
+	}
+	if cfg.CopyWorkers == 0 {
+		cfg.CopyWorkers = DefaultCopyWorkers
+	}
+	if cfg.CopyWorkers < 0 || cfg.CopyWorkers > 256 {
+		return fmt.Errorf("%w: CopyWorkers %d (1..256)", ErrConfig, cfg.CopyWorkers)
+	}
+	if !directOn(cfg) {
+		return nil
+	}
+	h, err := shmview.LocalHost()
+	if err != nil {
+		return fmt.Errorf("ecxfer: direct path: %w", err)
+	}
+	cpus, err := copyCPUs(cfg.Reactor)
+	if err != nil {
+		return fmt.Errorf("%w: %v", ErrConfig, err)
+	}
+	p, err := copypool.New(copypool.Options{Workers: cfg.CopyWorkers, CPUs: cpus})
+	if err != nil {
+		return fmt.Errorf("%w: %v", ErrConfig, err)
+	}
+	t.direct, t.host, t.pool = true, h, p
+	return nil
+}
+
+// copyCPUs pins the copy workers like the reactor: to the NUMA node's
+// CPUs, or away from the reactor's own CPU when there are others.
+func copyCPUs(o reactor.Options) ([]int, error) {
+	switch {
+	case o.BindNUMA:
+		return affinity.NodeCPUs(o.NUMANode)
+	case o.PinCPU:
+		all, err := affinity.Allowed()
+		if err != nil {
+			return nil, err
+		}
+		others := slices.DeleteFunc(all, func(c int) bool { return c == o.CPU })
+		if len(others) == 0 {
+			return nil, nil
+		}
+		return others, nil
+	}
+	return nil, nil
+}
+
+func (t *Transport) closePool() {
+	if t.pool != nil {
+		t.pool.Close()
+	}
+}
+
+// advertise appends the region's advertisement to the metadata. Reactor
+// thread (inside setup).
+func (t *Transport) advertise(region []byte) {
+	if !t.direct {
+		return
+	}
+	adv, err := shmview.Describe(region)
+	if err != nil {
+		return // nothing a peer could map: peers read through the engine
+	}
+	t.md = shmview.Wrap(t.md, &adv)
+}
+
+// enableDirect turns the reactor's direct path on, before any READ.
+func (t *Transport) enableDirect() error {
+	if !t.direct {
+		return nil
+	}
+	return t.r.SetDirect(reactor.DirectOptions{Region: t.mem, Pool: t.pool, InlineBytes: t.cfg.InlineBytes})
+}
+
+// directPeer takes the advertisement off a peer's metadata and, when the
+// peer is on this host and the direct path is on, opens its region. A
+// descriptor outside the advertised region is refused. A region that cannot
+// be opened (permissions, the producer already gone) leaves the peer on
+// the engine path.
+func (t *Transport) directPeer(metadata []byte, descs descriptors.List) ([]byte, *reactor.Direct, error) {
+	md, adv, err := shmview.Split(metadata)
+	if err != nil {
+		return nil, nil, fmt.Errorf("%w: %v", ErrBadMetadata, err)
+	}
+	if adv == nil {
+		return md, nil, nil
+	}
+	for i, d := range descs {
+		if !adv.Contains(d.Addr, d.Len) {
+			return nil, nil, fmt.Errorf("%w: block %d [%#x, +%d) is outside the advertised region [%#x, +%d)",
+				ErrBadDescriptor, i, d.Addr, d.Len, adv.Base, adv.Size)
+		}
+	}
+	if !t.direct || !adv.Host.SameHost(t.host) {
+		return md, nil, nil
+	}
+	d, err := reactor.OpenDirect(adv)
+	if err != nil {
+		return md, nil, nil
+	}
+	return md, d, nil
+}
+
+// PeerPath names how READs of a peer travel: "engine", "direct-file" (a
+// mapped /dev/shm or memfd file), "direct-sysv" (a mapped System V
+// segment) or "direct-proc" (kernel copies); "" for an unknown peer.
+func (t *Transport) PeerPath(agentName string) string { return t.r.PeerPath(agentName) }

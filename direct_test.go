@@ -1,0 +1,341 @@
+package ecxfer
+
+import (
+	"context"
+	"fmt"
+	"math/rand"
+	"os"
+	"path/filepath"
+	"runtime"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/ecxfer/ecxfer/descriptors"
+	"github.com/ecxfer/ecxfer/internal/leakcheck"
+	"github.com/ecxfer/ecxfer/internal/pattern"
+	"github.com/ecxfer/ecxfer/internal/shmview"
+)
+
+// Tests of the direct path in one process: the producer's region is mapped
+// (or, for anonymous memory, read with kernel copies) by the consumer, the
+// same way as between two processes on one host.
+
+// shmRegion is a MAP_SHARED mapping of a fresh /dev/shm file, like vLLM's
+// region; the file is removed and the mapping undone at the end of the test.
+func shmRegion(t testing.TB, size int) ([]byte, string) {
+	t.Helper()
+	path := filepath.Join("/dev/shm", uniqueName(fmt.Sprintf("ecxfer_test_%d", os.Getpid()))+".mmap")
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_TRUNC, 0o600)
+	require.NoError(t, err)
+	defer f.Close()
+	require.NoError(t, f.Truncate(int64(size)))
+	mem, err := unix.Mmap(int(f.Fd()), 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = unix.Munmap(mem); _ = os.Remove(path) })
+	return mem, path
+}
+
+func anonRegion(t testing.TB, size int) []byte {
+	t.Helper()
+	mem, err := unix.Mmap(-1, 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = unix.Munmap(mem) })
+	return mem
+}
+
+func direct(c *Config) { c.Direct = DirectOn }
+
+// regionKinds are the producer regions the direct path knows, with the
+// path a consumer gets for each.
+var regionKinds = []struct {
+	name, path string
+	region     func(t testing.TB, size int) []byte
+}{
+	{"engine", "direct-sysv", nil},
+	{"shmfile", "direct-file", func(t testing.TB, size int) []byte { m, _ := shmRegion(t, size); return m }},
+	{"anon", "direct-proc", anonRegion},
+}
+
+func TestDirectRead(t *testing.T) {
+	for _, k := range regionKinds {
+		t.Run(k.name, func(t *testing.T) {
+			leakcheck.Check(t)
+			base := shmview.Mapped()
+			e := env{t: t, backend: "ucx"}
+			const bs, nb, seed = 5120, 1024, 77
+			pname := uniqueName("dprod")
+			prod := e.transport(pname, bs, nb, direct, func(c *Config) {
+				if k.region != nil {
+					c.Region = k.region(t, bs*nb)
+				}
+			})
+			pattern.FillRegion(prod.Region(), seed, bs)
+			cons := e.transport(uniqueName("dcons"), bs, nb, direct)
+			got, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+			require.NoError(t, err)
+			require.Equal(t, pname, got)
+			require.Equal(t, k.path, cons.PeerPath(pname))
+			require.Equal(t, 1, cons.Stats().DirectPeers)
+
+			rng := rand.New(rand.NewSource(seed))
+			sent := 0
+			for _, n := range []int{1, 3, 12, 13, 100, 880} {
+				for _, scattered := range []bool{false, true} {
+					remote, local := make([]int, n), make([]int, n)
+					if scattered {
+						remote, local = rng.Perm(nb)[:n], rng.Perm(nb)[:n]
+					} else {
+						s, d := rng.Intn(nb-n+1), rng.Intn(nb-n+1)
+						for i := range n {
+							remote[i], local[i] = s+i, d+i
+						}
+					}
+					clear(cons.Region())
+					msg := fmt.Appendf(nil, "read %d/%v", n, scattered)
+					h, err := cons.PostRead(local, pname, remote, msg)
+					require.NoError(t, err)
+					if n*bs <= DefaultInlineBytes {
+						st, err := cons.CheckXferState(h)
+						require.NoError(t, err)
+						require.Equal(t, StateDone, st, "a READ of %d bytes is DONE when PostRead returns", n*bs)
+					}
+					st, err := wait(t, cons, h)
+					require.NoError(t, err)
+					require.Equal(t, StateDone, st)
+					for i := range local {
+						ok, off := pattern.Check(block(cons, bs, local[i]), seed, remote[i])
+						require.True(t, ok, "%d blocks: local %d (remote %d) differs at %d", n, local[i], remote[i], off)
+					}
+					require.NoError(t, cons.ReleaseXferHandle(h))
+					sent++
+				}
+			}
+			notifs := notifsUntil(prod, sent, 10*time.Second)
+			require.Len(t, notifs[cons.cfg.AgentName], sent)
+			seen := map[string]bool{}
+			for _, m := range notifs[cons.cfg.AgentName] {
+				require.False(t, seen[string(m)], "notification %q twice", m)
+				seen[string(m)] = true
+			}
+			st := cons.Stats()
+			require.Equal(t, uint64(sent), st.DirectReads)
+			require.Equal(t, uint64(6), st.InlineReads) // 1, 3 and 12 blocks, twice each
+			require.NoError(t, cons.RemoveRemotePeer(pname))
+			require.Equal(t, base, shmview.Mapped(), "mapping left after RemoveRemotePeer")
+		})
+	}
+}
+
+// A consumer without the direct path reads a producer that advertises,
+// and the reverse: both through the engine.
+func TestDirectMixed(t *testing.T) {
+	leakcheck.Check(t)
+	e := env{t: t, backend: "ucx"}
+	const bs, nb, seed = 4096, 64, 5
+	for _, c := range []struct{ prod, cons DirectMode }{{DirectOn, DirectOff}, {DirectOff, DirectOn}} {
+		pname := uniqueName("mprod")
+		prod := e.transport(pname, bs, nb, func(cfg *Config) { cfg.Direct = c.prod })
+		pattern.FillRegion(prod.Region(), seed, bs)
+		cons := e.transport(uniqueName("mcons"), bs, nb, func(cfg *Config) { cfg.Direct = c.cons })
+		_, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+		require.NoError(t, err)
+		require.Equal(t, "engine", cons.PeerPath(pname))
+		h, err := cons.PostRead([]int{1, 2}, pname, []int{7, 9}, nil)
+		require.NoError(t, err)
+		_, err = wait(t, cons, h)
+		require.NoError(t, err)
+		ok, _ := pattern.Check(block(cons, bs, 2), seed, 9)
+		require.True(t, ok)
+		require.NoError(t, cons.ReleaseXferHandle(h))
+	}
+}
+
+// A descriptor outside the advertised region is refused at AddRemotePeer.
+func TestDirectOutOfRange(t *testing.T) {
+	leakcheck.Check(t)
+	e := env{t: t, backend: "ucx"}
+	prod := e.transport(uniqueName("rprod"), 4096, 16, direct)
+	cons := e.transport(uniqueName("rcons"), 4096, 16, direct)
+	descs, err := descriptors.Decode(prod.MemDescriptor())
+	require.NoError(t, err)
+	for _, bad := range []descriptors.Desc{
+		{Addr: descs[15].Addr + 4096, Len: 4096},
+		{Addr: descs[0].Addr - 1, Len: 4096},
+		{Addr: descs[15].Addr, Len: 4097},
+	} {
+		list := append(descriptors.List{}, descs...)
+		list[3] = bad
+		md, err := descriptors.Encode(list)
+		require.NoError(t, err)
+		_, err = cons.AddRemotePeer(prod.AgentMetadata(), md)
+		require.ErrorIs(t, err, ErrBadDescriptor, "descriptor %+v", bad)
+	}
+	require.Equal(t, 0, cons.Stats().Peers)
+}
+
+// A producer that truncates its region file: the READ that faults ends in
+// ErrRemoteDisconnect, the peer is gone for later READs, the consumer lives
+// on, and another producer is unaffected.
+func TestDirectTruncated(t *testing.T) {
+	for _, inline := range []int{0, -1} { // in PostRead, on the copy workers
+		t.Run(fmt.Sprintf("inline=%d", inline), func(t *testing.T) {
+			leakcheck.Check(t)
+			e := env{t: t, backend: "ucx"}
+			const bs, nb = 32768, 64
+			mem, path := shmRegion(t, bs*nb)
+			victim := uniqueName("trunc")
+			pv := e.transport(victim, bs, nb, direct, func(c *Config) { c.Region = mem })
+			pattern.FillRegion(pv.Region(), 1, bs)
+			healthy := uniqueName("ok")
+			ph := e.transport(healthy, bs, nb, direct)
+			pattern.FillRegion(ph.Region(), 2, bs)
+			cons := e.transport(uniqueName("tcons"), bs, nb, direct, func(c *Config) { c.InlineBytes = inline })
+			for _, p := range []*Transport{pv, ph} {
+				_, err := cons.AddRemotePeer(p.AgentMetadata(), p.MemDescriptor())
+				require.NoError(t, err)
+			}
+			read := func(peer string, remote int) error {
+				h, err := cons.PostRead([]int{0}, peer, []int{remote}, []byte("x"))
+				require.NoError(t, err)
+				_, err = wait(t, cons, h)
+				require.NoError(t, cons.ReleaseXferHandle(h))
+				return err
+			}
+			require.NoError(t, read(victim, 63))
+			require.NoError(t, os.Truncate(path, bs))
+			require.ErrorIs(t, read(victim, 63), ErrRemoteDisconnect)
+			require.ErrorIs(t, read(victim, 0), ErrRemoteDisconnect, "the peer is gone after a fault")
+			require.NoError(t, read(healthy, 5))
+			ok, _ := pattern.Check(block(cons, bs, 0), 2, 5)
+			require.True(t, ok)
+			_ = pv.NewNotifs()
+			_ = ph.NewNotifs()
+		})
+	}
+}
+
+// RemoveRemotePeer, a producer restart and Deregister race large copies;
+// nothing is unmapped under a running copy (the race detector and the
+// fault handler would see it), and every handle ends.
+func TestDirectLifetimeRace(t *testing.T) {
+	leakcheck.Check(t)
+	base := shmview.Mapped()
+	e := env{t: t, backend: "ucx"}
+	const bs, nb = 32768, 256
+	cons := e.transport(uniqueName("lcons"), bs, nb, direct)
+	for round := range 6 {
+		pname := uniqueName("lprod")
+		prod, err := New(Config{AgentName: pname, BlockSize: bs, NumBlocks: nb, Direct: DirectOn})
+		require.NoError(t, err)
+		_, err = cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+		require.NoError(t, err)
+		idx := rand.New(rand.NewSource(int64(round))).Perm(nb)
+		var wg sync.WaitGroup
+		for w := range 4 {
+			wg.Go(func() {
+				for range 5 {
+					h, err := cons.PostRead(idx[w*64:(w+1)*64], pname, idx[:64], []byte("r"))
+					if err != nil {
+						return
+					}
+					ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+					werr := cons.Wait(ctx, h)
+					cancel()
+					require.NotErrorIs(t, werr, context.DeadlineExceeded)
+					require.NoError(t, cons.ReleaseXferHandle(h))
+				}
+			})
+		}
+		time.Sleep(time.Duration(round) * 200 * time.Microsecond)
+		switch round % 3 {
+		case 0:
+			require.NoError(t, cons.RemoveRemotePeer(pname))
+		case 1:
+			// The producer restarts under the same name.
+			require.NoError(t, prod.Deregister())
+			prod, err = New(Config{AgentName: pname, BlockSize: bs, NumBlocks: nb, Direct: DirectOn})
+			require.NoError(t, err)
+			_, err = cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+			require.NoError(t, err)
+		case 2:
+			require.NoError(t, prod.Deregister())
+		}
+		wg.Wait()
+		require.NoError(t, prod.Deregister())
+		if cons.PeerPath(pname) != "" {
+			require.NoError(t, cons.RemoveRemotePeer(pname))
+		}
+	}
+	require.Eventually(t, func() bool { return cons.Stats().InFlight == 0 }, 10*time.Second, time.Millisecond)
+	require.Equal(t, base, shmview.Mapped())
+}
+
+// Deregister with large copies running waits for them: the local region
+// goes with the engine.
+func TestDirectDeregisterInFlight(t *testing.T) {
+	leakcheck.Check(t)
+	const bs, nb = 32768, 880
+	prod, err := New(Config{AgentName: uniqueName("dp"), BlockSize: bs, NumBlocks: nb, Direct: DirectOn})
+	require.NoError(t, err)
+	defer prod.Deregister()
+	cons, err := New(Config{AgentName: uniqueName("dc"), BlockSize: bs, NumBlocks: nb, Direct: DirectOn})
+	require.NoError(t, err)
+	pname, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+	require.NoError(t, err)
+	idx := rand.New(rand.NewSource(3)).Perm(nb)
+	var hs []Handle
+	for range 8 {
+		h, err := cons.PostRead(idx, pname, idx, nil)
+		require.NoError(t, err)
+		hs = append(hs, h)
+	}
+	require.NoError(t, cons.Deregister())
+	for _, h := range hs {
+		st, err := cons.CheckXferState(h)
+		require.Equal(t, StateErr, st)
+		require.ErrorIs(t, err, ErrClosed)
+	}
+}
+
+// Steady-state direct READs allocate nothing, inline and on the workers.
+func TestDirectAllocs(t *testing.T) {
+	if raceEnabled {
+		t.Skip("the race detector allocates")
+	}
+	const bs, nb = 5120, 1024
+	prod, err := New(Config{AgentName: uniqueName("ap"), BlockSize: bs, NumBlocks: nb, Direct: DirectOn})
+	require.NoError(t, err)
+	defer prod.Deregister()
+	cons, err := New(Config{AgentName: uniqueName("ac"), BlockSize: bs, NumBlocks: nb, Direct: DirectOn})
+	require.NoError(t, err)
+	defer cons.Deregister()
+	pname, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+	require.NoError(t, err)
+	for _, n := range []int{1, 12, 880, 1024} {
+		idx := rand.New(rand.NewSource(int64(n))).Perm(nb)[:n]
+		read := func() {
+			h, err := cons.PostRead(idx, pname, idx, nil)
+			if err != nil {
+				panic(err)
+			}
+			for {
+				if st, _ := cons.CheckXferState(h); st != StateProc {
+					break
+				}
+				runtime.Gosched()
+			}
+			if err := cons.ReleaseXferHandle(h); err != nil {
+				panic(err)
+			}
+		}
+		for range 100 {
+			read()
+		}
+		allocs := testing.AllocsPerRun(200, read)
+		require.Zero(t, allocs, "%d-block direct READ: %.2f allocations per READ", n, allocs)
+	}
+}

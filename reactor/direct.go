@@ -1,0 +1,614 @@
+package reactor
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ecxfer/ecxfer/descriptors"
+	"github.com/ecxfer/ecxfer/internal/copypool"
+	"github.com/ecxfer/ecxfer/internal/procmem"
+	"github.com/ecxfer/ecxfer/internal/shmview"
+	"github.com/ecxfer/ecxfer/ring"
+)
+
+// The direct path: READs of a peer on this host whose region this process
+// can see, without the engine.
+//
+// Where a copy happens: a READ of at most InlineBytes is copied by the
+// caller inside Post, which returns a handle that is already DONE; a
+// larger one goes through the submission ring like any READ, and the
+// reactor hands it to the copy pool instead of the engine, so the reactor
+// thread never copies a byte. What must stay serialized stays on the
+// reactor: the notification (sent through the engine once the last chunk
+// has landed, exactly once), cancellation, peer removal and replacement,
+// and the liveness watch (the peer's pidfd, in the reactor's epoll set).
+//
+// Lifetimes: a Direct's view is reference counted. Every copy holds a
+// reference for its whole run, so removing, replacing or closing a peer
+// only stops new copies; the mapping goes when the last running one ends.
+// A READ whose copy faults (the producer truncated its file) or finds the
+// process gone ends in ErrRemoteDisconnect and marks the peer gone.
+
+// Direct is a same-host peer's region as this process reaches it.
+type Direct struct {
+	adv   shmview.Advert
+	view  *shmview.View // nil for a kernel copy (KindProc)
+	pidfd int           // the producer's process; -1 once it is closed
+	dead  atomic.Bool
+}
+
+// OpenDirect maps (or, for anonymous memory, prepares kernel copies of) an
+// advertised region. The advertised process must be alive.
+func OpenDirect(adv *shmview.Advert) (*Direct, error) {
+	fd, err := unix.PidfdOpen(int(adv.PID), unix.PIDFD_NONBLOCK)
+	if err != nil {
+		return nil, fmt.Errorf("pidfd_open(%d): %w", adv.PID, err)
+	}
+	// The pid could have been recycled before pidfd_open: the start time
+	// read after it names the process the pidfd holds.
+	if !adv.Alive() {
+		_ = unix.Close(fd)
+		return nil, fmt.Errorf("process %d is not the advertised one", adv.PID)
+	}
+	d := &Direct{adv: *adv, pidfd: fd}
+	if adv.Kind != shmview.KindProc {
+		if d.view, err = shmview.Open(adv); err != nil {
+			_ = unix.Close(fd)
+			return nil, err
+		}
+	}
+	return d, nil
+}
+
+// Path names how the peer is read: "direct-file", "direct-sysv" or
+// "direct-proc".
+func (d *Direct) Path() string { return "direct-" + d.adv.Kind.String() }
+
+// Contains reports whether [addr, addr+n) lies in the advertised region.
+func (d *Direct) Contains(addr, n uint64) bool { return d.adv.Contains(addr, n) }
+
+func (d *Direct) acquire() bool { return d.view == nil || d.view.Acquire() }
+
+func (d *Direct) release() {
+	if d.view != nil {
+		d.view.Release()
+	}
+}
+
+// Close stops new copies and closes the pidfd; the mapping goes when the
+// running copies end. The reactor calls it when the peer is dropped; an
+// owner that never handed d to the reactor calls it itself.
+func (d *Direct) Close() {
+	if d.view != nil {
+		d.view.Close()
+	}
+	if d.pidfd >= 0 {
+		_ = unix.Close(d.pidfd)
+		d.pidfd = -1
+	}
+}
+
+// readers are the batches of kernel copies; pooled so a READ allocates
+// nothing.
+var readers = sync.Pool{New: func() any { return procmem.NewReader(0) }}
+
+// seg is one run of a direct READ: n bytes from src (an offset into the
+// peer's region) to dst (an offset into the local region); at is the run's
+// offset within the READ.
+type seg struct {
+	dst, src, n, at uint64
+}
+
+// copySeg copies bytes [a, b) of run g.
+func (d *Direct) copySeg(local []byte, g seg, a, b uint64, rd *procmem.Reader) error {
+	dst := local[g.dst+a : g.dst+b]
+	if d.view == nil {
+		rd.Add(dst, d.adv.Base+g.src+a)
+		return nil
+	}
+	return shmview.Copy(dst, d.view.Bytes()[g.src+a:g.src+b])
+}
+
+// DirectOptions switch the direct path on for a reactor.
+type DirectOptions struct {
+	// Region is the local block memory; local descriptors are addresses
+	// inside it.
+	Region []byte
+	// Pool runs the copies of READs larger than InlineBytes. The reactor
+	// does not own it, but it never submits to it after Close.
+	Pool *copypool.Pool
+	// InlineBytes is the largest READ copied by the caller inside Post.
+	InlineBytes int
+}
+
+// direct is the reactor's direct-path state.
+type direct struct {
+	local  []byte
+	base   uint64
+	pool   *copypool.Pool
+	inline uint64
+
+	finished *ring.MPSC[*dirJob] // jobs whose last chunk has landed
+	notifQ   *ring.MPSC[uint64]  // inline READs whose notification is due
+
+	// loop-only
+	active   []*dirJob
+	watched  []*Peer // direct peers with a live pidfd
+	pollFDs  []unix.PollFd
+	lastPoll int64
+	jobBuf   []*dirJob
+	notifBuf []uint64
+
+	reads, inlineReads atomic.Uint64
+}
+
+// dirJob is one READ handed to the copy pool.
+type dirJob struct {
+	copypool.Job
+	r     *Reactor
+	h     uint64
+	peer  *Peer
+	segs  []seg
+	total uint64
+	err   error
+	idx   int  // position in active
+	live  bool // counted in InFlight: the READ has not ended yet
+	// running: handed to the pool, not yet ended (loop only).
+	running bool
+}
+
+// SetDirect enables the direct path. It must be called before the first
+// Post and before any peer with a Direct is added; it runs on the reactor
+// thread.
+func (r *Reactor) SetDirect(o DirectOptions) error {
+	n := len(r.tab.slots)
+	d := &direct{
+		local:    o.Region,
+		base:     uint64(uintptr(unsafe.Pointer(unsafe.SliceData(o.Region)))),
+		pool:     o.Pool,
+		inline:   uint64(max(o.InlineBytes, 0)),
+		finished: ring.NewMPSC[*dirJob](2 * n),
+		notifQ:   ring.NewMPSC[uint64](n),
+		jobBuf:   make([]*dirJob, 64),
+		notifBuf: make([]uint64, 64),
+	}
+	return r.do(func() error { r.dir = d; return nil })
+}
+
+// isDirect reports whether a published peer uses d. Loop only.
+func (r *Reactor) isDirect(d *Direct) bool {
+	for _, p := range *r.peers.Load() {
+		if p.direct == d {
+			return true
+		}
+	}
+	return false
+}
+
+// PeerPath names the path READs of a peer take: "engine", "direct-file",
+// "direct-sysv" or "direct-proc"; "" for an unknown peer.
+func (r *Reactor) PeerPath(name string) string {
+	p := r.Peer(name)
+	switch {
+	case p == nil:
+		return ""
+	case p.direct == nil || r.dir == nil:
+		return "engine"
+	}
+	return p.direct.Path()
+}
+
+// postInline copies a small READ of a direct peer on the caller's
+// goroutine. The slot is published DONE (or ERR) before it returns; a
+// notification is queued for the reactor, and the slot is kept from reuse
+// until the reactor has sent it.
+func (r *Reactor) postInline(h uint64, s *slot, p *Peer, localIdx, remoteIdx []int) (uint64, error) {
+	d := r.dir
+	w := s.word.Load()
+	code := p.gone.Load()
+	if code == 0 {
+		if err := r.copyInline(p, localIdx, remoteIdx); err != nil {
+			code = codeRemoteDisconnect
+			p.direct.dead.Store(true)
+			p.gone.CompareAndSwap(0, codeRemoteDisconnect)
+		}
+	}
+	if code != 0 {
+		r.countFailed(p, code) // atomics only: safe off the loop
+		s.word.Store(w&^stateMask | code<<errShift | stErr)
+		return h, nil
+	}
+	d.reads.Add(1)
+	d.inlineReads.Add(1)
+	r.st.posted.Add(1)
+	r.st.done.Add(1)
+	r.st.bytes.Add(s.bytes)
+	p.pc.done.Add(1)
+	p.pc.bytes.Add(s.bytes)
+	if s.hasNotif {
+		r.st.notifsSent.Add(1)
+		s.notifPending.Store(true)
+		s.word.Store(w&^stateMask | stDone)
+		if !d.notifQ.TryPush(h) {
+			// Cannot happen: one place per slot, and a slot with a
+			// pending notification is not reused.
+			panic("reactor: notification queue full")
+		}
+		r.wake()
+		return h, nil
+	}
+	s.word.Store(w&^stateMask | stDone)
+	return h, nil
+}
+
+func (r *Reactor) copyInline(p *Peer, localIdx, remoteIdx []int) error {
+	d, pd := r.dir, p.direct
+	if !pd.acquire() {
+		return errPeerClosed
+	}
+	defer pd.release()
+	var rd *procmem.Reader
+	if pd.view == nil {
+		rd = readers.Get().(*procmem.Reader)
+		rd.Reset(int(pd.adv.PID))
+		defer readers.Put(rd)
+	}
+	loc := r.loc.Load()
+	var run seg
+	for i := range localIdx {
+		l, rm := loc.descs[localIdx[i]], p.Descs[remoteIdx[i]]
+		dst, src := l.Addr-d.base, rm.Addr-pd.adv.Base
+		if run.n > 0 && run.dst+run.n == dst && run.src+run.n == src {
+			run.n += l.Len
+			continue
+		}
+		if run.n > 0 {
+			if err := pd.copySeg(d.local, run, 0, run.n, rd); err != nil {
+				return err
+			}
+		}
+		run = seg{dst: dst, src: src, n: l.Len}
+	}
+	if run.n > 0 {
+		if err := pd.copySeg(d.local, run, 0, run.n, rd); err != nil {
+			return err
+		}
+	}
+	if rd != nil {
+		return rd.Read()
+	}
+	return nil
+}
+
+var errPeerClosed = errors.New("reactor: peer closed")
+
+// jobs are the copy jobs of all reactors, reused so a READ allocates
+// nothing.
+var jobs sync.Pool
+
+// newJob builds the copy of a READ of a direct peer, with its runs merged.
+// Caller side, before the handle is published.
+func (r *Reactor) newJob(h uint64, p *Peer, loc descriptors.List, localIdx, remoteIdx []int) *dirJob {
+	j, _ := jobs.Get().(*dirJob)
+	if j == nil {
+		j = &dirJob{}
+		j.Run = j.run
+		j.Done = j.done
+	}
+	j.r, j.h, j.peer, j.err = r, h, p, nil
+	j.build(loc, p.Descs, localIdx, remoteIdx, r.dir.base, p.direct.adv.Base)
+	return j
+}
+
+// dropJob recycles the job of a READ that ends before its copy started.
+// Loop only.
+func (r *Reactor) dropJob(s *slot) {
+	if j := s.job; j != nil {
+		s.job = nil
+		j.recycle()
+	}
+}
+
+func (j *dirJob) recycle() {
+	j.r, j.peer, j.err, j.running, j.live = nil, nil, nil, false, false
+	j.segs = j.segs[:0]
+	if cap(j.segs) > 1<<14 {
+		j.segs = nil
+	}
+	jobs.Put(j)
+}
+
+// submitDirect hands a READ of a direct peer to the copy pool. Loop only.
+func (r *Reactor) submitDirect(h uint64, s *slot, p *Peer) {
+	d := r.dir
+	if !p.direct.acquire() {
+		r.dropJob(s)
+		s.trim()
+		r.fail(h, s, codeRemoteDisconnect)
+		return
+	}
+	j := s.job
+	s.trim()
+	s.posted = r.lastTime
+	j.idx = len(d.active)
+	d.active = append(d.active, j)
+	j.live, j.running = true, true
+	r.inflight.Add(1)
+	r.st.posted.Add(1)
+	d.pool.Submit(&j.Job, int(j.total))
+}
+
+// build turns the index lists into merged runs.
+func (j *dirJob) build(loc, rem descriptors.List, li, ri []int, base, rbase uint64) {
+	j.segs = j.segs[:0]
+	var at uint64
+	for i := range li {
+		l, rm := loc[li[i]], rem[ri[i]]
+		dst, src := l.Addr-base, rm.Addr-rbase
+		if k := len(j.segs) - 1; k >= 0 && j.segs[k].dst+j.segs[k].n == dst && j.segs[k].src+j.segs[k].n == src {
+			j.segs[k].n += l.Len
+		} else {
+			j.segs = append(j.segs, seg{dst: dst, src: src, n: l.Len, at: at})
+		}
+		at += l.Len
+	}
+	j.total = at
+}
+
+func (j *dirJob) run(lo, hi int) error {
+	d, pd := j.r.dir, j.peer.direct
+	a, b := uint64(lo), uint64(hi)
+	// The first run that ends after a.
+	i, k := 0, len(j.segs)
+	for i < k {
+		m := int(uint(i+k) >> 1)
+		if g := j.segs[m]; g.at+g.n > a {
+			k = m
+		} else {
+			i = m + 1
+		}
+	}
+	var rd *procmem.Reader
+	if pd.view == nil {
+		rd = readers.Get().(*procmem.Reader)
+		rd.Reset(int(pd.adv.PID))
+		defer readers.Put(rd)
+	}
+	for ; i < len(j.segs) && j.segs[i].at < b; i++ {
+		g := j.segs[i]
+		from, to := max(a, g.at)-g.at, min(b, g.at+g.n)-g.at
+		if err := pd.copySeg(d.local, g, from, to, rd); err != nil {
+			return err
+		}
+	}
+	if rd != nil {
+		return rd.Read()
+	}
+	return nil
+}
+
+// done is called by the pool's worker that finished the last chunk.
+func (j *dirJob) done(err error) {
+	j.err = err
+	r := j.r
+	for !r.dir.finished.TryPush(j) {
+		// The ring has two places per slot; it fills only if the reactor
+		// stopped draining, which it does not while jobs are active.
+		time.Sleep(10 * time.Microsecond)
+	}
+	r.wake()
+}
+
+// drainDirect finishes the READs whose copies ended and sends the
+// notifications of inline READs. Loop only. It reports whether it did
+// anything.
+func (r *Reactor) drainDirect() bool {
+	d := r.dir
+	work := false
+	for {
+		n := d.finished.Drain(d.jobBuf)
+		if n == 0 {
+			break
+		}
+		work = true
+		for _, j := range d.jobBuf[:n] {
+			r.endJob(j)
+		}
+		clear(d.jobBuf[:n])
+	}
+	for {
+		n := d.notifQ.Drain(d.notifBuf)
+		if n == 0 {
+			break
+		}
+		work = true
+		for _, h := range d.notifBuf[:n] {
+			s := &r.tab.slots[h&r.tab.mask]
+			// The slot is ours until notifPending is cleared: its peer
+			// and notification are those of READ h.
+			if err := r.agent.SendNotif(s.peer.Name, s.notif); err != nil {
+				r.engineError("notif", err)
+			}
+			if cap(s.notif) > 8*slotKeep {
+				s.notif = nil
+			}
+			s.notifPending.Store(false)
+		}
+	}
+	if len(d.watched) > 0 && (r.lastTime-d.lastPoll >= int64(time.Millisecond)) {
+		d.lastPoll = r.lastTime
+		if r.pollPeers() {
+			work = true
+		}
+	}
+	return work
+}
+
+// endJob publishes the end of a pool copy. Loop only.
+func (r *Reactor) endJob(j *dirJob) {
+	d := r.dir
+	last := d.active[len(d.active)-1]
+	last.idx = j.idx
+	d.active[j.idx] = last
+	d.active = d.active[:len(d.active)-1]
+	if j.live {
+		j.live = false
+		r.inflight.Add(-1)
+	}
+	p := j.peer
+	p.direct.release()
+	h := j.h
+	// A slot still PROC or CANCELING under h is the READ's own (nobody
+	// else may free it); otherwise the READ ended already (its peer was
+	// dropped) and the slot may belong to someone else.
+	s, w := r.tab.lookup(h)
+	if s != nil && (wordState(w) == stProc || wordState(w) == stCanceling) && s.job == j {
+		s.job = nil
+		switch wordState(w) {
+		case stCanceling:
+			r.st.canceled.Add(1)
+			s.trim()
+			r.tab.free(s, w)
+		case stProc:
+			if j.err != nil {
+				p.direct.dead.Store(true)
+				p.gone.CompareAndSwap(0, codeRemoteDisconnect)
+				r.peerDead(p, j.err.Error())
+				r.countFailed(p, codeRemoteDisconnect)
+				s.trim()
+				r.finish(h, s, codeRemoteDisconnect)
+			} else {
+				if s.hasNotif {
+					if err := r.agent.SendNotif(p.Name, s.notif); err != nil {
+						r.engineError("notif", err)
+					} else {
+						r.st.notifsSent.Add(1)
+					}
+				}
+				d.reads.Add(1)
+				r.st.done.Add(1)
+				r.st.bytes.Add(s.bytes)
+				p.pc.done.Add(1)
+				p.pc.bytes.Add(s.bytes)
+				r.st.latency.Add(time.Duration(r.lastTime - s.posted))
+				// Nothing of the slot may be touched once it is published.
+				s.trim()
+				r.finish(h, s, codeNone)
+			}
+		}
+	}
+	j.recycle()
+}
+
+// failDirectReads ends p's READs still copying with code; the copies run
+// on from the still-mapped region and are then discarded. Loop only.
+func (r *Reactor) failDirectReads(p *Peer, code uint64) int {
+	if r.dir == nil {
+		return 0
+	}
+	n := 0
+	for _, j := range r.dir.active {
+		if j.peer != p {
+			continue
+		}
+		if s, w := r.tab.lookup(j.h); s != nil && wordState(w) == stProc && s.job == j {
+			s.job = nil
+			j.live = false
+			r.inflight.Add(-1)
+			if code == codeCanceled {
+				r.st.canceled.Add(1)
+			} else {
+				r.countFailed(p, code)
+			}
+			s.trim()
+			r.finish(j.h, s, code)
+			n++
+		}
+	}
+	return n
+}
+
+// watchPeer adds a direct peer's pidfd to the liveness watch. Loop only.
+func (r *Reactor) watchPeer(p *Peer) {
+	if p.direct == nil || p.direct.pidfd < 0 {
+		return
+	}
+	ev := unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(p.direct.pidfd)}
+	_ = unix.EpollCtl(r.epollFD, unix.EPOLL_CTL_ADD, p.direct.pidfd, &ev)
+	r.dir.watched = append(r.dir.watched, p)
+}
+
+// unwatchPeer takes p off the watch and closes its Direct. Loop only.
+func (r *Reactor) unwatchPeer(p *Peer) {
+	if p.direct == nil {
+		return
+	}
+	if d := r.dir; d != nil {
+		for i, q := range d.watched {
+			if q == p {
+				d.watched = append(d.watched[:i], d.watched[i+1:]...)
+				break
+			}
+		}
+	}
+	if p.direct.pidfd >= 0 {
+		_ = unix.EpollCtl(r.epollFD, unix.EPOLL_CTL_DEL, p.direct.pidfd, nil)
+	}
+	p.direct.Close()
+}
+
+// pollPeers checks the pidfds of the watched peers; a dead one is marked
+// gone: READs posted from now on fail with ErrRemoteDisconnect, copies
+// already running finish from the mapping. Loop only.
+func (r *Reactor) pollPeers() bool {
+	d := r.dir
+	d.pollFDs = d.pollFDs[:0]
+	for _, p := range d.watched {
+		d.pollFDs = append(d.pollFDs, unix.PollFd{Fd: int32(p.direct.pidfd), Events: unix.POLLIN})
+	}
+	n, err := unix.Poll(d.pollFDs, 0)
+	if err != nil || n == 0 {
+		return false
+	}
+	kept := d.watched[:0]
+	var dead []*Peer
+	for i, p := range d.watched {
+		if d.pollFDs[i].Revents == 0 {
+			kept = append(kept, p)
+			continue
+		}
+		dead = append(dead, p)
+	}
+	d.watched = kept
+	for _, p := range dead {
+		p.direct.dead.Store(true)
+		p.gone.CompareAndSwap(0, codeRemoteDisconnect)
+		_ = unix.EpollCtl(r.epollFD, unix.EPOLL_CTL_DEL, p.direct.pidfd, nil)
+		r.peerDead(p, "process exited")
+	}
+	return true
+}
+
+// waitDirect waits until no copy is running (teardown: the local region
+// is about to go). Loop only.
+func (r *Reactor) waitDirect() {
+	if r.dir == nil {
+		return
+	}
+	for len(r.dir.active) > 0 {
+		if n := r.dir.finished.Drain(r.dir.jobBuf); n > 0 {
+			for _, j := range r.dir.jobBuf[:n] {
+				r.endJob(j)
+			}
+			clear(r.dir.jobBuf[:n])
+			continue
+		}
+		time.Sleep(20 * time.Microsecond)
+	}
+}
