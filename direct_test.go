@@ -332,10 +332,10 @@ func TestDirectAllocs(t *testing.T) {
 				panic(err)
 			}
 		}
-		for range 100 {
+		for range 20 {
 			read()
 		}
-		allocs := testing.AllocsPerRun(200, read)
+		allocs := testing.AllocsPerRun(50, read)
 		require.Zero(t, allocs, "%d-block direct READ: %.2f allocations per READ", n, allocs)
 	}
 }
