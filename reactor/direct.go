@@ -6,7 +6,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -14,6 +13,7 @@ import (
 	"github.com/ecxfer/ecxfer/internal/copypool"
 	"github.com/ecxfer/ecxfer/internal/procmem"
 	"github.com/ecxfer/ecxfer/internal/shmview"
+	"github.com/ecxfer/ecxfer/nixl"
 	"github.com/ecxfer/ecxfer/ring"
 )
 
@@ -170,7 +170,7 @@ func (r *Reactor) SetDirect(o DirectOptions) error {
 	n := len(r.tab.slots)
 	d := &direct{
 		local:    o.Region,
-		base:     uint64(uintptr(unsafe.Pointer(unsafe.SliceData(o.Region)))),
+		base:     nixl.Addr(o.Region),
 		pool:     o.Pool,
 		inline:   uint64(max(o.InlineBytes, 0)),
 		finished: ring.NewMPSC[*dirJob](2 * n),
