@@ -78,6 +78,17 @@ func runTestProducer() int {
 		}
 		cfg.Region = region
 	}
+	if path := os.Getenv("ECX_SHM_PATH"); os.Getenv("ECX_REGION") == "shm" {
+		// A MAP_SHARED mapping of a /dev/shm file, like vLLM's region.
+		region, err := shmFileRegion(path, bs*nb)
+		if err != nil {
+			return fail(err)
+		}
+		cfg.Region = region
+	}
+	if os.Getenv("ECX_DIRECT") == "1" {
+		cfg.Direct = DirectOn
+	}
 	tr, err := New(cfg)
 	if err != nil {
 		return fail(err)

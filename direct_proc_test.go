@@ -1,0 +1,248 @@
+package ecxfer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand"
+	"os"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/ecxfer/ecxfer/internal/leakcheck"
+	"github.com/ecxfer/ecxfer/internal/pattern"
+	"github.com/ecxfer/ecxfer/internal/shmview"
+)
+
+// Two-process tests of the direct path: real producer processes (this test
+// binary re-executed), real mappings, bytes verified.
+
+// shmFileRegion creates path (size bytes) and maps it MAP_SHARED.
+func shmFileRegion(path string, size int) ([]byte, error) {
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_TRUNC, 0o600)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	if err := f.Truncate(int64(size)); err != nil {
+		return nil, err
+	}
+	return unix.Mmap(int(f.Fd()), 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+}
+
+// directRegions are the producer regions of the two-process tests: the
+// engine's (a UCX System V segment), a /dev/shm file, anonymous memory.
+var directRegions = []struct{ region, path string }{
+	{"alloc", "direct-sysv"},
+	{"shm", "direct-file"},
+	{"mmap", "direct-proc"},
+}
+
+// startDirectProducer starts a producer process with the direct path on.
+func startDirectProducer(t *testing.T, name, region string, bs, nb int, seed uint64) (*roleProc, string) {
+	t.Helper()
+	path := filepath.Join("/dev/shm", fmt.Sprintf("ecxfer_test_%d_%s.mmap", os.Getpid(), name))
+	t.Cleanup(func() { _ = os.Remove(path) })
+	p := startTestProducer(t, nil, name, bs, nb, seed, region, "ECX_DIRECT=1", "ECX_SHM_PATH="+path)
+	return p, path
+}
+
+func directReadVerify(cons *Transport, peer string, local, remote []int, seed uint64, bs int, notif []byte) error {
+	h, err := cons.PostRead(local, peer, remote, notif)
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	err = cons.Wait(ctx, h)
+	cancel()
+	if rerr := cons.ReleaseXferHandle(h); err == nil {
+		err = rerr
+	}
+	if err != nil {
+		return err
+	}
+	for i := range local {
+		if ok, off := pattern.Check(block(cons, bs, local[i]), seed, remote[i]); !ok {
+			return fmt.Errorf("local block %d (remote %d) differs at byte %d", local[i], remote[i], off)
+		}
+	}
+	return nil
+}
+
+func TestDirectTwoProcess(t *testing.T) {
+	for _, c := range directRegions {
+		t.Run(c.region, func(t *testing.T) {
+			leakcheck.Check(t)
+			const bs, nb, seed = 5120, 1024, 21
+			pname := uniqueName("dx-prod")
+			p, _ := startDirectProducer(t, pname, c.region, bs, nb, seed)
+			cons := ucxEnv(t).transport(uniqueName("dx-cons"), bs, nb, direct)
+			got, err := cons.AddRemotePeer(p.hello.Metadata, p.hello.MemDesc)
+			require.NoError(t, err)
+			require.Equal(t, pname, got)
+			require.Equal(t, c.path, cons.PeerPath(pname))
+			rng := rand.New(rand.NewSource(seed))
+			for _, n := range []int{1, 12, 880} {
+				remote, local := rng.Perm(nb)[:n], rng.Perm(nb)[:n]
+				msg := fmt.Appendf(nil, "session:%d", n)
+				require.NoError(t, directReadVerify(cons, pname, local, remote, seed, bs, msg))
+				m, err := p.conn.Expect("notif")
+				require.NoError(t, err)
+				require.Equal(t, cons.cfg.AgentName, m.Name)
+				require.Equal(t, msg, m.Data)
+			}
+			require.Equal(t, uint64(3), cons.Stats().DirectReads)
+		})
+	}
+}
+
+// TestDirectProducerKilled: a producer is SIGKILLed while large copies out
+// of its region run, three times (restarted under the same name each
+// time). Copies that started may finish; READs after the death is detected
+// end in ErrRemoteDisconnect; a second, healthy producer's READs keep
+// completing throughout; the restarted producer is read from again.
+func TestDirectProducerKilled(t *testing.T) {
+	for _, c := range directRegions {
+		t.Run(c.region, func(t *testing.T) {
+			leakcheck.Check(t)
+			base := shmview.Mapped()
+			const bs, nb = 32768, 1024
+			victim, healthy := uniqueName("dvictim"), uniqueName("dhealthy")
+			ph, _ := startDirectProducer(t, healthy, c.region, bs, nb, 2)
+			cons := ucxEnv(t).transport(uniqueName("dk-cons"), bs, 4096, direct)
+			_, err := cons.AddRemotePeer(ph.hello.Metadata, ph.hello.MemDesc)
+			require.NoError(t, err)
+
+			var stop atomic.Bool
+			var healthyReads atomic.Int64
+			var wg sync.WaitGroup
+			errs := make(chan error, 8)
+			// Two readers of the healthy producer own local blocks
+			// 3072..4095.
+			for w := range 2 {
+				wg.Go(func() {
+					rng := rand.New(rand.NewSource(int64(w)))
+					for !stop.Load() {
+						remote := rng.Perm(nb)[:256]
+						local := make([]int, 256)
+						for i := range local {
+							local[i] = 3072 + w*512 + i
+						}
+						if err := directReadVerify(cons, healthy, local, remote, 2, bs, nil); err != nil {
+							errs <- fmt.Errorf("healthy producer: %w", err)
+							return
+						}
+						healthyReads.Add(1)
+					}
+				})
+			}
+			for round := range 3 {
+				seed := uint64(10 + round)
+				pv, _ := startDirectProducer(t, victim, c.region, bs, nb, seed)
+				name, err := cons.AddRemotePeer(pv.hello.Metadata, pv.hello.MemDesc)
+				require.NoError(t, err)
+				require.Equal(t, victim, name)
+				require.Equal(t, c.path, cons.PeerPath(victim))
+				require.NoError(t, directReadVerify(cons, victim, []int{0}, []int{5}, seed, bs, nil))
+
+				// Four readers of the victim (local blocks 0..3071, 768
+				// each), 880-block READs, until it dies.
+				var vwg sync.WaitGroup
+				var victimDone, victimErr atomic.Int64
+				for w := range 4 {
+					vwg.Go(func() {
+						rng := rand.New(rand.NewSource(int64(round*10 + w)))
+						for {
+							remote := rng.Perm(nb)[:700]
+							local := make([]int, 700)
+							for i := range local {
+								local[i] = w*768 + i
+							}
+							err := directReadVerify(cons, victim, local, remote, seed, bs, nil)
+							switch {
+							case err == nil:
+								victimDone.Add(1)
+							case errors.Is(err, ErrRemoteDisconnect):
+								victimErr.Add(1)
+								return
+							default:
+								errs <- fmt.Errorf("victim: %w", err)
+								return
+							}
+						}
+					})
+				}
+				time.Sleep(20 * time.Millisecond)
+				before := healthyReads.Load()
+				pv.kill()
+				// Every reader of the victim sees ErrRemoteDisconnect
+				// within the wait below (liveness is checked every
+				// millisecond while the reactor runs).
+				waited := make(chan struct{})
+				go func() { vwg.Wait(); close(waited) }()
+				select {
+				case <-waited:
+				case <-time.After(20 * time.Second):
+					t.Fatal("READs of a killed producer still succeed 20s after SIGKILL")
+				}
+				require.Equal(t, int64(4), victimErr.Load())
+				h, err := cons.PostRead([]int{0}, victim, []int{1}, nil)
+				require.NoError(t, err)
+				st, err := wait(t, cons, h)
+				require.Equal(t, StateErr, st)
+				require.ErrorIs(t, err, ErrRemoteDisconnect)
+				require.NoError(t, cons.ReleaseXferHandle(h))
+				require.Eventually(t, func() bool { return healthyReads.Load() >= before+3 }, 20*time.Second, time.Millisecond,
+					"the healthy producer stopped serving after the other one died")
+				t.Logf("%s round %d: %d victim READs done before the kill was seen; healthy READs go on (%d so far)",
+					c.region, round, victimDone.Load(), healthyReads.Load())
+			}
+			stop.Store(true)
+			wg.Wait()
+			close(errs)
+			for err := range errs {
+				require.NoError(t, err)
+			}
+			require.NoError(t, cons.RemoveRemotePeer(victim))
+			require.NoError(t, cons.RemoveRemotePeer(healthy))
+			require.Eventually(t, func() bool { return shmview.Mapped() == base }, 10*time.Second, time.Millisecond,
+				"mappings left after the peers were removed")
+		})
+	}
+}
+
+// TestDirectTruncatedTwoProcess: the producer process shrinks its region
+// file under a consumer that maps it. The READ that faults ends in
+// ErrRemoteDisconnect, the consumer lives on, the peer is gone.
+func TestDirectTruncatedTwoProcess(t *testing.T) {
+	leakcheck.Check(t)
+	const bs, nb, seed = 32768, 256, 31
+	pname := uniqueName("dt-prod")
+	p, path := startDirectProducer(t, pname, "shm", bs, nb, seed)
+	healthy := uniqueName("dt-ok")
+	ph, _ := startDirectProducer(t, healthy, "alloc", bs, nb, 32)
+	cons := ucxEnv(t).transport(uniqueName("dt-cons"), bs, nb, direct)
+	for _, q := range []*roleProc{p, ph} {
+		_, err := cons.AddRemotePeer(q.hello.Metadata, q.hello.MemDesc)
+		require.NoError(t, err)
+	}
+	all := make([]int, nb)
+	for i := range all {
+		all[i] = i
+	}
+	require.NoError(t, directReadVerify(cons, pname, all, all, seed, bs, nil))
+	// The file is the producer's; shrinking it from here is the same
+	// truncation as the producer's own, seen through the consumer's map.
+	require.NoError(t, os.Truncate(path, 4096))
+	err := directReadVerify(cons, pname, all, all, seed, bs, nil)
+	require.ErrorIs(t, err, ErrRemoteDisconnect)
+	err = directReadVerify(cons, pname, []int{0}, []int{0}, seed, bs, nil)
+	require.ErrorIs(t, err, ErrRemoteDisconnect)
+	require.NoError(t, directReadVerify(cons, healthy, all[:100], all[100:200], 32, bs, nil))
+}
