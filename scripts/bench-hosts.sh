@@ -7,12 +7,19 @@
 # after, as the limit; then one producer against 1, 4 and 16 consumer
 # processes across the same link (ecxfer-fleet consumers).
 #
-# Needs root and iproute2. Environment: GO (go), BENCH_FLAGS (extra flags
-# for ecxfer-bench run), FLEET_FLAGS (extra flags for ecxfer-fleet
-# consumers).
+# Both reactors use the park idle strategy here (HOSTS_IDLE): across TCP a
+# reactor waits tens of microseconds for every answer, and on a busy
+# machine a thread that yields instead of sleeping waits for a whole
+# scheduler round (milliseconds) where a sleeping one is woken at once;
+# see README, "Operating it".
+#
+# Needs root and iproute2. Environment: GO (go), HOSTS_IDLE (park),
+# BENCH_FLAGS (extra flags for ecxfer-bench run, after the defaults),
+# FLEET_FLAGS (extra flags for ecxfer-fleet consumers).
 set -eu
 
 GO=${GO:-go}
+HOSTS_IDLE=${HOSTS_IDLE:-park}
 ID=$$
 NSA=ecxh-p$ID
 NSB=ecxh-c$ID
@@ -77,12 +84,13 @@ ip netns exec "$NSA" env UCX_TLS=tcp UCX_NET_DEVICES="$DEVA" "$TMP/ecxfer-bench"
 PIDS="$PIDS $!"
 sleep 0.5
 # shellcheck disable=SC2086
-ip netns exec "$NSB" env UCX_TLS=tcp UCX_NET_DEVICES="$DEVB" "$TMP/ecxfer-bench" run --connect "$IPA:7100" --no-refs ${BENCH_FLAGS:-}
+ip netns exec "$NSB" env UCX_TLS=tcp UCX_NET_DEVICES="$DEVB" "$TMP/ecxfer-bench" run --connect "$IPA:7100" --no-refs \
+	--idle "$HOSTS_IDLE" --producer-idle "$HOSTS_IDLE" ${BENCH_FLAGS:-}
 
 echo "bench-hosts: one producer in $NSA, consumer processes in $NSB"
 # shellcheck disable=SC2086
 "$TMP/ecxfer-fleet" consumers --producer-netns "$NSA" --producer-dev "$DEVA" \
-	--consumer-netns "$NSB" --consumer-dev "$DEVB" ${FLEET_FLAGS:-}
+	--consumer-netns "$NSB" --consumer-dev "$DEVB" --idle "$HOSTS_IDLE" ${FLEET_FLAGS:-}
 
 probe after
 echo "bench-hosts: done; removing the namespaces"

@@ -4,7 +4,7 @@
 //
 //	ecxfer-fleet peers [--agents 256] [--procs 8] [--block 4096] [--blocks 16]
 //	ecxfer-fleet consumers [--consumers 1,4,16] [--block 32768] [--blocks 1024]
-//	                       [--per-read 64] [--duration 3s]
+//	                       [--per-read 64] [--duration 3s] [--idle hybrid|spin|yield|park]
 //	                       [--producer-netns NS --producer-dev DEV --consumer-netns NS --consumer-dev DEV]
 //	ecxfer-fleet tcp-serve --listen HOST:PORT
 //	ecxfer-fleet tcp-probe --connect HOST:PORT [--duration 2s]
@@ -40,6 +40,7 @@ import (
 	"time"
 
 	"github.com/ecxfer/ecxfer/internal/fleet"
+	"github.com/ecxfer/ecxfer/reactor"
 )
 
 func main() {
@@ -152,7 +153,12 @@ func consumers(ctx context.Context, fs *flag.FlagSet, args []string) error {
 	pdev := fs.String("producer-dev", "", "its network device for UCX")
 	cns := fs.String("consumer-netns", "", "network namespace of the consumers")
 	cdev := fs.String("consumer-dev", "", "their network device for UCX")
+	idle := fs.String("idle", "hybrid", "every reactor's idle strategy: hybrid, spin, yield or park")
 	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	var err error
+	if cfg.Idle, err = reactor.ParseIdle(*idle); err != nil {
 		return err
 	}
 	where := "same host (shared memory)"
@@ -166,8 +172,8 @@ func consumers(ctx context.Context, fs *flag.FlagSet, args []string) error {
 		cfg.ConsumerEnv = []string{"UCX_TLS=tcp", "UCX_NET_DEVICES=" + *cdev}
 		where = fmt.Sprintf("across namespaces %s → %s (UCX over TCP)", *pns, *cns)
 	}
-	fmt.Printf("consumers: one producer, %d × %d B scattered blocks per READ, each with a notification; %s\n",
-		cfg.BlocksPerRead, cfg.BlockSize, where)
+	fmt.Printf("consumers: one producer, %d × %d B scattered blocks per READ, each with a notification; %s; idle %s\n",
+		cfg.BlocksPerRead, cfg.BlockSize, where, cfg.Idle)
 	fmt.Printf("  %9s  %8s  %7s  %12s  %12s  %14s  %9s\n", "consumers", "reads", "GB/s", "notif p50 µs", "notif p99 µs", "prod CPU ms/GB", "verified")
 	for _, s := range strings.Split(*ns, ",") {
 		n, err := strconv.Atoi(strings.TrimSpace(s))

@@ -12,6 +12,7 @@ import (
 	"github.com/ecxfer/ecxfer"
 	"github.com/ecxfer/ecxfer/internal/ctrl"
 	"github.com/ecxfer/ecxfer/internal/pattern"
+	"github.com/ecxfer/ecxfer/reactor"
 )
 
 // ConsumersConfig sizes a Consumers run.
@@ -26,6 +27,8 @@ type ConsumersConfig struct {
 	// environment (UCX_TLS, UCX_NET_DEVICES), for runs across namespaces.
 	ProducerWrap, ConsumerWrap []string
 	ProducerEnv, ConsumerEnv   []string
+	// Idle is every reactor's idle strategy (producer and consumers).
+	Idle reactor.IdleStrategy
 }
 
 func (c *ConsumersConfig) defaults() error {
@@ -90,7 +93,8 @@ func Consumers(ctx context.Context, cfg ConsumersConfig) (*ConsumersResult, erro
 		return nil, err
 	}
 	all = append(all, prod)
-	if err := prod.C.Send(ctrl.Message{Kind: "setup", Ints: map[string]int64{"bs": int64(cfg.BlockSize), "nb": int64(cfg.NumBlocks)}}); err != nil {
+	if err := prod.C.Send(ctrl.Message{Kind: "setup", Ints: map[string]int64{"bs": int64(cfg.BlockSize), "nb": int64(cfg.NumBlocks),
+		"idle": int64(cfg.Idle)}}); err != nil {
 		return nil, err
 	}
 	hello, err := prod.C.Expect("hello")
@@ -105,7 +109,7 @@ func Consumers(ctx context.Context, cfg ConsumersConfig) (*ConsumersResult, erro
 		all = append(all, cons[i])
 		err = cons[i].C.Send(ctrl.Message{Kind: "setup", Metadata: hello.Metadata, MemDesc: hello.MemDesc, Ints: map[string]int64{
 			"id": int64(i), "bs": int64(cfg.BlockSize), "nb": int64(cfg.NumBlocks), "k": int64(cfg.BlocksPerRead),
-			"seed": hello.Ints["seed"]}})
+			"seed": hello.Ints["seed"], "idle": int64(cfg.Idle)}})
 		if err != nil {
 			return nil, err
 		}
@@ -199,7 +203,8 @@ func producerChild(c *ctrl.Conn) error {
 		return err
 	}
 	bs, nb := int(m.Ints["bs"]), int(m.Ints["nb"])
-	t, err := ecxfer.New(ecxfer.Config{AgentName: fmt.Sprintf("fleet-producer-%d", monoNow()%1e9), BlockSize: bs, NumBlocks: nb})
+	t, err := ecxfer.New(ecxfer.Config{AgentName: fmt.Sprintf("fleet-producer-%d", monoNow()%1e9), BlockSize: bs, NumBlocks: nb,
+		Reactor: reactor.Options{Idle: reactor.IdleStrategy(m.Ints["idle"])}})
 	if err != nil {
 		return err
 	}
@@ -257,7 +262,8 @@ func consumerChild(c *ctrl.Conn) error {
 		return err
 	}
 	id, bs, nb, k, seed := uint32(m.Ints["id"]), int(m.Ints["bs"]), int(m.Ints["nb"]), int(m.Ints["k"]), uint64(m.Ints["seed"])
-	t, err := ecxfer.New(ecxfer.Config{AgentName: fmt.Sprintf("fleet-consumer-%d-%d", monoNow()%1e9, id), BlockSize: bs, NumBlocks: k})
+	t, err := ecxfer.New(ecxfer.Config{AgentName: fmt.Sprintf("fleet-consumer-%d-%d", monoNow()%1e9, id), BlockSize: bs, NumBlocks: k,
+		Reactor: reactor.Options{Idle: reactor.IdleStrategy(m.Ints["idle"])}})
 	if err != nil {
 		return err
 	}
