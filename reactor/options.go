@@ -82,10 +82,13 @@ type Options struct {
 	// SubmitRing is the submission ring's capacity (default 4096).
 	SubmitRing int
 	// Handles is the handle table's capacity: the most transfers that can
-	// be posted and not yet released (default 4096).
+	// be posted and not yet released (default 4096; rounded up to a power
+	// of two, at least 256). Post returns ErrBusy only when all are taken.
 	Handles int
 	// WaitWhenBusy makes Post wait for room instead of returning ErrBusy
-	// when the ring or the table is full.
+	// when the ring or the table is full. A waiting Post yields, then
+	// sleeps up to 1ms at a time, and returns ErrClosed if the reactor
+	// closes meanwhile.
 	WaitWhenBusy bool
 	// MaxNotif is the longest notification accepted (default
 	// nixl.DefaultMaxNotif, 64 KiB; at most MaxNotifLimit), both ways:

@@ -293,10 +293,9 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 		return 0, wrapf(ErrBadNotif, "%d bytes (limit %d)", len(notif), r.opts.MaxNotif)
 	}
 
-	h, s := r.claim()
-	if s == nil {
-		r.st.busyRefusals.Add(1)
-		return 0, wrapf(ErrBusy, "handle table full (%d slots)", len(r.tab.slots))
+	h, s, err := r.claim()
+	if err != nil {
+		return 0, err
 	}
 	// The word claim stored. Until the handle is on the ring the slot is
 	// this Post's alone, and on every error path it frees exactly this
@@ -325,18 +324,18 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 		s.remoteIdx = append(s.remoteIdx[:0], remoteIdx...)
 	}
 
-	for !r.sub.TryPush(h) {
-		if !r.opts.WaitWhenBusy || r.closing.Load() {
+	for tries := 0; !r.sub.TryPush(h); tries++ {
+		var err error
+		if r.opts.WaitWhenBusy {
+			err = r.waitForRoom(tries)
+		} else {
+			err = r.busy("submission ring full (%d)", r.sub.Cap())
+		}
+		if err != nil {
 			s.job = nil
 			r.tab.free(s, claimed)
-			if r.closing.Load() {
-				return 0, ErrClosed
-			}
-			r.st.busyRefusals.Add(1)
-			return 0, wrapf(ErrBusy, "submission ring full (%d)", r.sub.Cap())
+			return 0, err
 		}
-		r.wakeAlways()
-		runtime.Gosched()
 	}
 	r.wake()
 	if r.closing.Load() {
@@ -355,19 +354,55 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 	return h, nil
 }
 
-func (r *Reactor) claim() (uint64, *slot) {
-	for spins := 0; ; spins++ {
-		h, s := r.tab.claim()
-		if s != nil || !r.opts.WaitWhenBusy || r.closing.Load() {
-			return h, s
+// claim takes a free slot for a new transfer. Without a free slot it
+// returns ErrBusy, or with Options.WaitWhenBusy waits for one.
+func (r *Reactor) claim() (uint64, *slot, error) {
+	for tries := 0; ; tries++ {
+		if h, s := r.tab.claim(); s != nil {
+			return h, s, nil
 		}
-		r.wakeAlways()
-		if spins < 64 {
-			runtime.Gosched()
-		} else {
-			time.Sleep(50 * time.Microsecond)
+		if !r.opts.WaitWhenBusy {
+			return 0, nil, r.busy("handle table full (%d slots)", len(r.tab.slots))
+		}
+		if err := r.waitForRoom(tries); err != nil {
+			return 0, nil, err
 		}
 	}
+}
+
+// busy counts a refused Post and returns its ErrBusy.
+func (r *Reactor) busy(format string, n int) error {
+	r.st.busyRefusals.Add(1)
+	return wrapf(ErrBusy, format, n)
+}
+
+// Backoff of a Post waiting for room (see waitForRoom).
+const (
+	roomYields   = 16
+	roomMinSleep = time.Microsecond
+	roomMaxSleep = time.Millisecond
+)
+
+// waitForRoom pauses a Post that found no free slot or no room on the
+// submission ring, with Options.WaitWhenBusy; tries counts the pauses so
+// far. Room is made by Release (a slot) and by the reactor (it drains the
+// ring and frees canceling slots), and the reactor never sleeps while
+// either ring holds entries (see park), so there is nobody to wake: the
+// waiter yields the processor a few times, then sleeps for doubling
+// intervals up to roomMaxSleep. It returns ErrClosed once Close has begun.
+func (r *Reactor) waitForRoom(tries int) error {
+	if r.closing.Load() {
+		return ErrClosed
+	}
+	if tries < roomYields {
+		runtime.Gosched()
+		return nil
+	}
+	time.Sleep(min(roomMinSleep<<min(tries-roomYields, 20), roomMaxSleep))
+	if r.closing.Load() {
+		return ErrClosed
+	}
+	return nil
 }
 
 // State reports a transfer's state with one atomic load.

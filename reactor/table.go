@@ -37,7 +37,6 @@ const (
 	stateMask   = 1<<stateBits - 1
 	errShift    = stateBits
 	minSlotBits = 8 // room for state and error code below the generation
-	probeWindow = 32
 )
 
 // Error codes stored next to the state. They map one to one onto the
@@ -128,9 +127,10 @@ func newTable(capacity int) *table {
 
 func (t *table) genMask() uint64 { return ^t.mask }
 
-// claim finds a free slot near the generation's hash and takes it in state
-// PROC. It returns the handle and the slot, or 0 when no slot in the probe
-// window is free (the table is too full).
+// claim finds a free slot, probing forward from the generation's hash, and
+// takes it in state PROC. It returns the handle and the slot, or 0 and nil
+// when it found every slot taken. A table with free slots is usually
+// claimed from within a few probes; only a nearly full one is scanned far.
 func (t *table) claim() (uint64, *slot) {
 	g := t.gen.Add(1)
 	// The generation must be non-zero once shifted, so 0 is never a
@@ -145,7 +145,7 @@ func (t *table) claim() (uint64, *slot) {
 		kb[i] = byte(g >> (8 * i))
 	}
 	home := xxhash.Sum64(kb[:]) & t.mask
-	for i := uint64(0); i < probeWindow; i++ {
+	for i := uint64(0); i <= t.mask; i++ {
 		idx := (home + i) & t.mask
 		s := &t.slots[idx]
 		if s.word.Load() != 0 || s.notifPending.Load() {

@@ -161,3 +161,18 @@ func TestOptions(t *testing.T) {
 	_, err = ParseIdle("busy")
 	require.Error(t, err)
 }
+
+// A claim fails only when every slot is taken: Options.Handles is the
+// number of transfers that can be posted and not yet released.
+func TestTableClaimFindsTheLastFreeSlot(t *testing.T) {
+	for _, n := range []int{256, 4096} {
+		tab := newTable(n)
+		for i := 0; i < n; i++ {
+			_, s := tab.claim()
+			require.NotNil(t, s, "claim %d of %d failed with %d slots free", i+1, n, n-i)
+		}
+		_, s := tab.claim()
+		require.Nil(t, s, "a claim succeeded on a full table")
+		require.Equal(t, int64(n), tab.live.Load())
+	}
+}
