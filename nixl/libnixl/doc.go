@@ -40,7 +40,10 @@
 // with one call (NIXL's status check advances its UCX worker and sends the
 // notification of a finished read); GetNotifs drains notifications with
 // one call, progressing the worker even when nothing is in flight, which is
-// what serves peers' reads of our memory. NIXL exposes no descriptor to
+// what serves peers' reads of our memory. The shim hands notifications over
+// as packed records (ecxnixl.h); each is bounds-checked before it is read,
+// and records that do not parse are dropped and counted (DroppedNotifs,
+// nixl.NotifDropper). NIXL exposes no descriptor to
 // sleep on, so EventFD is -1 and the reactor never sleeps longer than a
 // millisecond.
 //

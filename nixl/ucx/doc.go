@@ -28,9 +28,11 @@
 //
 // Received notifications are copied, inside the AM handler, into a C queue
 // that GetNotifs drains. Senders force eager protocol and notifications are
-// limited to Config.MaxNotif (64 KiB by default; MakeXfer and SendNotif
-// refuse larger ones with ErrInvalidParam), so the handler never sees
-// rendezvous data.
+// limited to Config.MaxNotif (nixl.DefaultMaxNotif, 64 KiB, by default;
+// MakeXfer and SendNotif refuse larger ones with ErrInvalidParam), so the
+// handler never has to fetch rendezvous data. A message that arrives by
+// rendezvous anyway (from a sender that does not force eager) is dropped
+// there and counted; DroppedNotifs (nixl.NotifDropper) reports the count.
 //
 // # Memory
 //
