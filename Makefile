@@ -9,7 +9,7 @@ DEBS      := libucx-dev ucx-utils pkg-config iproute2 python3-msgpack python3-ve
 SOAK      ?= 60s
 BENCHTIME ?= 1s
 
-.PHONY: python test-python bench-python
+.PHONY: python test-python bench-python test-vllm
 .PHONY: all deps debs venv nixl-venv build test vet staticcheck fmt-check cgo-guard fuzz-seed fuzz run bench soak clean
 
 all: build
@@ -224,3 +224,24 @@ test-python: python
 BENCH_PY_ARGS ?=
 bench-python: python
 	$(VENV_PY) python/bench/bench_python.py $(BENCH_PY_ARGS)
+
+# ecxfer inside released vLLM (requirements-vllm.txt, pinned by
+# requirements-vllm.lock) in its own environment, .venv-vllm: about 9.5 GB
+# and 9-15 minutes to install, so not part of `make test`. The ecxfer wheel
+# is built by pip through its Go hook and installed there; the tests drive
+# vLLM's own plugin loader, shared region and session code.
+VLLM_VENV  := .venv-vllm
+VLLM_REQS  := requirements-vllm.txt requirements-vllm.lock
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): $(VLLM_REQS) | debs
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON3) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check -r requirements-vllm.txt -c requirements-vllm.lock
+	@cat $(VLLM_REQS) > $@
+
+test-vllm: export UCX_LOG_LEVEL ?= error
+test-vllm: python $(VLLM_STAMP)
+	rm -rf .wheel && $(VENV_PY) -m pip wheel -q --disable-pip-version-check --no-deps --no-build-isolation -w .wheel ./python
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps --force-reinstall .wheel/ecxfer-*.whl
+	rm -rf .wheel
+	cd python && ../$(VENV_PY) -m pytest -q -p no:cacheprovider tests_vllm
