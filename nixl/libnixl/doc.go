@@ -28,9 +28,8 @@
 // names. The shim is opened with RTLD_DEEPBIND and loads NIXL's UCX
 // plugin itself the same way, so the wheel's libraries bind to their own
 // UCX; in a process that also holds the system UCX, the wheel's UCX loads
-// none of its transport modules (cma, InfiniBand), which would bind to
-// the system's (see ecxnixl.c). NIXL then uses UCX's built-in transports
-// (shared memory, TCP).
+// only its cma module, which the shim loads first the same way; the
+// others (InfiniBand) would bind to the system's UCX (see ecxnixl.c).
 //
 // # Driving NIXL
 //
