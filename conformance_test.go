@@ -101,390 +101,420 @@ func notifsUntil(tr *Transport, want int, timeout time.Duration) map[string][][]
 
 func block(tr *Transport, bs, i int) []byte { return tr.Region()[i*bs : (i+1)*bs] }
 
+// suite is one run of the conformance suite: a backend and the options
+// applied to every transport it makes.
+type suite struct {
+	backend string
+	base    []func(*Config)
+}
+
+// env starts a case: it registers the leak checks and returns the helpers.
+func (s suite) env(t *testing.T) env {
+	leakcheck.Check(t)
+	return env{t: t, backend: s.backend, base: s.base}
+}
+
+// New is the package's New with the suite's base options.
+func (s suite) New(cfg Config) (*Transport, error) {
+	for _, o := range s.base {
+		o(&cfg)
+	}
+	return New(cfg)
+}
+
+// conformanceCases are the suite's cases, each run as a named subtest.
+var conformanceCases = []struct {
+	name string
+	run  func(t *testing.T, s suite)
+}{
+	{"ReadVerified", confReadVerified},
+	{"EmptyNotif", confEmptyNotif},
+	{"HandleMisuse", confHandleMisuse},
+	{"BadInput", confBadInput},
+	{"PeerLifecycle", confPeerLifecycle},
+	{"ProducerRestart", confProducerRestart},
+	{"CancelInFlight", confCancelInFlight},
+	{"RemoveInFlight", confRemoveInFlight},
+	{"Deregister", confDeregister},
+	{"Concurrent/pinned=false", func(t *testing.T, s suite) { confConcurrent(t, s, false) }},
+	{"Concurrent/pinned=true", func(t *testing.T, s suite) { confConcurrent(t, s, true) }},
+}
+
 func runConformance(t *testing.T, backend string, base ...func(*Config)) {
-	e := func(t *testing.T) env {
-		leakcheck.Check(t)
-		return env{t: t, backend: backend, base: base}
+	s := suite{backend: backend, base: base}
+	for _, c := range conformanceCases {
+		t.Run(c.name, func(t *testing.T) { c.run(t, s) })
 	}
-	// New with the suite's base options.
-	New := func(cfg Config) (*Transport, error) {
-		for _, o := range base {
-			o(&cfg)
-		}
-		return New(cfg)
-	}
+}
 
-	t.Run("ReadVerified", func(t *testing.T) {
-		env := e(t)
-		for _, bs := range []int{5120, 32768} {
-			const numBlocks = 1000
-			prod, cons, pname := env.pair(bs, numBlocks, int64(bs))
-			rng := rand.New(rand.NewSource(int64(bs) + 1))
-			for _, n := range []int{1, 2, 17, 880, 1000} {
-				for _, shape := range []string{"contiguous", "scattered", "reversed"} {
-					remote := rng.Perm(numBlocks)[:n]
-					local := rng.Perm(numBlocks)[:n]
-					switch shape {
-					case "contiguous":
-						s := rng.Intn(numBlocks - n + 1)
-						d := rng.Intn(numBlocks - n + 1)
-						for i := 0; i < n; i++ {
-							remote[i], local[i] = s+i, d+i
-						}
-					case "reversed":
-						for i := 0; i < n; i++ {
-							remote[i], local[i] = numBlocks-1-i, i
-						}
+func confReadVerified(t *testing.T, s suite) {
+	e := s.env(t)
+	for _, bs := range []int{5120, 32768} {
+		const numBlocks = 1000
+		prod, cons, pname := e.pair(bs, numBlocks, int64(bs))
+		rng := rand.New(rand.NewSource(int64(bs) + 1))
+		for _, n := range []int{1, 2, 17, 880, 1000} {
+			for _, shape := range []string{"contiguous", "scattered", "reversed"} {
+				remote := rng.Perm(numBlocks)[:n]
+				local := rng.Perm(numBlocks)[:n]
+				switch shape {
+				case "contiguous":
+					s := rng.Intn(numBlocks - n + 1)
+					d := rng.Intn(numBlocks - n + 1)
+					for i := 0; i < n; i++ {
+						remote[i], local[i] = s+i, d+i
 					}
-					clear(cons.Region())
-					msg := []byte(fmt.Sprintf("req:%d:%s:%d", bs, shape, n))
-					h, err := cons.PostRead(local, pname, remote, msg)
-					require.NoError(t, err)
-					st, err := wait(t, cons, h)
-					require.NoError(t, err)
-					require.Equal(t, StateDone, st)
-					for i := range local {
-						if !bytes.Equal(block(cons, bs, local[i]), block(prod, bs, remote[i])) {
-							t.Fatalf("bs=%d n=%d %s: block %d (remote %d) differs", bs, n, shape, local[i], remote[i])
-						}
+				case "reversed":
+					for i := 0; i < n; i++ {
+						remote[i], local[i] = numBlocks-1-i, i
 					}
-					require.NoError(t, cons.ReleaseXferHandle(h))
-					got := notifsUntil(prod, 1, 10*time.Second)
-					require.Equal(t, map[string][][]byte{cons.cfg.AgentName: {msg}}, got)
 				}
+				clear(cons.Region())
+				msg := []byte(fmt.Sprintf("req:%d:%s:%d", bs, shape, n))
+				h, err := cons.PostRead(local, pname, remote, msg)
+				require.NoError(t, err)
+				st, err := wait(t, cons, h)
+				require.NoError(t, err)
+				require.Equal(t, StateDone, st)
+				for i := range local {
+					if !bytes.Equal(block(cons, bs, local[i]), block(prod, bs, remote[i])) {
+						t.Fatalf("bs=%d n=%d %s: block %d (remote %d) differs", bs, n, shape, local[i], remote[i])
+					}
+				}
+				require.NoError(t, cons.ReleaseXferHandle(h))
+				got := notifsUntil(prod, 1, 10*time.Second)
+				require.Equal(t, map[string][][]byte{cons.cfg.AgentName: {msg}}, got)
 			}
-			// Exactly once: nothing more arrives.
-			time.Sleep(20 * time.Millisecond)
-			require.Empty(t, prod.NewNotifs())
 		}
-	})
+		// Exactly once: nothing more arrives.
+		time.Sleep(20 * time.Millisecond)
+		require.Empty(t, prod.NewNotifs())
+	}
+}
 
-	t.Run("EmptyNotif", func(t *testing.T) {
-		env := e(t)
-		prod, cons, pname := env.pair(4096, 8, 3)
-		h, err := cons.PostRead([]int{0}, pname, []int{1}, nil)
-		require.NoError(t, err)
-		_, err = wait(t, cons, h)
-		require.NoError(t, err)
-		require.NoError(t, cons.ReleaseXferHandle(h))
-		h, err = cons.PostRead([]int{1}, pname, []int{2}, []byte{}) // empty, not nil
-		require.NoError(t, err)
-		_, err = wait(t, cons, h)
-		require.NoError(t, err)
-		require.NoError(t, cons.ReleaseXferHandle(h))
-		// A fence: the third read's notification arrives; nothing else did.
-		h, err = cons.PostRead([]int{2}, pname, []int{3}, []byte("fence"))
-		require.NoError(t, err)
-		_, err = wait(t, cons, h)
-		require.NoError(t, err)
-		require.NoError(t, cons.ReleaseXferHandle(h))
-		got := notifsUntil(prod, 1, 10*time.Second)
-		time.Sleep(10 * time.Millisecond)
-		for k, v := range prod.NewNotifs() {
-			got[k] = append(got[k], v...)
-		}
-		require.Equal(t, map[string][][]byte{cons.cfg.AgentName: {[]byte("fence")}}, got)
-	})
+func confEmptyNotif(t *testing.T, s suite) {
+	e := s.env(t)
+	prod, cons, pname := e.pair(4096, 8, 3)
+	h, err := cons.PostRead([]int{0}, pname, []int{1}, nil)
+	require.NoError(t, err)
+	_, err = wait(t, cons, h)
+	require.NoError(t, err)
+	require.NoError(t, cons.ReleaseXferHandle(h))
+	h, err = cons.PostRead([]int{1}, pname, []int{2}, []byte{}) // empty, not nil
+	require.NoError(t, err)
+	_, err = wait(t, cons, h)
+	require.NoError(t, err)
+	require.NoError(t, cons.ReleaseXferHandle(h))
+	// A fence: the third read's notification arrives; nothing else did.
+	h, err = cons.PostRead([]int{2}, pname, []int{3}, []byte("fence"))
+	require.NoError(t, err)
+	_, err = wait(t, cons, h)
+	require.NoError(t, err)
+	require.NoError(t, cons.ReleaseXferHandle(h))
+	got := notifsUntil(prod, 1, 10*time.Second)
+	time.Sleep(10 * time.Millisecond)
+	for k, v := range prod.NewNotifs() {
+		got[k] = append(got[k], v...)
+	}
+	require.Equal(t, map[string][][]byte{cons.cfg.AgentName: {[]byte("fence")}}, got)
+}
 
-	t.Run("HandleMisuse", func(t *testing.T) {
-		env := e(t)
-		_, cons, pname := env.pair(1024, 4, 4)
-		for _, h := range []Handle{0, 1, 12345, ^Handle(0)} {
-			st, err := cons.CheckXferState(h)
-			require.Equal(t, StateErr, st)
-			require.ErrorIs(t, err, ErrBadHandle)
-			require.ErrorIs(t, cons.ReleaseXferHandle(h), ErrBadHandle)
-		}
-		h, err := cons.PostRead([]int{0}, pname, []int{0}, nil)
-		require.NoError(t, err)
-		_, err = wait(t, cons, h)
-		require.NoError(t, err)
-		require.NoError(t, cons.ReleaseXferHandle(h))
-		require.ErrorIs(t, cons.ReleaseXferHandle(h), ErrBadHandle)
+func confHandleMisuse(t *testing.T, s suite) {
+	e := s.env(t)
+	_, cons, pname := e.pair(1024, 4, 4)
+	for _, h := range []Handle{0, 1, 12345, ^Handle(0)} {
 		st, err := cons.CheckXferState(h)
 		require.Equal(t, StateErr, st)
 		require.ErrorIs(t, err, ErrBadHandle)
-		// A new transfer may reuse the slot; the old handle stays stale.
-		for i := 0; i < 100; i++ {
-			h2, err := cons.PostRead([]int{1}, pname, []int{1}, nil)
-			require.NoError(t, err)
-			require.NotEqual(t, h, h2)
-			_, err = cons.CheckXferState(h)
-			require.ErrorIs(t, err, ErrBadHandle)
-			_, err = wait(t, cons, h2)
-			require.NoError(t, err)
-			require.NoError(t, cons.ReleaseXferHandle(h2))
-		}
-	})
+		require.ErrorIs(t, cons.ReleaseXferHandle(h), ErrBadHandle)
+	}
+	h, err := cons.PostRead([]int{0}, pname, []int{0}, nil)
+	require.NoError(t, err)
+	_, err = wait(t, cons, h)
+	require.NoError(t, err)
+	require.NoError(t, cons.ReleaseXferHandle(h))
+	require.ErrorIs(t, cons.ReleaseXferHandle(h), ErrBadHandle)
+	st, err := cons.CheckXferState(h)
+	require.Equal(t, StateErr, st)
+	require.ErrorIs(t, err, ErrBadHandle)
+	// A new transfer may reuse the slot; the old handle stays stale.
+	for i := 0; i < 100; i++ {
+		h2, err := cons.PostRead([]int{1}, pname, []int{1}, nil)
+		require.NoError(t, err)
+		require.NotEqual(t, h, h2)
+		_, err = cons.CheckXferState(h)
+		require.ErrorIs(t, err, ErrBadHandle)
+		_, err = wait(t, cons, h2)
+		require.NoError(t, err)
+		require.NoError(t, cons.ReleaseXferHandle(h2))
+	}
+}
 
-	t.Run("BadInput", func(t *testing.T) {
-		env := e(t)
-		_, cons, pname := env.pair(1024, 4, 5)
-		before := cons.Stats()
-		cases := []struct {
-			local, remote []int
-			peer          string
-			notif         []byte
-			want          error
-		}{
-			{[]int{0}, []int{0}, "nobody", nil, ErrUnknownPeer},
-			{[]int{0}, []int{0}, "", nil, ErrUnknownPeer},
-			{[]int{0, 1}, []int{0}, pname, nil, ErrIndexMismatch},
-			{[]int{0}, nil, pname, nil, ErrIndexMismatch},
-			{nil, nil, pname, nil, ErrIndexRange},
-			{[]int{4}, []int{0}, pname, nil, ErrIndexRange},
-			{[]int{0}, []int{4}, pname, nil, ErrIndexRange},
-			{[]int{-1}, []int{0}, pname, nil, ErrIndexRange},
-			{[]int{0}, []int{-1 << 62}, pname, nil, ErrIndexRange},
-			{[]int{0}, []int{0}, pname, make([]byte, 1<<20), ErrBadNotif},
-		}
-		for i, c := range cases {
-			h, err := cons.PostRead(c.local, c.peer, c.remote, c.notif)
-			require.ErrorIs(t, err, c.want, "case %d", i)
-			require.Equal(t, Handle(0), h, "case %d", i)
-		}
-		after := cons.Stats()
-		require.Equal(t, before.ReadsPosted, after.ReadsPosted, "a rejected read was posted")
-		require.Equal(t, int64(0), after.LiveHandles)
-	})
+func confBadInput(t *testing.T, s suite) {
+	e := s.env(t)
+	_, cons, pname := e.pair(1024, 4, 5)
+	before := cons.Stats()
+	cases := []struct {
+		local, remote []int
+		peer          string
+		notif         []byte
+		want          error
+	}{
+		{[]int{0}, []int{0}, "nobody", nil, ErrUnknownPeer},
+		{[]int{0}, []int{0}, "", nil, ErrUnknownPeer},
+		{[]int{0, 1}, []int{0}, pname, nil, ErrIndexMismatch},
+		{[]int{0}, nil, pname, nil, ErrIndexMismatch},
+		{nil, nil, pname, nil, ErrIndexRange},
+		{[]int{4}, []int{0}, pname, nil, ErrIndexRange},
+		{[]int{0}, []int{4}, pname, nil, ErrIndexRange},
+		{[]int{-1}, []int{0}, pname, nil, ErrIndexRange},
+		{[]int{0}, []int{-1 << 62}, pname, nil, ErrIndexRange},
+		{[]int{0}, []int{0}, pname, make([]byte, 1<<20), ErrBadNotif},
+	}
+	for i, c := range cases {
+		h, err := cons.PostRead(c.local, c.peer, c.remote, c.notif)
+		require.ErrorIs(t, err, c.want, "case %d", i)
+		require.Equal(t, Handle(0), h, "case %d", i)
+	}
+	after := cons.Stats()
+	require.Equal(t, before.ReadsPosted, after.ReadsPosted, "a rejected read was posted")
+	require.Equal(t, int64(0), after.LiveHandles)
+}
 
-	t.Run("PeerLifecycle", func(t *testing.T) {
-		env := e(t)
-		prod, cons, pname := env.pair(2048, 16, 6)
-		again, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
-		require.NoError(t, err)
-		require.Equal(t, pname, again)
-		require.Equal(t, 1, cons.Stats().Peers)
+func confPeerLifecycle(t *testing.T, s suite) {
+	e := s.env(t)
+	prod, cons, pname := e.pair(2048, 16, 6)
+	again, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+	require.NoError(t, err)
+	require.Equal(t, pname, again)
+	require.Equal(t, 1, cons.Stats().Peers)
 
-		md := prod.AgentMetadata()
-		for i, bad := range [][]byte{nil, {}, {0xc1}, []byte("not metadata"), md[:len(md)/2]} {
-			_, err := cons.AddRemotePeer(bad, prod.MemDescriptor())
-			require.ErrorIs(t, err, ErrBadMetadata, "metadata case %d", i)
-		}
-		outside := descriptors.BuildBlockDescs(0x1000, 4, 2048, 0)
-		enc, err := descriptors.Encode(outside)
+	md := prod.AgentMetadata()
+	for i, bad := range [][]byte{nil, {}, {0xc1}, []byte("not metadata"), md[:len(md)/2]} {
+		_, err := cons.AddRemotePeer(bad, prod.MemDescriptor())
+		require.ErrorIs(t, err, ErrBadMetadata, "metadata case %d", i)
+	}
+	outside := descriptors.BuildBlockDescs(0x1000, 4, 2048, 0)
+	enc, err := descriptors.Encode(outside)
+	require.NoError(t, err)
+	beyond := descriptors.BuildBlockDescs(uint64(addrOf(prod.Region())), 17, 2048, 0)
+	encBeyond, err := descriptors.Encode(beyond)
+	require.NoError(t, err)
+	for i, bad := range [][]byte{nil, {0x91}, {0x91, 0x93, 1, 0, 0}, enc, encBeyond} {
+		_, err := cons.AddRemotePeer(prod.AgentMetadata(), bad)
+		require.ErrorIs(t, err, ErrBadDescriptor, "descriptor case %d", i)
+	}
+	// The failed attempts left the good peer alone.
+	h, err := cons.PostRead([]int{0}, pname, []int{15}, nil)
+	require.NoError(t, err)
+	_, err = wait(t, cons, h)
+	require.NoError(t, err)
+	require.NoError(t, cons.ReleaseXferHandle(h))
+
+	require.NoError(t, cons.RemoveRemotePeer(pname))
+	require.ErrorIs(t, cons.RemoveRemotePeer(pname), ErrUnknownPeer)
+	require.ErrorIs(t, cons.RemoveRemotePeer("never-known"), ErrUnknownPeer)
+	_, err = cons.PostRead([]int{0}, pname, []int{0}, nil)
+	require.ErrorIs(t, err, ErrUnknownPeer)
+	require.Equal(t, 0, cons.Stats().Peers)
+
+	got, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+	require.NoError(t, err)
+	require.Equal(t, pname, got)
+	h, err = cons.PostRead([]int{3}, pname, []int{4}, nil)
+	require.NoError(t, err)
+	_, err = wait(t, cons, h)
+	require.NoError(t, err)
+	require.Equal(t, block(prod, 2048, 4), block(cons, 2048, 3))
+	require.NoError(t, cons.ReleaseXferHandle(h))
+}
+
+func confProducerRestart(t *testing.T, s suite) {
+	e := s.env(t)
+	const bs, nb = 4096, 8
+	pname := uniqueName("restart")
+	cons := e.transport(uniqueName("cons"), bs, nb)
+	p1, err := s.New(Config{AgentName: pname, Backend: s.backend, BlockSize: bs, NumBlocks: nb})
+	require.NoError(t, err)
+	for i := range p1.Region() {
+		p1.Region()[i] = 1
+	}
+	_, err = cons.AddRemotePeer(p1.AgentMetadata(), p1.MemDescriptor())
+	require.NoError(t, err)
+	h, err := cons.PostRead([]int{0}, pname, []int{0}, nil)
+	require.NoError(t, err)
+	_, err = wait(t, cons, h)
+	require.NoError(t, err)
+	require.NoError(t, cons.ReleaseXferHandle(h))
+	require.NoError(t, p1.Deregister())
+
+	p2 := e.transport(pname, bs, nb)
+	for i := range p2.Region() {
+		p2.Region()[i] = 2
+	}
+	got, err := cons.AddRemotePeer(p2.AgentMetadata(), p2.MemDescriptor())
+	require.NoError(t, err)
+	require.Equal(t, pname, got)
+	h, err = cons.PostRead([]int{1, 2}, pname, []int{5, 6}, []byte("after restart"))
+	require.NoError(t, err)
+	st, err := wait(t, cons, h)
+	require.NoError(t, err)
+	require.Equal(t, StateDone, st)
+	require.Equal(t, bytes.Repeat([]byte{2}, 2*bs), cons.Region()[bs:3*bs])
+	require.NoError(t, cons.ReleaseXferHandle(h))
+	require.Equal(t, map[string][][]byte{cons.cfg.AgentName: {[]byte("after restart")}}, notifsUntil(p2, 1, 10*time.Second))
+}
+
+func confCancelInFlight(t *testing.T, s suite) {
+	e := s.env(t)
+	const bs, nb = 32768, 512
+	prod, cons, pname := e.pair(bs, nb, 7)
+	idx := make([]int, nb)
+	for i := range idx {
+		idx[i] = nb - 1 - i
+	}
+	var hs []Handle
+	for i := 0; i < 32; i++ {
+		h, err := cons.PostRead(idx, pname, idx, []byte("canceled"))
 		require.NoError(t, err)
-		beyond := descriptors.BuildBlockDescs(uint64(addrOf(prod.Region())), 17, 2048, 0)
-		encBeyond, err := descriptors.Encode(beyond)
-		require.NoError(t, err)
-		for i, bad := range [][]byte{nil, {0x91}, {0x91, 0x93, 1, 0, 0}, enc, encBeyond} {
-			_, err := cons.AddRemotePeer(prod.AgentMetadata(), bad)
-			require.ErrorIs(t, err, ErrBadDescriptor, "descriptor case %d", i)
-		}
-		// The failed attempts left the good peer alone.
-		h, err := cons.PostRead([]int{0}, pname, []int{15}, nil)
-		require.NoError(t, err)
-		_, err = wait(t, cons, h)
-		require.NoError(t, err)
+		hs = append(hs, h)
+	}
+	for _, h := range hs {
 		require.NoError(t, cons.ReleaseXferHandle(h))
+		require.ErrorIs(t, cons.ReleaseXferHandle(h), ErrBadHandle)
+	}
+	require.Eventually(t, func() bool { return cons.Stats().InFlight == 0 }, 10*time.Second, time.Millisecond)
+	// The transport still works, and the producer is unharmed.
+	h, err := cons.PostRead([]int{0}, pname, []int{1}, nil)
+	require.NoError(t, err)
+	_, err = wait(t, cons, h)
+	require.NoError(t, err)
+	require.Equal(t, block(prod, bs, 1), block(cons, bs, 0))
+	require.NoError(t, cons.ReleaseXferHandle(h))
+	_ = prod.NewNotifs() // canceled reads may or may not have notified
+}
 
-		require.NoError(t, cons.RemoveRemotePeer(pname))
-		require.ErrorIs(t, cons.RemoveRemotePeer(pname), ErrUnknownPeer)
-		require.ErrorIs(t, cons.RemoveRemotePeer("never-known"), ErrUnknownPeer)
-		_, err = cons.PostRead([]int{0}, pname, []int{0}, nil)
-		require.ErrorIs(t, err, ErrUnknownPeer)
-		require.Equal(t, 0, cons.Stats().Peers)
-
-		got, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+func confRemoveInFlight(t *testing.T, s suite) {
+	e := s.env(t)
+	const bs, nb = 32768, 256
+	_, cons, pname := e.pair(bs, nb, 8)
+	idx := rand.New(rand.NewSource(9)).Perm(nb)
+	var hs []Handle
+	for i := 0; i < 16; i++ {
+		h, err := cons.PostRead(idx, pname, idx, nil)
 		require.NoError(t, err)
-		require.Equal(t, pname, got)
-		h, err = cons.PostRead([]int{3}, pname, []int{4}, nil)
-		require.NoError(t, err)
-		_, err = wait(t, cons, h)
-		require.NoError(t, err)
-		require.Equal(t, block(prod, 2048, 4), block(cons, 2048, 3))
-		require.NoError(t, cons.ReleaseXferHandle(h))
-	})
-
-	t.Run("ProducerRestart", func(t *testing.T) {
-		env := e(t)
-		const bs, nb = 4096, 8
-		pname := uniqueName("restart")
-		cons := env.transport(uniqueName("cons"), bs, nb)
-		p1, err := New(Config{AgentName: pname, Backend: backend, BlockSize: bs, NumBlocks: nb})
-		require.NoError(t, err)
-		for i := range p1.Region() {
-			p1.Region()[i] = 1
-		}
-		_, err = cons.AddRemotePeer(p1.AgentMetadata(), p1.MemDescriptor())
-		require.NoError(t, err)
-		h, err := cons.PostRead([]int{0}, pname, []int{0}, nil)
-		require.NoError(t, err)
-		_, err = wait(t, cons, h)
-		require.NoError(t, err)
-		require.NoError(t, cons.ReleaseXferHandle(h))
-		require.NoError(t, p1.Deregister())
-
-		p2 := env.transport(pname, bs, nb)
-		for i := range p2.Region() {
-			p2.Region()[i] = 2
-		}
-		got, err := cons.AddRemotePeer(p2.AgentMetadata(), p2.MemDescriptor())
-		require.NoError(t, err)
-		require.Equal(t, pname, got)
-		h, err = cons.PostRead([]int{1, 2}, pname, []int{5, 6}, []byte("after restart"))
-		require.NoError(t, err)
+		hs = append(hs, h)
+	}
+	require.NoError(t, cons.RemoveRemotePeer(pname))
+	for _, h := range hs {
 		st, err := wait(t, cons, h)
-		require.NoError(t, err)
-		require.Equal(t, StateDone, st)
-		require.Equal(t, bytes.Repeat([]byte{2}, 2*bs), cons.Region()[bs:3*bs])
+		if st == StateErr {
+			require.ErrorIs(t, err, ErrCanceled)
+		} else {
+			require.Equal(t, StateDone, st)
+		}
 		require.NoError(t, cons.ReleaseXferHandle(h))
-		require.Equal(t, map[string][][]byte{cons.cfg.AgentName: {[]byte("after restart")}}, notifsUntil(p2, 1, 10*time.Second))
-	})
+	}
+	require.Equal(t, int64(0), cons.Stats().InFlight)
+}
 
-	t.Run("CancelInFlight", func(t *testing.T) {
-		env := e(t)
-		const bs, nb = 32768, 512
-		prod, cons, pname := env.pair(bs, nb, 7)
-		idx := make([]int, nb)
-		for i := range idx {
-			idx[i] = nb - 1 - i
-		}
-		var hs []Handle
-		for i := 0; i < 32; i++ {
-			h, err := cons.PostRead(idx, pname, idx, []byte("canceled"))
-			require.NoError(t, err)
-			hs = append(hs, h)
-		}
-		for _, h := range hs {
-			require.NoError(t, cons.ReleaseXferHandle(h))
-			require.ErrorIs(t, cons.ReleaseXferHandle(h), ErrBadHandle)
-		}
-		require.Eventually(t, func() bool { return cons.Stats().InFlight == 0 }, 10*time.Second, time.Millisecond)
-		// The transport still works, and the producer is unharmed.
-		h, err := cons.PostRead([]int{0}, pname, []int{1}, nil)
-		require.NoError(t, err)
-		_, err = wait(t, cons, h)
-		require.NoError(t, err)
-		require.Equal(t, block(prod, bs, 1), block(cons, bs, 0))
-		require.NoError(t, cons.ReleaseXferHandle(h))
-		_ = prod.NewNotifs() // canceled reads may or may not have notified
-	})
+func confDeregister(t *testing.T, s suite) {
+	leakcheck.Check(t)
+	prod, err := s.New(Config{AgentName: uniqueName("p"), Backend: s.backend, BlockSize: 512, NumBlocks: 4})
+	require.NoError(t, err)
+	cons, err := s.New(Config{AgentName: uniqueName("c"), Backend: s.backend, BlockSize: 512, NumBlocks: 4})
+	require.NoError(t, err)
+	pname, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+	require.NoError(t, err)
+	h, err := cons.PostRead([]int{0, 1, 2, 3}, pname, []int{3, 2, 1, 0}, []byte("x"))
+	require.NoError(t, err)
+	require.NoError(t, cons.Deregister())
+	require.NoError(t, cons.Deregister())
+	require.NoError(t, prod.Deregister())
+	_, err = cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+	require.ErrorIs(t, err, ErrClosed)
+	require.ErrorIs(t, cons.RemoveRemotePeer(pname), ErrClosed)
+	_, err = cons.PostRead([]int{0}, pname, []int{0}, nil)
+	require.ErrorIs(t, err, ErrClosed)
+	st, err := cons.CheckXferState(h)
+	require.Equal(t, StateErr, st)
+	require.ErrorIs(t, err, ErrClosed)
+	require.ErrorIs(t, cons.ReleaseXferHandle(h), ErrClosed)
+	require.ErrorIs(t, cons.Wait(context.Background(), h), ErrClosed)
+	require.NotNil(t, cons.NewNotifs())
+	require.Nil(t, cons.Region())
+	require.Nil(t, cons.AgentMetadata())
+	require.Nil(t, cons.MemDescriptor())
+	require.Equal(t, int64(0), cons.Stats().LiveHandles)
+}
 
-	t.Run("RemoveInFlight", func(t *testing.T) {
-		env := e(t)
-		const bs, nb = 32768, 256
-		_, cons, pname := env.pair(bs, nb, 8)
-		idx := rand.New(rand.NewSource(9)).Perm(nb)
-		var hs []Handle
-		for i := 0; i < 16; i++ {
-			h, err := cons.PostRead(idx, pname, idx, nil)
-			require.NoError(t, err)
-			hs = append(hs, h)
-		}
-		require.NoError(t, cons.RemoveRemotePeer(pname))
-		for _, h := range hs {
-			st, err := wait(t, cons, h)
-			if st == StateErr {
-				require.ErrorIs(t, err, ErrCanceled)
-			} else {
-				require.Equal(t, StateDone, st)
-			}
-			require.NoError(t, cons.ReleaseXferHandle(h))
-		}
-		require.Equal(t, int64(0), cons.Stats().InFlight)
+func confConcurrent(t *testing.T, s suite, pinned bool) {
+	e := s.env(t)
+	const bs, nb = 5120, 256
+	prod := e.transport(uniqueName("p"), bs, nb)
+	rand.New(rand.NewSource(10)).Read(prod.Region())
+	cons := e.transport(uniqueName("c"), bs, nb, func(c *Config) {
+		c.Reactor = reactor.Options{PinCPU: pinned, CPU: 0}
 	})
-
-	t.Run("Deregister", func(t *testing.T) {
-		leakcheck.Check(t)
-		prod, err := New(Config{AgentName: uniqueName("p"), Backend: backend, BlockSize: 512, NumBlocks: 4})
-		require.NoError(t, err)
-		cons, err := New(Config{AgentName: uniqueName("c"), Backend: backend, BlockSize: 512, NumBlocks: 4})
-		require.NoError(t, err)
-		pname, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
-		require.NoError(t, err)
-		h, err := cons.PostRead([]int{0, 1, 2, 3}, pname, []int{3, 2, 1, 0}, []byte("x"))
-		require.NoError(t, err)
-		require.NoError(t, cons.Deregister())
-		require.NoError(t, cons.Deregister())
-		require.NoError(t, prod.Deregister())
-		_, err = cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
-		require.ErrorIs(t, err, ErrClosed)
-		require.ErrorIs(t, cons.RemoveRemotePeer(pname), ErrClosed)
-		_, err = cons.PostRead([]int{0}, pname, []int{0}, nil)
-		require.ErrorIs(t, err, ErrClosed)
-		st, err := cons.CheckXferState(h)
-		require.Equal(t, StateErr, st)
-		require.ErrorIs(t, err, ErrClosed)
-		require.ErrorIs(t, cons.ReleaseXferHandle(h), ErrClosed)
-		require.ErrorIs(t, cons.Wait(context.Background(), h), ErrClosed)
-		require.NotNil(t, cons.NewNotifs())
-		require.Nil(t, cons.Region())
-		require.Nil(t, cons.AgentMetadata())
-		require.Nil(t, cons.MemDescriptor())
-		require.Equal(t, int64(0), cons.Stats().LiveHandles)
-	})
-
-	for _, pinned := range []bool{false, true} {
-		t.Run(fmt.Sprintf("Concurrent/pinned=%v", pinned), func(t *testing.T) {
-			env := e(t)
-			const bs, nb = 5120, 256
-			prod := env.transport(uniqueName("p"), bs, nb)
-			rand.New(rand.NewSource(10)).Read(prod.Region())
-			cons := env.transport(uniqueName("c"), bs, nb, func(c *Config) {
-				c.Reactor = reactor.Options{PinCPU: pinned, CPU: 0}
-			})
-			pname, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
-			require.NoError(t, err)
-			const workers, perWorker = 64, 20
-			var wg sync.WaitGroup
-			errs := make(chan error, workers)
-			for w := 0; w < workers; w++ {
-				wg.Add(1)
-				go func(w int) {
-					defer wg.Done()
-					rng := rand.New(rand.NewSource(int64(w)))
-					// Each worker owns local blocks w*4 .. w*4+3.
-					for i := 0; i < perWorker; i++ {
-						n := 1 + rng.Intn(4)
-						local := make([]int, n)
-						remote := rng.Perm(nb)[:n]
-						for j := range local {
-							local[j] = w*4 + j
-						}
-						h, err := cons.PostRead(local, pname, remote, []byte(fmt.Sprintf("%d/%d", w, i)))
-						if err != nil {
-							errs <- err
-							return
-						}
-						for {
-							st, err := cons.CheckXferState(h)
-							if st == StateProc {
-								runtime.Gosched()
-								continue
-							}
-							if err != nil {
-								errs <- err
-								return
-							}
-							break
-						}
-						for j := range local {
-							if !bytes.Equal(block(cons, bs, local[j]), block(prod, bs, remote[j])) {
-								errs <- fmt.Errorf("worker %d read %d: block differs", w, i)
-								return
-							}
-						}
-						if err := cons.ReleaseXferHandle(h); err != nil {
-							errs <- err
-							return
-						}
+	pname, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+	require.NoError(t, err)
+	const workers, perWorker = 64, 20
+	var wg sync.WaitGroup
+	errs := make(chan error, workers)
+	for w := 0; w < workers; w++ {
+		wg.Add(1)
+		go func(w int) {
+			defer wg.Done()
+			rng := rand.New(rand.NewSource(int64(w)))
+			// Each worker owns local blocks w*4 .. w*4+3.
+			for i := 0; i < perWorker; i++ {
+				n := 1 + rng.Intn(4)
+				local := make([]int, n)
+				remote := rng.Perm(nb)[:n]
+				for j := range local {
+					local[j] = w*4 + j
+				}
+				h, err := cons.PostRead(local, pname, remote, []byte(fmt.Sprintf("%d/%d", w, i)))
+				if err != nil {
+					errs <- err
+					return
+				}
+				for {
+					st, err := cons.CheckXferState(h)
+					if st == StateProc {
+						runtime.Gosched()
+						continue
 					}
-				}(w)
+					if err != nil {
+						errs <- err
+						return
+					}
+					break
+				}
+				for j := range local {
+					if !bytes.Equal(block(cons, bs, local[j]), block(prod, bs, remote[j])) {
+						errs <- fmt.Errorf("worker %d read %d: block differs", w, i)
+						return
+					}
+				}
+				if err := cons.ReleaseXferHandle(h); err != nil {
+					errs <- err
+					return
+				}
 			}
-			wg.Wait()
-			close(errs)
-			for err := range errs {
-				require.NoError(t, err)
-			}
-			got := notifsUntil(prod, workers*perWorker, 20*time.Second)
-			require.Len(t, got[cons.cfg.AgentName], workers*perWorker)
-			seen := map[string]bool{}
-			for _, m := range got[cons.cfg.AgentName] {
-				require.False(t, seen[string(m)], "notification %q twice", m)
-				seen[string(m)] = true
-			}
-		})
+		}(w)
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		require.NoError(t, err)
+	}
+	got := notifsUntil(prod, workers*perWorker, 20*time.Second)
+	require.Len(t, got[cons.cfg.AgentName], workers*perWorker)
+	seen := map[string]bool{}
+	for _, m := range got[cons.cfg.AgentName] {
+		require.False(t, seen[string(m)], "notification %q twice", m)
+		seen[string(m)] = true
 	}
 }
 
