@@ -281,7 +281,7 @@ func TestCells(t *testing.T) {
 		}
 	}
 	// latency×2, image×4, fanin×4 (raw: 1), notif×1.
-	require.Equal(t, map[string]int{"reactor": 11, "locked": 11, "raw": 8}, n)
+	require.Equal(t, map[string]int{"reactor": 11, "direct": 11, "locked": 11, "raw": 8}, n)
 	cfg.Connect = "h:1"
 	for _, c := range cellsFor(&cfg, SmallBlock, "reactor") {
 		require.NotEqual(t, "notif", c.workload, "notif needs one host's clock")
@@ -290,7 +290,13 @@ func TestCells(t *testing.T) {
 
 func runShort(t *testing.T, backend string, workloads ...string) *Report {
 	t.Helper()
+	return runShortModes(t, backend, AllModes, workloads...)
+}
+
+func runShortModes(t *testing.T, backend string, modes []string, workloads ...string) *Report {
+	t.Helper()
 	cfg := DefaultConfig()
+	cfg.Modes = modes
 	cfg.Backend = backend
 	cfg.Workloads = workloads
 	cfg.Duration = 50 * time.Millisecond
@@ -328,11 +334,51 @@ func modesOf(rep *Report) map[string]int {
 
 func TestRunLoopback(t *testing.T) {
 	rep := runShort(t, "loopback", "latency", "notif")
-	// latency at two block sizes, notif at one, for three modes.
-	require.Equal(t, map[string]int{"reactor": 3, "locked": 3, "raw": 3}, modesOf(rep))
+	// latency at two block sizes, notif at one, for four modes.
+	require.Equal(t, map[string]int{"reactor": 3, "direct": 3, "locked": 3, "raw": 3}, modesOf(rep))
 }
 
 func TestRunUCX(t *testing.T) {
 	rep := runShort(t, "ucx", "latency")
-	require.Equal(t, map[string]int{"reactor": 2, "locked": 2, "raw": 2}, modesOf(rep))
+	require.Equal(t, map[string]int{"reactor": 2, "direct": 2, "locked": 2, "raw": 2}, modesOf(rep))
+}
+
+// % memcpy compares a row with the faster memcpy reference of its block
+// size and block pattern, one thread or the copy workers' count.
+func TestMemcpyRefChoice(t *testing.T) {
+	rep := &Report{References: []Reference{
+		{Name: "memcpy", BlockSize: 5120, GBPerSec: 10},
+		{Name: "memcpy per block", BlockSize: 5120, GBPerSec: 8},
+		{Name: "memcpy 2T", BlockSize: 5120, GBPerSec: 14},
+		{Name: "memcpy per block 2T", BlockSize: 5120, GBPerSec: 7},
+		{Name: "memcpy", BlockSize: 32768, GBPerSec: 20},
+		{Name: "ucx_perftest ucp_get", BlockSize: 5120, GBPerSec: 60},
+	}}
+	contig := &Result{Workload: "image", BlockSize: 5120, BlocksPerRead: 880, Contiguous: true}
+	scatter := &Result{Workload: "image", BlockSize: 5120, BlocksPerRead: 880}
+	fanin := &Result{Workload: "fanin", BlockSize: 5120}
+	one := &Result{Workload: "latency", BlockSize: 32768, BlocksPerRead: 1}
+	require.Equal(t, "memcpy 2T", rep.memcpyRef(contig).Name)
+	require.Equal(t, "memcpy per block", rep.memcpyRef(scatter).Name)
+	require.Equal(t, "memcpy per block", rep.memcpyRef(fanin).Name)
+	require.Equal(t, 20.0, rep.memcpyRef(one).GBPerSec)
+	require.Nil(t, rep.memcpyRef(&Result{Workload: "image", BlockSize: 4096}))
+}
+
+func TestMemcpyRefsThreads(t *testing.T) {
+	refs, err := memcpyRefs(SmallBlock, 20*time.Millisecond, 2)
+	require.NoError(t, err)
+	names := map[string]bool{}
+	for _, r := range refs {
+		names[r.Name] = true
+		require.Greater(t, r.GBPerSec, 0.0, r.Name)
+	}
+	require.Equal(t, map[string]bool{"memcpy": true, "memcpy per block": true, "memcpy 2T": true, "memcpy per block 2T": true}, names)
+}
+
+// The direct mode's image cells: 880-block READs copied by the copy
+// workers out of the producer child's mapped region, bytes verified.
+func TestRunUCXDirectImage(t *testing.T) {
+	rep := runShortModes(t, "ucx", []string{"direct"}, "image")
+	require.Equal(t, map[string]int{"direct": 4}, modesOf(rep))
 }

@@ -7,16 +7,25 @@ import (
 	"io"
 	"net"
 	"runtime"
+	"slices"
 	"strings"
 	"time"
 
+	"github.com/ecxfer/ecxfer"
 	"github.com/ecxfer/ecxfer/reactor"
 )
+
+// explicit reports whether the flag name was given on the command line.
+func explicit(fs *flag.FlagSet, name string) bool {
+	found := false
+	fs.Visit(func(f *flag.Flag) { found = found || f.Name == name })
+	return found
+}
 
 // The workloads, modes and backends a run can name.
 var (
 	AllWorkloads = []string{"latency", "image", "fanin", "notif"}
-	AllModes     = []string{"reactor", "locked", "raw"}
+	AllModes     = []string{"reactor", "direct", "locked", "raw"}
 	AllBackends  = []string{"ucx", "loopback", "nixl"}
 )
 
@@ -57,6 +66,10 @@ type Config struct {
 	// Reactor tunes both sides' reactors in reactor mode (the producer
 	// child is never pinned: pinning is for the consumer's reactor).
 	Reactor reactor.Options
+	// CopyWorkers and InlineBytes tune the direct mode (ecxfer.Config's
+	// fields of those names; 0: ecxfer's defaults).
+	CopyWorkers int
+	InlineBytes int
 	// Wait is how reactor-mode callers wait for a READ: "poll"
 	// (CheckXferState in a loop, as vLLM's interface is used; the default)
 	// or "block" (Transport.Wait). Locked and raw callers always poll.
@@ -157,6 +170,15 @@ func (c *Config) Validate() error {
 	if !has(AllBackends, c.Backend) {
 		return fmt.Errorf("%w: unknown backend %q (want ucx, loopback or nixl)", ErrUsage, c.Backend)
 	}
+	if has(c.Modes, "direct") && c.Backend == "nixl" {
+		return fmt.Errorf("%w: mode direct needs --backend ucx or loopback (NIXL's metadata cannot carry the region's advertisement)", ErrUsage)
+	}
+	if has(c.Modes, "direct") && c.Connect != "" {
+		return fmt.Errorf("%w: mode direct reads a producer on this host; drop it with --connect", ErrUsage)
+	}
+	if c.CopyWorkers < 0 || c.CopyWorkers > 256 {
+		return fmt.Errorf("%w: --copy-workers %d out of range 0..256", ErrUsage, c.CopyWorkers)
+	}
 	if c.Connect != "" && c.Backend == "loopback" {
 		return fmt.Errorf("%w: --connect needs --backend ucx or nixl (loopback runs in one process)", ErrUsage)
 	}
@@ -204,6 +226,8 @@ func ParseRunFlags(args []string, stderr io.Writer) (Config, error) {
 	idle := fs.String("idle", "hybrid", "reactor idle strategy: hybrid, spin, yield or park")
 	pidle := fs.String("producer-idle", "hybrid", "the producer reactor's idle strategy: hybrid, spin, yield or park")
 	fs.IntVar(&c.Reactor.BatchSize, "batch", 0, "reactor batch size, submissions per loop turn (0: the reactor's default)")
+	fs.IntVar(&c.CopyWorkers, "copy-workers", 0, fmt.Sprintf("direct mode: copy threads for READs above --inline-bytes (0: %d)", ecxfer.DefaultCopyWorkers))
+	fs.IntVar(&c.InlineBytes, "inline-bytes", 0, fmt.Sprintf("direct mode: largest READ copied inside PostRead (0: %d, -1: none)", ecxfer.DefaultInlineBytes))
 	fs.StringVar(&c.Wait, "wait", c.Wait, "how reactor-mode callers wait: poll (CheckXferState loop) or block (Transport.Wait)")
 	noRefs := fs.Bool("no-refs", false, "skip the memcpy and ucx_perftest references")
 	fs.StringVar(&c.JSONFile, "json", "", "write results as JSON to this file")
@@ -226,6 +250,11 @@ func ParseRunFlags(args []string, stderr io.Writer) (Config, error) {
 	}
 	if c.Modes, err = parseList("mode", *modes, AllModes); err != nil {
 		return c, err
+	}
+	if !explicit(fs, "modes") && (c.Backend == "nixl" || c.Connect != "") {
+		// The direct path needs the producer on this host and ecxfer's
+		// metadata: by default it is left out where it cannot run.
+		c.Modes = slices.DeleteFunc(c.Modes, func(m string) bool { return m == "direct" })
 	}
 	if c.Reactor.Idle, err = reactor.ParseIdle(*idle); err != nil {
 		return c, fmt.Errorf("%w: --idle %q (want hybrid, spin, yield or park)", ErrUsage, *idle)

@@ -173,7 +173,11 @@ func (d *agentDriver) close() error {
 // openDriver builds the consumer side of mode against a producer's hello.
 func openDriver(mode, backend string, bs int, opts ecxfer.Config, block bool, hello helloMsg) (driver, error) {
 	switch mode {
-	case "reactor":
+	case "reactor", "direct":
+		opts.Direct = ecxfer.DirectOff
+		if mode == "direct" {
+			opts.Direct = ecxfer.DirectOn
+		}
 		opts.AgentName = agentName("cons")
 		opts.Backend = backend
 		opts.BlockSize = bs
@@ -187,6 +191,10 @@ func openDriver(mode, backend string, bs int, opts ecxfer.Config, block bool, he
 		if err != nil {
 			_ = tr.Deregister()
 			return nil, fmt.Errorf("adding the producer: %w", err)
+		}
+		if path := tr.PeerPath(peer); (mode == "direct") != (path != "engine") {
+			_ = tr.Deregister()
+			return nil, fmt.Errorf("mode %s: the producer is read on the %s path", mode, path)
 		}
 		return &reactorDriver{tr: tr, peer: peer, block: block}, nil
 	case "locked", "raw":

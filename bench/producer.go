@@ -162,9 +162,13 @@ func openProducer(m ctrl.Message, backend string, send func(ctrl.Message) error)
 	p := &producer{mode: mode, stop: make(chan struct{}), done: make(chan struct{}), send: send}
 	var hello helloMsg
 	switch mode {
-	case "reactor":
+	case "reactor", "direct":
 		opts := reactor.Options{Idle: reactor.IdleStrategy(m.Ints["idle"]), BatchSize: int(m.Ints["batch"])}
-		tr, err := ecxfer.New(ecxfer.Config{AgentName: agentName("prod"), Backend: backend, BlockSize: bs, NumBlocks: nb, Reactor: opts})
+		dm := ecxfer.DirectOff
+		if mode == "direct" {
+			dm = ecxfer.DirectOn // advertise the region to same-host consumers
+		}
+		tr, err := ecxfer.New(ecxfer.Config{AgentName: agentName("prod"), Backend: backend, BlockSize: bs, NumBlocks: nb, Reactor: opts, Direct: dm})
 		if err != nil {
 			return nil, hello, err
 		}
@@ -217,7 +221,7 @@ func (p *producer) poll() {
 		var got map[string][][]byte
 		work := false
 		switch p.mode {
-		case "reactor":
+		case "reactor", "direct":
 			got = p.tr.NewNotifs()
 		case "locked":
 			p.mu.Lock()

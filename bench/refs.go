@@ -10,6 +10,7 @@ import (
 	"os/exec"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -19,13 +20,15 @@ import (
 // through: far more than any cache, like a producer's region.
 const memcpySpan = 256 << 20
 
-// memcpyRefs measures single-thread copy bandwidth for one block size, the
-// source rotating through memcpySpan (colder than any cache, like a
-// producer's region): "memcpy" copies each round of ImageBlocks blocks with
-// one copy, as a merged contiguous READ moves it; "memcpy per block" copies
-// it block by block into scattered places, as a scattered READ does. Their
-// p50 is one block's copy, timed one by one.
-func memcpyRefs(bs int, d time.Duration) ([]Reference, error) {
+// memcpyRefs measures copy bandwidth for one block size, the source
+// rotating through memcpySpan (colder than any cache, like a producer's
+// region): "memcpy" copies each round of ImageBlocks blocks with one copy,
+// as a merged contiguous READ moves it; "memcpy per block" copies it block
+// by block into scattered places, as a scattered READ does. Both are
+// measured with one thread and, when workers > 1, with workers threads
+// that each copy their share of every round (as the direct path's copy
+// workers do). Their p50 is one block's copy, timed one by one.
+func memcpyRefs(bs int, d time.Duration, workers int) ([]Reference, error) {
 	src, err := unix.Mmap(-1, 0, memcpySpan, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
 	if err != nil {
 		return nil, fmt.Errorf("memcpy reference: mmap: %w", err)
@@ -43,23 +46,36 @@ func memcpyRefs(bs int, d time.Duration) ([]Reference, error) {
 	round := ImageBlocks * bs
 	nrounds := memcpySpan / round
 	perm := rand.New(rand.NewSource(1)).Perm(LocalBlocks)[:ImageBlocks]
-	measure := func(whole bool) float64 {
+	// part copies blocks [lo, hi) of the round at off.
+	part := func(whole bool, off, lo, hi int) {
+		if whole {
+			copy(dst[lo*bs:hi*bs], src[off+lo*bs:off+hi*bs])
+			return
+		}
+		for b := lo; b < hi; b++ {
+			l := perm[b]
+			copy(dst[l*bs:(l+1)*bs], src[off+b*bs:off+(b+1)*bs])
+		}
+	}
+	measure := func(whole bool, threads int) float64 {
 		var bytes int64
+		var wg sync.WaitGroup
 		start := time.Now()
-		for k := 0; time.Since(start) < d/2 || k < nrounds; k++ {
+		for k := 0; time.Since(start) < d/4 || k < nrounds; k++ {
 			off := (k % nrounds) * round
-			if whole {
-				copy(dst[:round], src[off:off+round])
+			if threads == 1 {
+				part(whole, off, 0, ImageBlocks)
 			} else {
-				for b, l := range perm {
-					copy(dst[l*bs:(l+1)*bs], src[off+b*bs:off+(b+1)*bs])
+				for w := range threads {
+					wg.Go(func() { part(whole, off, ImageBlocks*w/threads, ImageBlocks*(w+1)/threads) })
 				}
+				wg.Wait()
 			}
 			bytes += int64(round)
 		}
 		return float64(bytes) / time.Since(start).Seconds() / 1e9
 	}
-	whole, scattered := measure(true), measure(false)
+	whole, scattered := measure(true, 1), measure(false, 1)
 	nblk := memcpySpan / bs
 	lat := make([]time.Duration, 0, 20000)
 	for i := 0; i < cap(lat); i++ {
@@ -71,10 +87,17 @@ func memcpyRefs(bs int, d time.Duration) ([]Reference, error) {
 	var r Result
 	summarize(&r, lat)
 	note := fmt.Sprintf("1 thread, %d-block rounds from a %d MiB source", ImageBlocks, memcpySpan>>20)
-	return []Reference{
+	refs := []Reference{
 		{Name: "memcpy", BlockSize: bs, GBPerSec: whole, P50us: r.P50us, Note: note + ", one copy per round"},
 		{Name: "memcpy per block", BlockSize: bs, GBPerSec: scattered, P50us: r.P50us, Note: note + ", block by block, scattered"},
-	}, nil
+	}
+	if workers > 1 {
+		note := fmt.Sprintf("%d threads, a share of each %d-block round each", workers, ImageBlocks)
+		refs = append(refs,
+			Reference{Name: fmt.Sprintf("memcpy %dT", workers), BlockSize: bs, GBPerSec: measure(true, workers), P50us: r.P50us, Note: note + ", one copy per share"},
+			Reference{Name: fmt.Sprintf("memcpy per block %dT", workers), BlockSize: bs, GBPerSec: measure(false, workers), P50us: r.P50us, Note: note + ", block by block, scattered"})
+	}
+	return refs, nil
 }
 
 // errNoPerftest says ucx_perftest is not installed.

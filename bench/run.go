@@ -361,7 +361,8 @@ func (s *session) runMode(ctx context.Context, mode string, bs int, seed int64, 
 	if err != nil {
 		return err
 	}
-	d, err := openDriver(mode, s.cfg.Backend, bs, ecxfer.Config{Reactor: s.cfg.Reactor}, s.cfg.Wait == "block", helloMsg{md: h.Metadata, memDesc: h.MemDesc})
+	opts := ecxfer.Config{Reactor: s.cfg.Reactor, CopyWorkers: s.cfg.CopyWorkers, InlineBytes: s.cfg.InlineBytes}
+	d, err := openDriver(mode, s.cfg.Backend, bs, opts, s.cfg.Wait == "block", helloMsg{md: h.Metadata, memDesc: h.MemDesc})
 	if err != nil {
 		_, _ = s.request(ctrl.Message{Kind: "teardown"}, "bye")
 		return err
@@ -634,7 +635,11 @@ func (s *session) references(ctx context.Context) {
 	d := min(max(s.cfg.Duration/2, 100*time.Millisecond), 2*time.Second)
 	for _, bs := range blockSizes {
 		s.progress(fmt.Sprintf("reference: memcpy %d B", bs))
-		if refs, err := memcpyRefs(bs, d); err == nil {
+		workers := s.cfg.CopyWorkers
+		if workers == 0 {
+			workers = ecxfer.DefaultCopyWorkers
+		}
+		if refs, err := memcpyRefs(bs, d, workers); err == nil {
 			s.rep.References = append(s.rep.References, refs...)
 		} else {
 			s.rep.Notes = append(s.rep.Notes, err.Error())

@@ -21,7 +21,7 @@ const (
 	cdfSteps = 200
 )
 
-var modeColors = map[string]string{"reactor": "#1f77b4", "locked": "#d62728", "raw": "#2ca02c"}
+var modeColors = map[string]string{"reactor": "#1f77b4", "direct": "#9467bd", "locked": "#d62728", "raw": "#2ca02c"}
 
 func modeColor(m string) string {
 	if c, ok := modeColors[m]; ok {
