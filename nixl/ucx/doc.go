@@ -56,7 +56,12 @@
 // format nibble. Only bytes of a blob that passed all of this reach UCX,
 // whose address and rkey parsers take no length and trust their input: a
 // blob crafted with a valid checksum can still feed UCX bad bytes. Metadata
-// must come from peers of the same deployment.
+// must come from peers of the same deployment. The regions a blob claims
+// are not taken on trust for a peer on this host, whose memory this
+// process reads directly: each must lie inside the segment UCX mapped here
+// for its rkey or, for caller memory, inside one mapping of the peer
+// process, or the peer is refused (truth.go). A peer on another host
+// serves every get from its own memory, so its claims are not checked.
 //
 // # Error handling mode and liveness
 //

@@ -570,6 +570,11 @@ int ecx_rkey_unpack(ucp_ep_h ep, const void *buf, ucp_rkey_h *out)
     return ucp_ep_rkey_unpack(ep, buf, out);
 }
 
+int ecx_rkey_ptr(ucp_rkey_h rkey, uint64_t raddr, void **out)
+{
+    return ucp_rkey_ptr(rkey, raddr, out);
+}
+
 void ecx_rkey_destroy(ucp_rkey_h rkey)
 {
     ucp_rkey_destroy(rkey);

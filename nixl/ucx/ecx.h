@@ -114,6 +114,9 @@ void ecx_ep_close_rkeys(ecx_ctx_t *c, ucp_ep_h ep, ecx_ep_arg_t *arg, int force,
 void ecx_version(uint32_t *major, uint32_t *minor);
 int ecx_rkey_unpack(ucp_ep_h ep, const void *buf, ucp_rkey_h *out);
 void ecx_rkey_destroy(ucp_rkey_h rkey);
+/* Where remote address raddr of rkey is mapped in this process, for
+ * shared-memory rkeys (ucp_rkey_ptr); a negative status otherwise. */
+int ecx_rkey_ptr(ucp_rkey_h rkey, uint64_t raddr, void **out);
 
 /* Transfers. Posts every range with one call; *out is the post to cancel
  * with ecx_post_cancel (valid until drained or cancelled). Returns 0 or a

@@ -152,6 +152,12 @@ func (a *Agent) connect(p *peer, m *metadata) error {
 					m.Name, i, C.GoString(C.ecx_status_string(st)))
 			}
 		}
+		if m.Host == a.host {
+			if err := checkTruth(m, rk); err != nil {
+				C.ecx_ep_close_rkeys(a.c, p.ep, p.eparg, 1, p.rkeys, C.uint32_t(n))
+				return err
+			}
+		}
 	}
 	if p.pidfd >= 0 {
 		if err := unix.EpollCtl(a.epfd, unix.EPOLL_CTL_ADD, p.pidfd,

@@ -1,0 +1,118 @@
+package ucx
+
+/*
+#include "ecx.h"
+*/
+import "C"
+
+import (
+	"bufio"
+	"os"
+	"sort"
+	"strconv"
+	"strings"
+	"unsafe"
+
+	"github.com/ecxfer/ecxfer/nixl"
+)
+
+// Bounds from the truth, not from the metadata. The metadata checksum is
+// no secret: a blob can claim a region larger than the memory behind it,
+// and PrepDlist only checks descriptors against what the blob claims. For a
+// peer on this host a READ outside the real region would touch memory of
+// this process (a shared-memory segment is mapped here and read with a
+// plain copy: past its end lies whatever is mapped next, or nothing, and
+// the copy faults), so each advertised region is checked, once, against
+// the mappings that really back it:
+//
+//   - a region whose rkey maps it here (ucp_rkey_ptr: UCX-allocated memory
+//     over sysv or posix) must lie inside one mapping of this process, the
+//     segment UCX attached;
+//   - any other region (caller memory, read with cma or emulated gets)
+//     must lie inside one mapping of the peer process (/proc/<pid>/maps;
+//     its pid was just checked through its pidfd and start time).
+//
+// A region that fails, or whose mappings cannot be read, refuses the peer
+// (ErrInvalidParam). For a peer on another host the data owner executes
+// every get against its own memory, so a lie cannot make this process
+// touch anything but the local blocks it named: such regions are not
+// checked.
+
+// span is one mapping of a /proc/<pid>/maps file, [start, end).
+type span struct{ start, end uint64 }
+
+// readMaps returns the mappings of /proc/<who>/maps, sorted by address.
+func readMaps(who string) ([]span, error) {
+	f, err := os.Open("/proc/" + who + "/maps")
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	var out []span
+	sc := bufio.NewScanner(f)
+	sc.Buffer(make([]byte, 0, 4096), 1<<20)
+	for sc.Scan() {
+		rng, _, _ := strings.Cut(sc.Text(), " ")
+		lo, hi, ok := strings.Cut(rng, "-")
+		if !ok {
+			continue
+		}
+		s, err1 := strconv.ParseUint(lo, 16, 64)
+		e, err2 := strconv.ParseUint(hi, 16, 64)
+		if err1 != nil || err2 != nil || e <= s {
+			continue
+		}
+		out = append(out, span{s, e})
+	}
+	if err := sc.Err(); err != nil {
+		return nil, err
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].start < out[j].start })
+	return out, nil
+}
+
+// inOne reports whether [addr, addr+n) lies inside a single mapping.
+func inOne(maps []span, addr, n uint64) bool {
+	end := addr + n
+	if end < addr {
+		return false
+	}
+	i := sort.Search(len(maps), func(i int) bool { return maps[i].start > addr }) - 1
+	return i >= 0 && end <= maps[i].end
+}
+
+// checkTruth checks the regions of m, a peer on this host whose rkeys are
+// unpacked in rk, against the mappings behind them.
+func checkTruth(m *metadata, rk []C.ucp_rkey_h) error {
+	var self, theirs []span
+	for i, r := range m.Region {
+		var ptr unsafe.Pointer
+		if C.ecx_rkey_ptr(rk[i], C.uint64_t(r.Addr), &ptr) == C.UCS_OK {
+			if self == nil {
+				var err error
+				if self, err = readMaps("self"); err != nil {
+					return nixl.Errorf(nixl.ErrInvalidParam, "ucx: peer %q: cannot check its regions: %v", m.Name, err)
+				}
+			}
+			if !inOne(self, uint64(uintptr(ptr)), r.Len) {
+				return truthErr(m, i, r, "the shared-memory segment behind it is smaller")
+			}
+			continue
+		}
+		if theirs == nil {
+			var err error
+			if theirs, err = readMaps(strconv.FormatUint(m.Pid, 10)); err != nil {
+				return nixl.Errorf(nixl.ErrInvalidParam, "ucx: peer %q (pid %d): cannot check its regions: %v", m.Name, m.Pid, err)
+			}
+		}
+		if !inOne(theirs, r.Addr, r.Len) {
+			return truthErr(m, i, r, "it is not mapped in the peer process")
+		}
+	}
+	return nil
+}
+
+func truthErr(m *metadata, i int, r region, why string) error {
+	return nixl.Errorf(nixl.ErrInvalidParam, "ucx: peer %q region %d [%#x,+%d): %s",
+		m.Name, i, r.Addr, r.Len, why)
+}
