@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -17,6 +18,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ecxfer/ecxfer/descriptors"
+	"github.com/ecxfer/ecxfer/internal/leakcheck"
 )
 
 // Limits a caller or a peer cannot cross: regions that cannot fit, READs
@@ -193,5 +195,61 @@ func TestPeerDescriptorChecks(t *testing.T) {
 			_, err = cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
 			require.NoError(t, err)
 		})
+	}
+}
+
+// TestNoStaleSuccessAfterDeath: a same-host producer of engine-allocated
+// memory is killed and reaped while the consumer's reactor is busy with
+// READs to it. Every READ posted after that fails with ErrRemoteDisconnect:
+// none reads the segment the dead producer left behind.
+func TestNoStaleSuccessAfterDeath(t *testing.T) {
+	leakcheck.Check(t)
+	cons := ucxEnv(t).transport(uniqueName("cons"), relBS, relNB)
+	for round := 0; round < 5; round++ {
+		name := uniqueName("victim")
+		pv := startTestProducer(t, nil, name, relBS, relNB, 41, "alloc")
+		_, err := cons.AddRemotePeer(pv.hello.Metadata, pv.hello.MemDesc)
+		require.NoError(t, err)
+		// Keep the reactor busy (spinning, not parked) with READs.
+		stop := make(chan struct{})
+		var wg sync.WaitGroup
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := 0; ; i++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				h, err := cons.PostRead([]int{i % relNB}, name, []int{i % relNB}, nil)
+				if err != nil {
+					continue
+				}
+				_, _ = wait(t, cons, h)
+				_ = cons.ReleaseXferHandle(h)
+			}
+		}()
+		time.Sleep(20 * time.Millisecond)
+		pv.kill() // returns once the process is reaped
+		stale := 0
+		for i := 0; i < 8; i++ {
+			h, err := cons.PostRead([]int{relNB - 1 - i}, name, []int{i}, nil)
+			if err != nil {
+				require.ErrorIs(t, err, ErrUnknownPeer) // dropped already: fine
+				continue
+			}
+			st, err := wait(t, cons, h)
+			if st == StateDone {
+				stale++
+			} else {
+				require.ErrorIs(t, err, ErrRemoteDisconnect)
+			}
+			require.NoError(t, cons.ReleaseXferHandle(h))
+		}
+		close(stop)
+		wg.Wait()
+		require.Zero(t, stale, "round %d: READs posted after the producer was reaped ended DONE", round)
+		_ = cons.RemoveRemotePeer(name)
 	}
 }

@@ -152,8 +152,10 @@ type Agent struct {
 	rangeBuf []descriptors.Range
 	pollfds  []unix.PollFd
 	calls    uint32
-	dropped  uint64 // notif_dropped, kept when the C context goes at Close
-	lastPoll time.Time
+	// pidPolled: the pidfds were polled since the last Progress.
+	pidPolled bool
+	dropped   uint64 // notif_dropped, kept when the C context goes at Close
+	lastPoll  time.Time
 }
 
 var _ nixl.Agent = (*Agent)(nil)
@@ -259,6 +261,7 @@ func (a *Agent) Progress() (bool, error) {
 	if a.closed {
 		return false, errClosed
 	}
+	a.pidPolled = false
 	did := C.ecx_progress(a.c) > 0
 	if a.c.err_head != nil && a.drainPeerErrors() {
 		did = true

@@ -75,8 +75,12 @@
 //     "succeeding" on the leftover segment. Liveness therefore comes from a
 //     pidfd (pidfd_open on the advertised pid, checked against the process
 //     start time so a recycled pid is not mistaken for the peer). The pidfd
-//     is in the EventFD epoll set, polled by Arm before every sleep and by
-//     Progress every LivenessPoll (10 ms).
+//     is in the EventFD epoll set, polled by Arm before every sleep, by
+//     Progress every LivenessPoll (10 ms) and by PostXfer before the first
+//     post to a same-host peer after each Progress: a READ posted after
+//     the peer's death (its pidfd readable) fails with ErrRemoteDisconnect
+//     instead of reading the segment the dead peer left behind. The cost is
+//     one poll(2) per loop turn that posts.
 //   - Other hosts: UCP_ERR_HANDLING_MODE_PEER. UCX keepalive detects the
 //     death, fails outstanding operations (UCS_ERR_ENDPOINT_TIMEOUT, ...)
 //     and calls the endpoint error callback, which queues the peer in C for

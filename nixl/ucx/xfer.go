@@ -155,6 +155,13 @@ func (a *Agent) PostXfer(id nixl.XferID) error {
 		return err
 	}
 	p := x.peer
+	if p.pidfd >= 0 && !a.pidPolled {
+		// A same-host peer that died would still "serve" gets from the
+		// segment it left behind: its pidfd is polled before the first
+		// post of each Progress round (one poll for all peers).
+		a.pidPolled = true
+		a.checkPids()
+	}
 	if p.Dead != nil {
 		return p.Dead
 	}
