@@ -20,7 +20,7 @@ func TestParseOptions(t *testing.T) {
 	cfg, err := parseOptions([]byte(`{"agent_name":"a","backend":"loopback","block_size":64,"num_blocks":8,
 		"xfer_timeout_s":1.5,"pin_cpu":0,"numa_node":0,"idle":"park","spin_for_us":10,"yield_for_us":20,
 		"park_timeout_us":30,"wait_spin_us":40,"batch_size":16,"submit_ring":128,"handles":256,
-		"wait_when_busy":true,"max_notif":99}`))
+		"wait_when_busy":true,"max_notif":99,"direct":"on","inline_bytes":-1,"copy_workers":3}`))
 	require.NoError(t, err)
 	r := cfg.Reactor
 	require.Equal(t, "a", cfg.AgentName)
@@ -41,6 +41,9 @@ func TestParseOptions(t *testing.T) {
 	require.Equal(t, 256, r.Handles)
 	require.True(t, r.WaitWhenBusy)
 	require.Equal(t, 99, r.MaxNotif)
+	require.Equal(t, ecxfer.DirectOn, cfg.Direct)
+	require.Equal(t, -1, cfg.InlineBytes)
+	require.Equal(t, 3, cfg.CopyWorkers)
 
 	cfg, err = parseOptions([]byte(`{"agent_name":"a","block_size":1,"num_blocks":1,"xfer_timeout_s":-1}`))
 	require.NoError(t, err)
@@ -56,7 +59,7 @@ func TestParseOptionsHostile(t *testing.T) {
 	for _, in := range []string{
 		``, `null x`, `[]`, `"a"`, `{`, `{"agent_name":1}`, `{"bogus":1}`, `{"Agent_Name":"a","x":1}`,
 		`{"idle":"sometimes"}`, `{"spin_for_us":-1}`, `{"wait_spin_us":1e300}`, `{"xfer_timeout_s":1e300}`,
-		`{"batch_size":-1}`, `{"handles":-5}`, `{"max_notif":-1}`, `{"submit_ring":-1}`, `{} {}`, `{"pin_cpu":"0"}`,
+		`{"batch_size":-1}`, `{"direct":"maybe"}`, `{"direct":1}`, `{"copy_workers":-1}`, `{"handles":-5}`, `{"max_notif":-1}`, `{"submit_ring":-1}`, `{} {}`, `{"pin_cpu":"0"}`,
 	} {
 		_, err := parseOptions([]byte(in))
 		require.ErrorIs(t, err, ecxfer.ErrConfig, "input %q", in)

@@ -37,6 +37,21 @@ type options struct {
 	Handles       int     `json:"handles"`
 	WaitWhenBusy  bool    `json:"wait_when_busy"`
 	MaxNotif      int     `json:"max_notif"`
+	// Direct is "auto" (default), "on" or "off": whether READs of peers
+	// on this host bypass the engine (Config.Direct). InlineBytes and
+	// CopyWorkers tune that path (0: the defaults; inline_bytes negative:
+	// never copy inside post_read).
+	Direct      string `json:"direct"`
+	InlineBytes int    `json:"inline_bytes"`
+	CopyWorkers int    `json:"copy_workers"`
+}
+
+// directModes maps the option's values to Config.Direct.
+var directModes = map[string]ecxfer.DirectMode{
+	"":     ecxfer.DirectAuto,
+	"auto": ecxfer.DirectAuto,
+	"on":   ecxfer.DirectOn,
+	"off":  ecxfer.DirectOff,
 }
 
 // parseOptions decodes ecx_new's JSON into a Config (without its region).
@@ -89,13 +104,19 @@ func parseOptions(data []byte) (ecxfer.Config, error) {
 	for _, n := range []struct {
 		name string
 		v    int
-	}{{"batch_size", o.BatchSize}, {"submit_ring", o.SubmitRing}, {"handles", o.Handles}, {"max_notif", o.MaxNotif}} {
+	}{{"batch_size", o.BatchSize}, {"submit_ring", o.SubmitRing}, {"handles", o.Handles}, {"max_notif", o.MaxNotif},
+		{"copy_workers", o.CopyWorkers}} {
 		if n.v < 0 {
 			return ecxfer.Config{}, fmt.Errorf("%w: %s %d must not be negative", ecxfer.ErrConfig, n.name, n.v)
 		}
 	}
 	r.BatchSize, r.SubmitRing, r.Handles, r.MaxNotif = o.BatchSize, o.SubmitRing, o.Handles, o.MaxNotif
 	r.WaitWhenBusy = o.WaitWhenBusy
+	d, ok := directModes[o.Direct]
+	if !ok {
+		return ecxfer.Config{}, fmt.Errorf("%w: direct %q (want auto, on or off)", ecxfer.ErrConfig, o.Direct)
+	}
+	cfg.Direct, cfg.InlineBytes, cfg.CopyWorkers = d, o.InlineBytes, o.CopyWorkers
 	return cfg, nil
 }
 

@@ -322,6 +322,9 @@ func stats(id uint64) ([]byte, error) {
 		"loop_turns":      s.LoopTurns,
 		"parks":           s.Parks,
 		"wait_blocks":     s.WaitBlocks,
+		"direct_peers":    s.DirectPeers,
+		"direct_reads":    s.DirectReads,
+		"inline_reads":    s.InlineReads,
 	})
 }
 

@@ -10,6 +10,9 @@ and one check_xfer_state call. Every READ carries a "{session}:{mm_hash}"
 notification, which the producer drains. Bytes are verified on the first
 READ of every workload.
 
+ecxfer runs twice: through the UCX engine (the default), and with
+direct="on", where the consumer copies from the producer's mapped /dev/shm
+file itself (inside post_read up to 64 KiB, on its copy workers above).
 ecxfer's indices go in as one array('q') buffer (what its post_read reads in
 place); the cost of a post_read given Python lists, as vLLM passes them, is
 reported too. NIXL gets what vLLM passes: lists, under vLLM's lock, with
@@ -322,12 +325,16 @@ def nixl_missing():
     return None
 
 
-def run_consumer(impl, duration):
+def run_consumer(impl, duration, options=None):
+    env = dict(os.environ)
+    if options:
+        env["ECXFER_OPTIONS"] = json.dumps(options)  # reaches the producer child too
     r = subprocess.run(
         [sys.executable, __file__, "--role", "consumer", "--impl", impl, "--duration", str(duration)],
         capture_output=True,
         text=True,
         timeout=600,
+        env=env,
     )
     for line in r.stdout.splitlines():
         if line.startswith("@@ "):
@@ -351,7 +358,10 @@ def main():
         return consumer(args.impl, args.duration)
 
     load0 = os.getloadavg()
-    out = {"ecxfer": run_consumer("ecxfer", args.duration)}
+    out = {
+        "ecxfer": run_consumer("ecxfer", args.duration),
+        "direct": run_consumer("ecxfer", args.duration, {"direct": "on"}),
+    }
     why = "--skip-nixl" if args.skip_nixl else nixl_missing()
     if why is None:
         out["nixl"] = run_consumer("nixl", args.duration)
@@ -363,7 +373,14 @@ def main():
     print(cols)
     for name, *_ in WORKLOADS:
         n = out.get("nixl", {}).get(name)
-        for label, r in (("ecxfer poll", out["ecxfer"][name]), ("ecxfer wait", out["ecxfer"][name + "/wait"]), ("nixl poll", n)):
+        rows = (
+            ("ecxfer poll", out["ecxfer"][name]),
+            ("ecxfer wait", out["ecxfer"][name + "/wait"]),
+            ("direct poll", out["direct"][name]),
+            ("direct wait", out["direct"][name + "/wait"]),
+            ("nixl poll", n),
+        )
+        for label, r in rows:
             if r is None:
                 print(f"{name:>12} {label:>12}  skipped: {why}")
                 continue

@@ -129,7 +129,9 @@ class EcxferDataTransport(_Base):
     options reach the Go Config: backend ("ucx", the default, or "nixl"),
     xfer_timeout_s, pin_cpu, numa_node, idle ("hybrid", "spin", "yield",
     "park"), spin_for_us, yield_for_us, park_timeout_us, wait_spin_us,
-    batch_size, submit_ring, handles, wait_when_busy, max_notif. The JSON
+    batch_size, submit_ring, handles, wait_when_busy, max_notif, direct
+    ("auto", "on", "off": same-host READs bypass the engine and copy from
+    the peer's mapped region), inline_bytes, copy_workers. The JSON
     object in $ECXFER_OPTIONS supplies defaults for them (that is how
     options reach a transport vLLM builds); keyword arguments win.
 

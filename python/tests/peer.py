@@ -79,8 +79,9 @@ def consumer(name, path, nb, bs):
             if region.mm[loc * bs : (loc + 1) * bs] != pattern(job["seed"], rem, bs)
         ]
         results.append({"state": state, "error": type(err).__name__ if err else None, "bad_blocks": bad})
+    st = t.stats()
     t.remove_remote_peer(peer)
-    say(results=results)
+    say(results=results, stats=st)
     hear()  # "quit"
     t.deregister()
     region.close()

@@ -6,15 +6,22 @@ the producer."""
 import sys
 import time
 
-from conftest import HELPERS, shm_path
+import pytest
+
+from conftest import HELPERS, child_env, shm_path
 
 PEER = str(HELPERS / "peer.py")
 NB, BS, SEED = 1024, 5120, 77
 
 
-def test_producer_consumer_processes(peers):
-    prod = peers([sys.executable, PEER, "producer", "encoder-0", shm_path("p"), str(NB), str(BS), str(SEED)])
-    cons = peers([sys.executable, PEER, "consumer", "prefill-0", shm_path("c"), str(NB), str(BS)])
+@pytest.mark.parametrize("options", [None, '{"direct": "on"}', '{"direct": "on", "inline_bytes": -1}'])
+def test_producer_consumer_processes(peers, options):
+    """Through the engine, and (direct on) with the consumer copying from
+    the producer's mapped /dev/shm file itself, inline in post_read or (no
+    inline bytes) on its copy workers."""
+    env = child_env({"ECXFER_OPTIONS": options} if options else None)
+    prod = peers([sys.executable, PEER, "producer", "encoder-0", shm_path("p"), str(NB), str(BS), str(SEED)], env)
+    cons = peers([sys.executable, PEER, "consumer", "prefill-0", shm_path("c"), str(NB), str(BS)], env)
     pm = prod.recv()
     cons.recv()
     reads = [
@@ -27,7 +34,13 @@ def test_producer_consumer_processes(peers):
     ]
     prod.send(expect_notifs=2)
     cons.send(md=pm["md"], desc=pm["desc"], seed=SEED, reads=reads)
-    res = cons.recv()["results"]
+    got = cons.recv()
+    res, st = got["results"], got["stats"]
+    if options is None:
+        assert st["direct_reads"] == 0 and st["direct_peers"] == 0, st
+    else:
+        assert st["direct_reads"] == 3 and st["direct_peers"] == 1, st
+        assert st["inline_reads"] == (0 if "inline_bytes" in options else 1), st
     assert [r["state"] for r in res] == ["DONE"] * 3
     assert [r["bad_blocks"] for r in res] == [[]] * 3
     got = prod.recv()["notifs"]
