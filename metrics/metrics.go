@@ -30,8 +30,15 @@
 //	ecxfer_busy_refusals_total          [counter]   PostRead calls refused with ErrBusy
 //	ecxfer_notifications_sent_total     [counter]   notifications sent with finished READs
 //	ecxfer_notifications_received_total [counter]   notifications received from peers
+//	ecxfer_notifications_dropped_total{reason}
+//	                                    [counter]   notifications dropped on receipt: oversized
+//	                                                (longer than MaxNotif) or engine (the engine
+//	                                                could not hand them over)
 //	ecxfer_engine_errors_total          [counter]   engine calls that failed
-//	ecxfer_peers{path,state}            [gauge]     known peers by path (engine) and state (up, dead)
+//	ecxfer_peers{path,state}            [gauge]     known peers by path (engine, direct-file,
+//	                                                direct-sysv, direct-proc) and state (up, dead)
+//	ecxfer_reads_direct_total           [counter]   READs of direct peers that copied every byte
+//	ecxfer_reads_inline_total           [counter]   of those, READs the caller copied inside PostRead
 //	ecxfer_reactor_loop_turns_total     [counter]   event loop turns
 //	ecxfer_reactor_parks_total          [counter]   times the reactor slept
 //	ecxfer_reactor_busy_seconds_total   [counter]   reactor time in turns that found work;
@@ -96,6 +103,7 @@ type collector struct {
 	notifsSent, notifsReceived, engineErrors           *prometheus.Desc
 	peersDesc, loopTurns, parks, busySeconds, cpu      *prometheus.Desc
 	waitBlocks, duration                               *prometheus.Desc
+	notifsDropped, readsDirect, readsInline            *prometheus.Desc
 	peerDone, peerFailed, peerBytes, peerOmitted       *prometheus.Desc
 }
 
@@ -121,6 +129,9 @@ func NewCollector(t *ecxfer.Transport, opts ...Option) prometheus.Collector {
 	c.notifsSent = d("ecxfer_notifications_sent_total", "Notifications sent with finished READs.")
 	c.notifsReceived = d("ecxfer_notifications_received_total", "Notifications received from peers.")
 	c.engineErrors = d("ecxfer_engine_errors_total", "Engine calls that failed.")
+	c.notifsDropped = d("ecxfer_notifications_dropped_total", "Notifications dropped on receipt, by reason.", "reason")
+	c.readsDirect = d("ecxfer_reads_direct_total", "READs of direct peers that copied every byte.")
+	c.readsInline = d("ecxfer_reads_inline_total", "READs of direct peers the caller copied inside PostRead.")
 	c.peersDesc = d("ecxfer_peers", "Known peers by path and state.", "path", "state")
 	c.loopTurns = d("ecxfer_reactor_loop_turns_total", "Event loop turns.")
 	c.parks = d("ecxfer_reactor_parks_total", "Times the reactor slept.")
@@ -142,7 +153,7 @@ func (c *collector) Describe(ch chan<- *prometheus.Desc) {
 		c.readBytes, c.inFlight, c.handles, c.busyRefusals,
 		c.notifsSent, c.notifsReceived, c.engineErrors,
 		c.peersDesc, c.loopTurns, c.parks, c.busySeconds, c.cpu,
-		c.waitBlocks, c.duration,
+		c.waitBlocks, c.duration, c.notifsDropped, c.readsDirect, c.readsInline,
 	} {
 		ch <- d
 	}
@@ -179,6 +190,10 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	counter(c.notifsSent, float64(s.NotifsSent))
 	counter(c.notifsReceived, float64(s.NotifsReceived))
 	counter(c.engineErrors, float64(s.EngineErrors))
+	counter(c.notifsDropped, float64(s.NotifsOversized), "oversized")
+	counter(c.notifsDropped, float64(s.NotifsDroppedByEngine), "engine")
+	counter(c.readsDirect, float64(s.DirectReads))
+	counter(c.readsInline, float64(s.InlineReads))
 	counter(c.loopTurns, float64(s.LoopTurns))
 	counter(c.parks, float64(s.Parks))
 	counter(c.busySeconds, s.BusyTime.Seconds())

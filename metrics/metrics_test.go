@@ -6,6 +6,7 @@ import (
 	"io"
 	"net/http"
 	"runtime"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -97,6 +98,9 @@ func TestScrapeOverHTTP(t *testing.T) {
 		"ecxfer_notifications_sent_total":     "counter",
 		"ecxfer_notifications_received_total": "counter",
 		"ecxfer_engine_errors_total":          "counter",
+		"ecxfer_notifications_dropped_total":  "counter",
+		"ecxfer_reads_direct_total":           "counter",
+		"ecxfer_reads_inline_total":           "counter",
 		"ecxfer_peers":                        "gauge",
 		"ecxfer_reactor_loop_turns_total":     "counter",
 		"ecxfer_reactor_parks_total":          "counter",
@@ -392,4 +396,61 @@ func BenchmarkGather(b *testing.B) {
 			b.Fatal(err)
 		}
 	}
+}
+
+// TestDirectPathMetrics: a same-host ucx peer read on the direct path is
+// counted under its path, and its READs as direct (and inline).
+func TestDirectPathMetrics(t *testing.T) {
+	leakcheck.Check(t)
+	pn, cn := name("dprod"), name("dcons")
+	direct := func(c *ecxfer.Config) { c.Direct = ecxfer.DirectOn }
+	prod := newTransport(t, "ucx", pn, direct)
+	cons := newTransport(t, "ucx", cn, direct)
+	_, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+	require.NoError(t, err)
+	reg := prometheus.NewRegistry()
+	require.NoError(t, reg.Register(metrics.NewCollector(cons, metrics.WithPeers(4))))
+	const n = 10
+	for i := 0; i < n; i++ {
+		h, err := cons.PostRead([]int{i}, pn, []int{i}, nil)
+		require.NoError(t, err)
+		require.NoError(t, cons.Wait(context.Background(), h))
+		require.NoError(t, cons.ReleaseXferHandle(h))
+	}
+	mfs, err := reg.Gather()
+	require.NoError(t, err)
+	vals := map[string]float64{}
+	paths := map[string]float64{}
+	for _, mf := range mfs {
+		for _, m := range mf.GetMetric() {
+			switch mf.GetName() {
+			case "ecxfer_peers":
+				var path, state string
+				for _, l := range m.GetLabel() {
+					switch l.GetName() {
+					case "path":
+						path = l.GetValue()
+					case "state":
+						state = l.GetValue()
+					}
+				}
+				if state == "up" {
+					paths[path] += m.GetGauge().GetValue()
+				}
+			case "ecxfer_reads_direct_total", "ecxfer_reads_inline_total", "ecxfer_peer_reads_done_total":
+				vals[mf.GetName()] = m.GetCounter().GetValue()
+			}
+		}
+	}
+	require.Zero(t, paths["engine"])
+	var onDirect float64
+	for p, v := range paths {
+		if strings.HasPrefix(p, "direct-") {
+			onDirect += v
+		}
+	}
+	require.Equal(t, 1.0, onDirect, "paths: %v", paths)
+	require.Equal(t, float64(n), vals["ecxfer_reads_direct_total"])
+	require.Equal(t, float64(n), vals["ecxfer_reads_inline_total"], "4 KiB READs are copied inline")
+	require.Equal(t, float64(n), vals["ecxfer_peer_reads_done_total"])
 }

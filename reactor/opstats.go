@@ -28,7 +28,8 @@ const NumFailReasons = int(numCodes)
 type PeerStat struct {
 	Name string
 	// Path is how READs reach the peer: "engine" (through the transfer
-	// engine).
+	// engine), or "direct-file", "direct-sysv", "direct-proc" (copied
+	// from its mapped region, see PeerPath).
 	Path string
 	// State is "up", or "dead" once a READ from it failed because it
 	// disconnected (until it is replaced).
@@ -51,9 +52,13 @@ func (r *Reactor) PeerStats(dst []PeerStat) []PeerStat {
 		if p.pc.dead.Load() {
 			st = "dead"
 		}
+		path := "engine"
+		if p.direct != nil && r.dir != nil {
+			path = p.direct.Path()
+		}
 		dst = append(dst, PeerStat{
 			Name:        p.Name,
-			Path:        "engine",
+			Path:        path,
 			State:       st,
 			ReadsDone:   p.pc.done.Load(),
 			ReadsFailed: p.pc.failed.Load(),
