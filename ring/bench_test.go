@@ -10,11 +10,12 @@ import (
 // The benchmarks move b.N ints from N producer goroutines to one consumer
 // goroutine (the benchmark goroutine) through a queue of benchCap slots, and
 // report the wall time per item. Every variant moves the same items through
-// the same capacity. BenchmarkChan's consumer receives one item at a time, as
-// a blocking channel receive must; every other consumer takes up to
-// benchBatch items per call. Producers that find the queue full wait in the
-// queue's Push (the mutex slice uses the rings' backoff; the channel blocks
-// in the runtime).
+// the same capacity. The ring is used as the reactor uses it: producers call
+// TryPush, and one that finds the ring full yields the processor and tries
+// again (what Post does with WaitWhenBusy before it starts sleeping); the
+// consumer drains up to benchBatch items per loop turn. The mutex slice is
+// used the same way. BenchmarkChan's producers block in a channel send and
+// its consumer receives one item at a time, as a blocking receive must.
 const (
 	benchCap   = 1024
 	benchBatch = 128
@@ -72,7 +73,7 @@ func runBench(b *testing.B, producers int, push func(v int), consume func(total 
 	}
 }
 
-// The consumer of the rings stands in for the reactor: a locked thread that,
+// The ring's consumer stands in for the reactor: a locked thread that,
 // each loop turn, drains what is queued and then does its own work (polls
 // the transfer engine), yielding the processor only after a long idle
 // stretch. Polling an empty ring in a tight loop would instead keep pulling
@@ -141,11 +142,21 @@ func consumeIdling(total int, drain func([]int) int, idle func(empty int)) (sum,
 	return sum, calls
 }
 
+// tryPushing turns a TryPush into a push that yields the processor while
+// the queue is full.
+func tryPushing(tryPush func(int) bool) func(int) {
+	return func(v int) {
+		for !tryPush(v) {
+			runtime.Gosched()
+		}
+	}
+}
+
 func BenchmarkMPSC(b *testing.B) {
 	for _, p := range benchProducers {
 		b.Run(fmt.Sprintf("producers=%d", p), func(b *testing.B) {
 			q := NewMPSC[int](benchCap)
-			runBench(b, p, q.Push, func(total int) (int, int) {
+			runBench(b, p, tryPushing(q.TryPush), func(total int) (int, int) {
 				return consumeBatches(total, q.Drain)
 			})
 		})
@@ -158,7 +169,7 @@ func BenchmarkMPSCYieldingConsumer(b *testing.B) {
 	for _, p := range benchProducers {
 		b.Run(fmt.Sprintf("producers=%d", p), func(b *testing.B) {
 			q := NewMPSC[int](benchCap)
-			runBench(b, p, q.Push, func(total int) (int, int) {
+			runBench(b, p, tryPushing(q.TryPush), func(total int) (int, int) {
 				return consumeIdling(total, q.Drain, func(int) { runtime.Gosched() })
 			})
 		})
@@ -166,7 +177,7 @@ func BenchmarkMPSCYieldingConsumer(b *testing.B) {
 }
 
 // BenchmarkChan is the channel with its natural consumer, a blocking
-// receive per item. BenchmarkChanPolling drains it like the rings instead.
+// receive per item. BenchmarkChanPolling drains it like the ring instead.
 func BenchmarkChan(b *testing.B) {
 	for _, p := range benchProducers {
 		b.Run(fmt.Sprintf("producers=%d", p), func(b *testing.B) {
@@ -181,7 +192,7 @@ func BenchmarkChan(b *testing.B) {
 	}
 }
 
-// BenchmarkChanPolling drains the channel with the rings' consumer, taking
+// BenchmarkChanPolling drains the channel with the ring's consumer, taking
 // up to benchBatch items per turn with non-blocking receives.
 func BenchmarkChanPolling(b *testing.B) {
 	for _, p := range benchProducers {
@@ -205,7 +216,7 @@ func BenchmarkChanPolling(b *testing.B) {
 }
 
 // mutexQueue is the baseline a ring replaces: a bounded circular buffer
-// behind a sync.Mutex, drained in batches like the rings.
+// behind a sync.Mutex, drained in batches like the ring.
 type mutexQueue struct {
 	mu   sync.Mutex
 	buf  []int
@@ -225,13 +236,6 @@ func (m *mutexQueue) tryPush(v int) bool {
 	return true
 }
 
-func (m *mutexQueue) push(v int) {
-	var bo backoff
-	for !m.tryPush(v) {
-		bo.wait()
-	}
-}
-
 func (m *mutexQueue) drain(dst []int) int {
 	m.mu.Lock()
 	n := min(m.n, len(dst))
@@ -248,70 +252,9 @@ func BenchmarkMutexSlice(b *testing.B) {
 	for _, p := range benchProducers {
 		b.Run(fmt.Sprintf("producers=%d", p), func(b *testing.B) {
 			q := &mutexQueue{buf: make([]int, benchCap)}
-			runBench(b, p, q.push, func(total int) (int, int) {
+			runBench(b, p, tryPushing(q.tryPush), func(total int) (int, int) {
 				return consumeBatches(total, q.drain)
 			})
-		})
-	}
-}
-
-// BenchmarkSPSC is the one-producer case; compare it with
-// BenchmarkChan/producers=1 and BenchmarkMPSC/producers=1.
-func BenchmarkSPSC(b *testing.B) {
-	q := NewSPSC[int](benchCap)
-	runBench(b, 1, q.Push, func(total int) (int, int) {
-		return consumeBatches(total, q.Drain)
-	})
-}
-
-// BenchmarkMPSCBatch is BenchmarkMPSC with producers that submit 16 items
-// per TryPushBatch call, to show what one claim per batch saves.
-func BenchmarkMPSCBatch(b *testing.B) {
-	const producerBatch = 16
-	for _, p := range benchProducers {
-		b.Run(fmt.Sprintf("producers=%d", p), func(b *testing.B) {
-			q := NewMPSC[int](benchCap)
-			b.ReportAllocs()
-			start := make(chan struct{})
-			var wg sync.WaitGroup
-			for i := 0; i < p; i++ {
-				n := b.N / p
-				if i < b.N%p {
-					n++
-				}
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					buf := make([]int, 0, producerBatch)
-					<-start
-					for next := 0; next < n; {
-						buf = buf[:0]
-						for j := next; j < n && len(buf) < producerBatch; j++ {
-							buf = append(buf, j)
-						}
-						var bo backoff
-						for sent := 0; sent < len(buf); {
-							k := q.TryPushBatch(buf[sent:])
-							if k == 0 {
-								bo.wait()
-							}
-							sent += k
-						}
-						next += len(buf)
-					}
-				}()
-			}
-			b.ResetTimer()
-			close(start)
-			_, calls := consumeBatches(b.N, q.Drain)
-			wg.Wait()
-			b.StopTimer()
-			if b.N > 0 {
-				b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N), "ns/item")
-			}
-			if calls > 0 {
-				b.ReportMetric(float64(b.N)/float64(calls), "items/drain")
-			}
 		})
 	}
 }
