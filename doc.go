@@ -41,8 +41,8 @@
 // the block region is ever registered). It can also write into that region
 // and, by driving UCX directly, issue out-of-range emulated gets that crash
 // us: UCX 1.13's shared-memory and TCP transports neither bounds-check
-// emulated gets at the target nor enforce a read-only registration (asking
-// UCX for remote-read-only memory was tried; remote writes still land). It
+// emulated gets at the target nor enforce a read-only registration (remote
+// writes land even in memory registered for remote reads only). It
 // can send us notifications under any sender name it likes (the name is
 // the sender's own claim). What ecxfer guarantees is about its own
 // actions: a READ of ours never touches memory outside our registered

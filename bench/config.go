@@ -79,11 +79,12 @@ type Config struct {
 	// the caches by default, so READs come from memory, as the memcpy
 	// reference's copies do.
 	RemoteRegion int
-	// ProducerIdle is the producer reactor's idle strategy, hybrid by
-	// default like the consumer's. (Parking at once looks cheaper, since
-	// gets of the producer's memory are one-sided, but every notification
-	// sent to a parked UCX worker costs the sender a wake-up: measured here,
-	// fanin at 16 submitters fell from 132k to 14k reads/s with "park".)
+	// ProducerIdle is the producer reactor's idle strategy (flag
+	// --producer-idle), hybrid by default like the consumer's. Gets of the
+	// producer's memory are one-sided, but every notification sent to a
+	// parked UCX worker costs the sender a wake-up, which slows the READs
+	// that carry notifications (run fanin with --producer-idle park to
+	// compare).
 	ProducerIdle reactor.IdleStrategy
 	// References turns the memcpy and ucx_perftest references on.
 	References bool
