@@ -188,7 +188,7 @@ func open(path string) (*lib, C.int, string) {
 // a library speaking another is refused with ErrBadLibrary.
 func ABIVersion() uint32 { return C.ECXNIXL_ABI_VERSION }
 
-// libABIVersion asks a loaded library for its ABI version.
+// abiVersion asks a loaded library for its ABI version.
 func (l *lib) abiVersion() uint32 { return uint32(C.ecx_dl_abi_version(l.c)) }
 
 // nixlVersion asks a loaded library which NIXL release it runs on (the
