@@ -191,6 +191,21 @@ func (a *Agent) Name() string { return a.name }
 // and later agents of the same name.
 func (a *Agent) Incarnation() uint64 { return a.inc }
 
+// live returns m[key] of a live agent: ErrClosed once the agent is
+// closed, nixl.ErrNotFound (format describes it, given key) for an unknown
+// key.
+func live[K comparable, V any](a *Agent, m map[K]V, key K, format string) (V, error) {
+	var zero V
+	if a.dead.Load() {
+		return zero, ErrClosed
+	}
+	v, ok := m[key]
+	if !ok {
+		return zero, nixl.Errorf(nixl.ErrNotFound, format, key)
+	}
+	return v, nil
+}
+
 func (a *Agent) newID() uint64 {
 	a.nextID++
 	return a.nextID
@@ -280,12 +295,9 @@ func (a *Agent) addRegion(buf []byte, mapped bool) (nixl.MemID, error) {
 // Peers that still hold this agent's metadata fail their transfers into the
 // released range with nixl.ErrBackend.
 func (a *Agent) DeregisterMem(id nixl.MemID) error {
-	if a.dead.Load() {
-		return ErrClosed
-	}
-	r, ok := a.mems[id]
-	if !ok {
-		return nixl.Errorf(nixl.ErrNotFound, "loopback: unknown memory id %d", id)
+	r, err := live(a, a.mems, id, "loopback: unknown memory id %d")
+	if err != nil {
+		return err
 	}
 	if r.refs > 0 {
 		return nixl.Errorf(nixl.ErrNotAllowed, "loopback: memory %d is used by %d prepared list(s)", id, r.refs)
@@ -385,12 +397,9 @@ func (a *Agent) PrepDlist(peerName string, descs descriptors.List, mem nixl.MemT
 // nixl.ErrNotAllowed; requests made from a released list can no longer be
 // posted.
 func (a *Agent) ReleaseDlist(id nixl.DlistID) error {
-	if a.dead.Load() {
-		return ErrClosed
-	}
-	d, ok := a.dlists[id]
-	if !ok {
-		return nixl.Errorf(nixl.ErrNotFound, "loopback: unknown descriptor list %d", id)
+	d, err := live(a, a.dlists, id, "loopback: unknown descriptor list %d")
+	if err != nil {
+		return err
 	}
 	if d.inflight > 0 {
 		return nixl.Errorf(nixl.ErrNotAllowed, "loopback: descriptor list %d is used by %d posted request(s)", id, d.inflight)
@@ -424,12 +433,9 @@ func (a *Agent) usable(d *dlist) error {
 // gone (closed, killed, restarted) or disconnected fails with
 // nixl.ErrRemoteDisconnect.
 func (a *Agent) SendNotif(peerName string, msg []byte) error {
-	if a.dead.Load() {
-		return ErrClosed
-	}
-	p, ok := a.peers[peerName]
-	if !ok {
-		return nixl.Errorf(nixl.ErrNotFound, "loopback: unknown peer %q", peerName)
+	p, err := live(a, a.peers, peerName, "loopback: unknown peer %q")
+	if err != nil {
+		return err
 	}
 	t, err := a.reach(p)
 	if err != nil {

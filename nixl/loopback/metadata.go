@@ -194,12 +194,9 @@ func (a *Agent) LoadRemoteMetadata(md []byte) (string, error) {
 // (other uses fail with nixl.ErrNotFound) and its posted requests end at
 // once with nixl.ErrRemoteDisconnect.
 func (a *Agent) InvalidateRemoteMetadata(name string) error {
-	if a.dead.Load() {
-		return ErrClosed
-	}
-	p, ok := a.peers[name]
-	if !ok {
-		return nixl.Errorf(nixl.ErrNotFound, "loopback: unknown peer %q", name)
+	p, err := live(a, a.peers, name, "loopback: unknown peer %q")
+	if err != nil {
+		return err
 	}
 	p.invalid = true
 	delete(a.peers, name)

@@ -108,12 +108,9 @@ func (a *Agent) MakeXfer(op nixl.Op, local nixl.DlistID, localIdx []int, remote 
 // unreported completion is then dropped. Requests whose lists were
 // released or whose peer was invalidated fail with nixl.ErrNotFound.
 func (a *Agent) PostXfer(id nixl.XferID) error {
-	if a.dead.Load() {
-		return ErrClosed
-	}
-	x, ok := a.xfers[id]
-	if !ok {
-		return nixl.Errorf(nixl.ErrNotFound, "loopback: unknown request %d", id)
+	x, err := live(a, a.xfers, id, "loopback: unknown request %d")
+	if err != nil {
+		return err
 	}
 	if x.state == stPosted {
 		return nixl.Errorf(nixl.ErrRepostActive, "loopback: request %d is in flight", id)
@@ -156,12 +153,9 @@ func (a *Agent) unqueue(x *xfer) {
 // reports (false, nixl.ErrNotPosted); an unknown or released one (false,
 // nixl.ErrNotFound).
 func (a *Agent) XferStatus(id nixl.XferID) (bool, error) {
-	if a.dead.Load() {
-		return false, ErrClosed
-	}
-	x, ok := a.xfers[id]
-	if !ok {
-		return false, nixl.Errorf(nixl.ErrNotFound, "loopback: unknown request %d", id)
+	x, err := live(a, a.xfers, id, "loopback: unknown request %d")
+	if err != nil {
+		return false, err
 	}
 	switch x.state {
 	case stPosted:
@@ -176,12 +170,9 @@ func (a *Agent) XferStatus(id nixl.XferID) (bool, error) {
 // copied afterwards, no notification is sent and no completion reported.
 // Its ID is never reused.
 func (a *Agent) ReleaseXfer(id nixl.XferID) error {
-	if a.dead.Load() {
-		return ErrClosed
-	}
-	x, ok := a.xfers[id]
-	if !ok {
-		return nixl.Errorf(nixl.ErrNotFound, "loopback: unknown request %d", id)
+	x, err := live(a, a.xfers, id, "loopback: unknown request %d")
+	if err != nil {
+		return err
 	}
 	if x.state == stPosted {
 		x.local.inflight--
