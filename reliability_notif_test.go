@@ -22,10 +22,25 @@ import (
 // consumer's Stats count sent, one per READ counted done, and every READ
 // ends counted once (done, canceled or failed).
 func TestReleasedReadsDoNotNotify(t *testing.T) {
-	for _, backend := range []string{"loopback", "ucx"} {
-		t.Run(backend, func(t *testing.T) {
+	for _, tc := range []struct {
+		name, backend string
+		opt           func(*Config)
+	}{
+		{"loopback", "loopback", func(*Config) {}},
+		{"ucx", "ucx", func(*Config) {}},
+		// The direct path: small READs copied inside PostRead, the others
+		// by the copy workers.
+		{"ucx-direct", "ucx", func(c *Config) { c.Direct = DirectOn }},
+		{"ucx-direct-workers", "ucx", func(c *Config) { c.Direct = DirectOn; c.InlineBytes = -1 }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
 			const bs, nb, reads, depth = 4096, 256, 4000, 32
-			prod, cons, pname := env{t: t, backend: backend}.pair(bs, nb, 5)
+			e := env{t: t, backend: tc.backend}
+			pname := uniqueName("prod")
+			prod := e.transport(pname, bs, nb, tc.opt)
+			cons := e.transport(uniqueName("cons"), bs, nb, tc.opt)
+			_, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+			require.NoError(t, err)
 			rng := rand.New(rand.NewSource(7))
 			waited := map[string]bool{}
 			var inflight []Handle

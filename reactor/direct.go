@@ -484,22 +484,37 @@ func (r *Reactor) endJob(j *dirJob) {
 				s.trim()
 				r.finish(h, s, codeRemoteDisconnect)
 			} else {
-				if s.hasNotif {
-					if err := r.agent.SendNotif(p.Name, s.notif); err != nil {
-						r.engineError("notif", err)
-					} else {
-						r.st.notifsSent.Add(1)
+				// Nothing of the slot may be touched once it is published:
+				// take out what the notification and the counters need (the
+				// message buffer is swapped for the spare one), publish, and
+				// notify only if the READ was published DONE, not released
+				// meanwhile.
+				bytes, posted, notify := s.bytes, s.posted, s.hasNotif
+				var msg []byte
+				if notify {
+					msg, s.notif = s.notif, r.notifSpare[:0]
+					r.notifSpare = nil
+				}
+				if !r.finish(h, s, codeNone) {
+					r.st.canceled.Add(1)
+				} else {
+					d.reads.Add(1)
+					r.st.done.Add(1)
+					r.st.bytes.Add(bytes)
+					p.pc.done.Add(1)
+					p.pc.bytes.Add(bytes)
+					r.st.latency.Add(time.Duration(r.lastTime - posted))
+					if notify {
+						if err := r.agent.SendNotif(p.Name, msg); err != nil {
+							r.engineError("notif", err)
+						} else {
+							r.st.notifsSent.Add(1)
+						}
 					}
 				}
-				d.reads.Add(1)
-				r.st.done.Add(1)
-				r.st.bytes.Add(s.bytes)
-				p.pc.done.Add(1)
-				p.pc.bytes.Add(s.bytes)
-				r.st.latency.Add(time.Duration(r.lastTime - s.posted))
-				// Nothing of the slot may be touched once it is published.
-				s.trim()
-				r.finish(h, s, codeNone)
+				if notify && cap(msg) <= 8*slotKeep {
+					r.notifSpare = msg
+				}
 			}
 		}
 	}
