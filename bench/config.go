@@ -118,63 +118,51 @@ func DefaultConfig() Config {
 	}
 }
 
-// has reports whether list holds s.
-func has(list []string, s string) bool {
-	for _, v := range list {
-		if v == s {
-			return true
-		}
-	}
-	return false
-}
-
 // parseList splits a comma-separated list and checks each item against
 // allowed, dropping duplicates.
 func parseList(what, s string, allowed []string) ([]string, error) {
 	var out []string
 	for _, f := range strings.Split(s, ",") {
 		f = strings.TrimSpace(f)
-		if f == "" {
-			continue
-		}
-		if !has(allowed, f) {
-			return nil, fmt.Errorf("%w: unknown %s %q (want %s)", ErrUsage, what, f, strings.Join(allowed, ", "))
-		}
-		if !has(out, f) {
+		if f != "" && !slices.Contains(out, f) {
 			out = append(out, f)
 		}
 	}
-	if len(out) == 0 {
-		return nil, fmt.Errorf("%w: no %s given (want %s)", ErrUsage, what, strings.Join(allowed, ", "))
+	if err := checkNames(what, out, allowed); err != nil {
+		return nil, err
 	}
 	return out, nil
 }
 
+// checkNames reports an empty list or the first name in it that allowed
+// lacks.
+func checkNames(what string, list, allowed []string) error {
+	if len(list) == 0 {
+		return fmt.Errorf("%w: no %s given (want %s)", ErrUsage, what, strings.Join(allowed, ", "))
+	}
+	for _, v := range list {
+		if !slices.Contains(allowed, v) {
+			return fmt.Errorf("%w: unknown %s %q (want %s)", ErrUsage, what, v, strings.Join(allowed, ", "))
+		}
+	}
+	return nil
+}
+
 // Validate checks a Config and reports the first problem.
 func (c *Config) Validate() error {
-	if len(c.Workloads) == 0 {
-		return fmt.Errorf("%w: no workloads", ErrUsage)
+	if err := checkNames("workload", c.Workloads, AllWorkloads); err != nil {
+		return err
 	}
-	for _, w := range c.Workloads {
-		if !has(AllWorkloads, w) {
-			return fmt.Errorf("%w: unknown workload %q", ErrUsage, w)
-		}
+	if err := checkNames("mode", c.Modes, AllModes); err != nil {
+		return err
 	}
-	if len(c.Modes) == 0 {
-		return fmt.Errorf("%w: no modes", ErrUsage)
+	if err := checkNames("backend", []string{c.Backend}, AllBackends); err != nil {
+		return err
 	}
-	for _, m := range c.Modes {
-		if !has(AllModes, m) {
-			return fmt.Errorf("%w: unknown mode %q", ErrUsage, m)
-		}
-	}
-	if !has(AllBackends, c.Backend) {
-		return fmt.Errorf("%w: unknown backend %q (want ucx, loopback or nixl)", ErrUsage, c.Backend)
-	}
-	if has(c.Modes, "direct") && c.Backend == "nixl" {
+	if slices.Contains(c.Modes, "direct") && c.Backend == "nixl" {
 		return fmt.Errorf("%w: mode direct needs --backend ucx or loopback (NIXL's metadata cannot carry the region's advertisement)", ErrUsage)
 	}
-	if has(c.Modes, "direct") && c.Connect != "" {
+	if slices.Contains(c.Modes, "direct") && c.Connect != "" {
 		return fmt.Errorf("%w: mode direct reads a producer on this host; drop it with --connect", ErrUsage)
 	}
 	if c.CopyWorkers < 0 || c.CopyWorkers > 256 {

@@ -40,7 +40,7 @@ type cell struct {
 func cellsFor(cfg *Config, bs int, mode string) []cell {
 	var cs []cell
 	for _, w := range AllWorkloads {
-		if !has(cfg.Workloads, w) {
+		if !slices.Contains(cfg.Workloads, w) {
 			continue
 		}
 		switch w {
@@ -141,7 +141,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	if cfg.Backend == "loopback" {
 		s.rep.Notes = append(s.rep.Notes, "loopback: producer in this process; its allocations count in allocs/read")
 	}
-	if cfg.Connect != "" && has(cfg.Workloads, "notif") {
+	if cfg.Connect != "" && slices.Contains(cfg.Workloads, "notif") {
 		s.rep.Notes = append(s.rep.Notes, "notif skipped: the producer is on another host, CLOCK_MONOTONIC is not shared")
 	}
 	sortResults(s.rep.Results)

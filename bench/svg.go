@@ -6,6 +6,7 @@ import (
 	"html"
 	"io"
 	"math"
+	"slices"
 )
 
 // Chart geometry, in SVG user units.
@@ -190,7 +191,7 @@ func writeBars(w io.Writer, y0 int, title string, rows []*Result) {
 			keys = append(keys, k)
 			labels[k] = shortLabel(r)
 		}
-		if !has(modes, r.Mode) {
+		if !slices.Contains(modes, r.Mode) {
 			modes = append(modes, r.Mode)
 		}
 		max = math.Max(max, r.ReadsPerSec)
