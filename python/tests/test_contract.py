@@ -244,9 +244,13 @@ def test_options_from_environment(region, monkeypatch):
         EcxferDataTransport(agent_name="e3", **kw)
 
 
-def test_nixl_backend_without_nixl(region, monkeypatch):
+def test_nixl_backend_without_nixl(region, monkeypatch, tmp_path):
     monkeypatch.delenv("NIXL_PREFIX", raising=False)
     monkeypatch.delenv("ECXFER_NIXL_LIB", raising=False)
+    # The Go side reads its environment once, when libecxfer loads, but the
+    # working directory each time: away from the project's .venv (where
+    # make nixl puts the NIXL engine), NIXL is found nowhere.
+    monkeypatch.chdir(tmp_path)
     r = region(4096)
     with pytest.raises(ecxfer.NoBackendError):
         EcxferDataTransport(
