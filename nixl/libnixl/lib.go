@@ -167,6 +167,10 @@ func load(explicit string) (*lib, error) {
 		}
 		return nil, fmt.Errorf("%w: %s: %s", ErrBadLibrary, path, msg)
 	}
+	if explicit == "" && os.Getenv(EnvLib) == "" && projectVenv() == "" {
+		wd, _ := os.Getwd()
+		tried = append(tried, fmt.Sprintf("no %s in %s or above", ProjectVenv, wd))
+	}
 	return nil, fmt.Errorf("%w: tried %s; %s", ErrNotInstalled, strings.Join(tried, ", "), buildHint)
 }
 

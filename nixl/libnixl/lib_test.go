@@ -53,6 +53,7 @@ func TestNotInstalledSearch(t *testing.T) {
 	require.Contains(t, msg, filepath.Join(prefix, "lib", "ecxfer", LibName))
 	require.Contains(t, msg, filepath.Join(prefix, "lib", LibName))
 	require.Contains(t, msg, "loader path")
+	require.Contains(t, msg, "no "+ProjectVenv+" in", "the message says no project .venv was found")
 }
 
 func TestCandidates(t *testing.T) {
