@@ -9,7 +9,7 @@ import (
 	"strconv"
 	"strings"
 
-	"golang.org/x/sys/unix"
+	"github.com/ecxfer/ecxfer/internal/procinfo"
 )
 
 // ErrBadAdvert reports advertisement bytes that do not decode.
@@ -53,23 +53,18 @@ type Host struct {
 
 // LocalHost returns this process's Host.
 func LocalHost() (Host, error) {
-	boot, err := os.ReadFile("/proc/sys/kernel/random/boot_id")
+	boot, err := procinfo.BootID(maxBoot)
 	if err != nil {
 		return Host{}, fmt.Errorf("shmview: %w", err)
 	}
-	h := Host{Boot: strings.TrimSpace(string(boot))}
-	if len(h.Boot) > maxBoot {
-		h.Boot = h.Boot[:maxBoot]
-	}
+	h := Host{Boot: boot}
 	for _, ns := range []struct {
 		name string
 		dst  *uint64
 	}{{"net", &h.NetNS}, {"pid", &h.PidNS}, {"mnt", &h.MntNS}} {
-		var st unix.Stat_t
-		if err := unix.Stat("/proc/self/ns/"+ns.name, &st); err != nil {
-			return Host{}, fmt.Errorf("shmview: stat /proc/self/ns/%s: %w", ns.name, err)
+		if *ns.dst, err = procinfo.NSInode(ns.name); err != nil {
+			return Host{}, fmt.Errorf("shmview: %w", err)
 		}
-		*ns.dst = st.Ino
 	}
 	return h, nil
 }
@@ -241,23 +236,6 @@ func Split(b []byte) ([]byte, *Advert, error) {
 // namespaces.
 func (h Host) SameHost(o Host) bool { return h == o }
 
-// procStart returns the start time of pid (field 22 of /proc/<pid>/stat).
-func procStart(pid int) (uint64, error) {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
-	if err != nil {
-		return 0, err
-	}
-	i := bytes.LastIndexByte(b, ')')
-	if i < 0 {
-		return 0, fmt.Errorf("/proc/%d/stat: no ')'", pid)
-	}
-	f := strings.Fields(string(b[i+1:]))
-	if len(f) < 20 {
-		return 0, fmt.Errorf("/proc/%d/stat: %d fields", pid, len(f))
-	}
-	return strconv.ParseUint(f[19], 10, 64)
-}
-
 // Self fills the host and process fields of an advertisement for this
 // process.
 func Self(a *Advert) error {
@@ -265,7 +243,7 @@ func Self(a *Advert) error {
 	if err != nil {
 		return err
 	}
-	start, err := procStart(os.Getpid())
+	start, err := procinfo.StartTime(os.Getpid())
 	if err != nil {
 		return fmt.Errorf("shmview: %w", err)
 	}
@@ -276,6 +254,6 @@ func Self(a *Advert) error {
 // Alive reports whether the advertised process still runs (the pid exists
 // and has the advertised start time).
 func (a *Advert) Alive() bool {
-	s, err := procStart(int(a.PID))
+	s, err := procinfo.StartTime(int(a.PID))
 	return err == nil && s == a.Start
 }
