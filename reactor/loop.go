@@ -601,7 +601,7 @@ func (r *Reactor) addPeer(md []byte, descs descriptors.List, d *Direct) (_ strin
 		}
 		return "", fmt.Errorf("%w: %v", ErrBadDescriptor, err)
 	}
-	p := &Peer{Name: name, Descs: descs, md: append([]byte(nil), md...), dlist: dl}
+	p := &Peer{Name: name, Descs: descs, dlist: dl}
 	if d != nil && r.dir != nil {
 		p.direct = d
 	}

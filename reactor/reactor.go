@@ -34,7 +34,6 @@ type Peer struct {
 	Name  string
 	Descs descriptors.List
 
-	md    []byte
 	dlist nixl.DlistID
 	gone  atomic.Uint64 // 0 while usable; else the error code its reads end with
 
@@ -265,34 +264,10 @@ func (r *Reactor) SetTimeout(d time.Duration) { r.timeout.Store(int64(d)) }
 // error. It never waits for data; it waits for room only with
 // Options.WaitWhenBusy.
 func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (uint64, error) {
-	if r.closing.Load() {
-		return 0, ErrClosed
+	p, loc, err := r.checkPost(peer, localIdx, remoteIdx, notif)
+	if err != nil {
+		return 0, err
 	}
-	p := (*r.peers.Load())[peer]
-	if p == nil {
-		return 0, wrapf(ErrUnknownPeer, "%q", peer)
-	}
-	loc := r.loc.Load()
-	if loc == nil {
-		return 0, wrapf(ErrClosed, "no local memory registered")
-	}
-	if len(localIdx) == 0 && len(remoteIdx) == 0 {
-		return 0, wrapf(ErrIndexRange, "empty index lists")
-	}
-	if err := descriptors.ValidateIndices(loc.descs, p.Descs, localIdx, remoteIdx); err != nil {
-		switch {
-		case errors.Is(err, descriptors.ErrIndexMismatch):
-			return 0, fmt.Errorf("%w: %v", ErrIndexMismatch, err)
-		case errors.Is(err, descriptors.ErrIndexRange):
-			return 0, fmt.Errorf("%w: %v", ErrIndexRange, err)
-		default:
-			return 0, fmt.Errorf("%w: %v", ErrBadDescriptor, err)
-		}
-	}
-	if len(notif) > r.opts.MaxNotif {
-		return 0, wrapf(ErrBadNotif, "%d bytes (limit %d)", len(notif), r.opts.MaxNotif)
-	}
-
 	h, s, err := r.claim()
 	if err != nil {
 		return 0, err
@@ -352,6 +327,39 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 		return 0, ErrClosed
 	}
 	return h, nil
+}
+
+// checkPost validates a Post's request and returns the peer and the local
+// blocks it names.
+func (r *Reactor) checkPost(peer string, localIdx, remoteIdx []int, notif []byte) (*Peer, *local, error) {
+	if r.closing.Load() {
+		return nil, nil, ErrClosed
+	}
+	p := (*r.peers.Load())[peer]
+	if p == nil {
+		return nil, nil, wrapf(ErrUnknownPeer, "%q", peer)
+	}
+	loc := r.loc.Load()
+	if loc == nil {
+		return nil, nil, wrapf(ErrClosed, "no local memory registered")
+	}
+	if len(localIdx) == 0 && len(remoteIdx) == 0 {
+		return nil, nil, wrapf(ErrIndexRange, "empty index lists")
+	}
+	if err := descriptors.ValidateIndices(loc.descs, p.Descs, localIdx, remoteIdx); err != nil {
+		switch {
+		case errors.Is(err, descriptors.ErrIndexMismatch):
+			return nil, nil, fmt.Errorf("%w: %v", ErrIndexMismatch, err)
+		case errors.Is(err, descriptors.ErrIndexRange):
+			return nil, nil, fmt.Errorf("%w: %v", ErrIndexRange, err)
+		default:
+			return nil, nil, fmt.Errorf("%w: %v", ErrBadDescriptor, err)
+		}
+	}
+	if len(notif) > r.opts.MaxNotif {
+		return nil, nil, wrapf(ErrBadNotif, "%d bytes (limit %d)", len(notif), r.opts.MaxNotif)
+	}
+	return p, loc, nil
 }
 
 // claim takes a free slot for a new transfer. Without a free slot it
