@@ -132,3 +132,28 @@ func TestCloseLeavesClaimedSlotToItsPost(t *testing.T) {
 	}
 	require.True(t, p.cons.tab.free(s, claimed), "the owner cannot free its slot")
 }
+
+// Control operations racing Close: a caller that got past the closing
+// check must not write the wake-up eventfd after Close has closed it (the
+// number may already name another file).
+func TestControlRacingClose(t *testing.T) {
+	leakcheck.Check(t)
+	for round := 0; round < 30; round++ {
+		r, _ := startLoopback(t, "ctl", 16, Options{})
+		var wg sync.WaitGroup
+		for g := 0; g < 4; g++ {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for {
+					if err := r.RemovePeer("nobody"); errors.Is(err, ErrClosed) {
+						return
+					}
+				}
+			}()
+		}
+		time.Sleep(time.Duration(100+round*20) * time.Microsecond)
+		require.NoError(t, r.Close())
+		wg.Wait()
+	}
+}

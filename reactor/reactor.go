@@ -77,8 +77,12 @@ type Reactor struct {
 	wakeFD   int
 	epollFD  int
 	sleeping atomic.Bool
-	closing  atomic.Bool
-	done     chan struct{}
+	// fdsClosed and fdUsers keep callers from writing wakeFD once
+	// closeFDs closes it (see writeWake).
+	fdsClosed atomic.Bool
+	fdUsers   atomic.Int32
+	closing   atomic.Bool
+	done      chan struct{}
 
 	peers    atomic.Pointer[map[string]*Peer]
 	loc      atomic.Pointer[local]
@@ -198,7 +202,16 @@ func (r *Reactor) openFDs() error {
 	return nil
 }
 
+// closeFDs closes the epoll set and the wake-up eventfd once the loop has
+// ended. Callers that got past the closing check may still be about to
+// write the eventfd (see writeWake): it waits for them, and any that come
+// later see fdsClosed and skip the write, so nobody writes a closed
+// descriptor, whose number may already name another file.
 func (r *Reactor) closeFDs() {
+	r.fdsClosed.Store(true)
+	for r.fdUsers.Load() != 0 {
+		runtime.Gosched()
+	}
 	if r.epollFD >= 0 {
 		_ = unix.Close(r.epollFD)
 		r.epollFD = -1
@@ -215,9 +228,21 @@ func (r *Reactor) now() int64 { return int64(time.Since(r.epoch)) }
 // wake makes a parked reactor return from epoll_wait.
 func (r *Reactor) wake() {
 	if r.sleeping.Load() {
+		r.writeWake()
+	}
+}
+
+// writeWake writes the wake-up eventfd unless closeFDs has begun. Users
+// announce themselves before they look at fdsClosed, and closeFDs sets it
+// before it counts users: with sequentially consistent atomics at least
+// one of the two sees the other.
+func (r *Reactor) writeWake() {
+	r.fdUsers.Add(1)
+	if !r.fdsClosed.Load() {
 		var one = [8]byte{1}
 		_, _ = unix.Write(r.wakeFD, one[:])
 	}
+	r.fdUsers.Add(-1)
 }
 
 // ----------------------------------------------------------------------------
@@ -235,7 +260,7 @@ func (r *Reactor) do(fn func() error) error {
 			runtime.Gosched()
 		}
 	}
-	r.wakeAlways()
+	r.writeWake()
 	select {
 	case err := <-op.done:
 		return err
@@ -247,11 +272,6 @@ func (r *Reactor) do(fn func() error) error {
 			return ErrClosed
 		}
 	}
-}
-
-func (r *Reactor) wakeAlways() {
-	var one = [8]byte{1}
-	_, _ = unix.Write(r.wakeFD, one[:])
 }
 
 // SetTimeout sets the age after which an in-flight transfer ends in
