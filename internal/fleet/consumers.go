@@ -88,36 +88,9 @@ func Consumers(ctx context.Context, cfg ConsumersConfig) (*ConsumersResult, erro
 			_ = p.Stop(30 * time.Second)
 		}
 	}()
-	prod, err := Spawn("producer", cfg.ProducerWrap, cfg.ProducerEnv)
+	prod, cons, err := startConsumers(cfg, &all)
 	if err != nil {
 		return nil, err
-	}
-	all = append(all, prod)
-	if err := prod.C.Send(ctrl.Message{Kind: "setup", Ints: map[string]int64{"bs": int64(cfg.BlockSize), "nb": int64(cfg.NumBlocks),
-		"idle": int64(cfg.Idle)}}); err != nil {
-		return nil, err
-	}
-	hello, err := prod.C.Expect("hello")
-	if err != nil {
-		return nil, fmt.Errorf("producer: %w", err)
-	}
-	cons := make([]*Proc, cfg.Consumers)
-	for i := range cons {
-		if cons[i], err = Spawn("consumer", cfg.ConsumerWrap, cfg.ConsumerEnv); err != nil {
-			return nil, err
-		}
-		all = append(all, cons[i])
-		err = cons[i].C.Send(ctrl.Message{Kind: "setup", Metadata: hello.Metadata, MemDesc: hello.MemDesc, Ints: map[string]int64{
-			"id": int64(i), "bs": int64(cfg.BlockSize), "nb": int64(cfg.NumBlocks), "k": int64(cfg.BlocksPerRead),
-			"seed": hello.Ints["seed"], "idle": int64(cfg.Idle)}})
-		if err != nil {
-			return nil, err
-		}
-	}
-	for i, c := range cons {
-		if _, err := c.C.Expect("ready"); err != nil {
-			return nil, fmt.Errorf("consumer %d: %w", i, err)
-		}
 	}
 	if err := prod.C.Send(ctrl.Message{Kind: "start"}); err != nil {
 		return nil, err
@@ -131,10 +104,73 @@ func Consumers(ctx context.Context, cfg ConsumersConfig) (*ConsumersResult, erro
 		}
 	}
 	res := &ConsumersResult{Consumers: cfg.Consumers}
-	done := map[[2]uint32]int64{} // (consumer, seq) → when it saw DONE
-	var errs []string
-	var mu sync.Mutex
-	var wg sync.WaitGroup
+	done, err := collectResults(cons, res)
+	if err != nil {
+		return nil, err
+	}
+	// Let the last notifications arrive.
+	time.Sleep(100 * time.Millisecond)
+	if err := prod.C.Send(ctrl.Message{Kind: "stop"}); err != nil {
+		return nil, err
+	}
+	st, err := prod.C.Expect("stats")
+	if err != nil {
+		return nil, fmt.Errorf("producer: %w", err)
+	}
+	res.ProducerCPU = time.Duration(st.Ints["cpu"])
+	if res.Bytes > 0 {
+		res.ProducerCPUPerGB = time.Duration(float64(res.ProducerCPU) / (float64(res.Bytes) / 1e9))
+	}
+	notifLatencies(st.Data, done, res)
+	return res, nil
+}
+
+// startConsumers starts the producer and the consumers (appending them to
+// all as they start) and waits until every consumer is connected.
+func startConsumers(cfg ConsumersConfig, all *[]*Proc) (*Proc, []*Proc, error) {
+	prod, err := Spawn("producer", cfg.ProducerWrap, cfg.ProducerEnv)
+	if err != nil {
+		return nil, nil, err
+	}
+	*all = append(*all, prod)
+	if err := prod.C.Send(ctrl.Message{Kind: "setup", Ints: map[string]int64{"bs": int64(cfg.BlockSize), "nb": int64(cfg.NumBlocks),
+		"idle": int64(cfg.Idle)}}); err != nil {
+		return nil, nil, err
+	}
+	hello, err := prod.C.Expect("hello")
+	if err != nil {
+		return nil, nil, fmt.Errorf("producer: %w", err)
+	}
+	cons := make([]*Proc, cfg.Consumers)
+	for i := range cons {
+		if cons[i], err = Spawn("consumer", cfg.ConsumerWrap, cfg.ConsumerEnv); err != nil {
+			return nil, nil, err
+		}
+		*all = append(*all, cons[i])
+		err = cons[i].C.Send(ctrl.Message{Kind: "setup", Metadata: hello.Metadata, MemDesc: hello.MemDesc, Ints: map[string]int64{
+			"id": int64(i), "bs": int64(cfg.BlockSize), "nb": int64(cfg.NumBlocks), "k": int64(cfg.BlocksPerRead),
+			"seed": hello.Ints["seed"], "idle": int64(cfg.Idle)}})
+		if err != nil {
+			return nil, nil, err
+		}
+	}
+	for i, c := range cons {
+		if _, err := c.C.Expect("ready"); err != nil {
+			return nil, nil, fmt.Errorf("consumer %d: %w", i, err)
+		}
+	}
+	return prod, cons, nil
+}
+
+// collectResults adds up the consumers' results into res and returns when
+// each consumer saw each READ DONE, by (consumer, seq).
+func collectResults(cons []*Proc, res *ConsumersResult) (map[[2]uint32]int64, error) {
+	done := map[[2]uint32]int64{}
+	var (
+		errs []string
+		mu   sync.Mutex
+		wg   sync.WaitGroup
+	)
 	for i, c := range cons {
 		wg.Add(1)
 		go func(i int, c *Proc) {
@@ -159,21 +195,14 @@ func Consumers(ctx context.Context, cfg ConsumersConfig) (*ConsumersResult, erro
 	if len(errs) > 0 {
 		return nil, fmt.Errorf("fleet: %s", strings.Join(errs, "; "))
 	}
-	// Let the last notifications arrive.
-	time.Sleep(100 * time.Millisecond)
-	if err := prod.C.Send(ctrl.Message{Kind: "stop"}); err != nil {
-		return nil, err
-	}
-	st, err := prod.C.Expect("stats")
-	if err != nil {
-		return nil, fmt.Errorf("producer: %w", err)
-	}
-	res.ProducerCPU = time.Duration(st.Ints["cpu"])
-	if res.Bytes > 0 {
-		res.ProducerCPUPerGB = time.Duration(float64(res.ProducerCPU) / (float64(res.Bytes) / 1e9))
-	}
+	return done, nil
+}
+
+// notifLatencies matches the producer's records (consumer, seq, when it
+// got the notification) with when the consumer saw DONE.
+func notifLatencies(recs []byte, done map[[2]uint32]int64, res *ConsumersResult) {
 	var lat []time.Duration
-	for b := st.Data; len(b) >= 16; b = b[16:] {
+	for b := recs; len(b) >= 16; b = b[16:] {
 		key := [2]uint32{binary.LittleEndian.Uint32(b), binary.LittleEndian.Uint32(b[4:])}
 		at, ok := done[key]
 		if !ok {
@@ -189,7 +218,6 @@ func Consumers(ctx context.Context, cfg ConsumersConfig) (*ConsumersResult, erro
 	sortDurations(lat)
 	res.Notifs = len(lat)
 	res.NotifP50, res.NotifP99 = quantile(lat, 0.5), quantile(lat, 0.99)
-	return res, nil
 }
 
 // maxTimed bounds the READs a consumer reports times for.
@@ -255,7 +283,9 @@ func producerChild(c *ctrl.Conn) error {
 }
 
 // consumerChild reads scattered blocks from the producer, one READ at a
-// time, each with a notification naming it, and verifies every 16th.
+// time, each with a notification naming it, and verifies every 16th. It
+// is longer than most: setup, warm-up and the measured loop share the
+// transport and the read closure, and read in order they are the protocol.
 func consumerChild(c *ctrl.Conn) error {
 	m, err := c.Expect("setup")
 	if err != nil {
