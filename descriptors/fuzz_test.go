@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"math"
+	"slices"
 	"strings"
 	"testing"
 )
@@ -46,18 +47,6 @@ func refEncode(l List) []byte {
 		b = refAppendUint(b, d.DevID)
 	}
 	return b
-}
-
-func listsEqual(a, b List) bool {
-	if len(a) != len(b) {
-		return false
-	}
-	for i := range a {
-		if a[i] != b[i] {
-			return false
-		}
-	}
-	return true
 }
 
 func FuzzDecode(f *testing.F) {
@@ -106,7 +95,7 @@ func FuzzDecode(f *testing.F) {
 		if err != nil {
 			t.Fatalf("Decode(Encode(l)): %v", err)
 		}
-		if !listsEqual(l, again) {
+		if !slices.Equal(l, again) {
 			t.Fatalf("round trip changed the list: %v -> %v", l, again)
 		}
 	})
@@ -173,7 +162,7 @@ func FuzzRoundTrip(f *testing.F) {
 		if err != nil {
 			t.Fatalf("Decode(Encode(l)): %v", err)
 		}
-		if !listsEqual(in, got) {
+		if !slices.Equal(in, got) {
 			t.Fatalf("round trip: %v -> %v", in, got)
 		}
 	})

@@ -11,6 +11,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"unsafe"
@@ -49,7 +50,7 @@ func PinThread(cpu int) error {
 	if err != nil {
 		return err
 	}
-	if !contains(allowed, cpu) {
+	if !slices.Contains(allowed, cpu) {
 		return fmt.Errorf("%w: CPU %d (allowed: %v)", ErrNoCPU, cpu, allowed)
 	}
 	var set unix.CPUSet
@@ -95,7 +96,7 @@ func PickCPU(node int) (int, error) {
 		return -1, err
 	}
 	for _, c := range cpus {
-		if contains(allowed, c) {
+		if slices.Contains(allowed, c) {
 			return c, nil
 		}
 	}
@@ -155,13 +156,4 @@ func BindMemory(buf []byte, n int) error {
 		return fmt.Errorf("affinity: mbind node %d: %w", n, e)
 	}
 	return nil
-}
-
-func contains(s []int, v int) bool {
-	for _, x := range s {
-		if x == v {
-			return true
-		}
-	}
-	return false
 }
