@@ -214,9 +214,10 @@ python: deps
 	@rm -f python/ecxfer/libecxfer.h
 
 # The Python tests (pytest in .venv): the vLLM contract, two Python
-# processes over UCX, Python <-> Go, the GIL, the plugin, packaging, leaks.
+# processes over UCX (and over the NIXL engine, hence nixl), Python <-> Go,
+# the GIL, the plugin, packaging, leaks.
 test-python: export UCX_LOG_LEVEL ?= error
-test-python: python
+test-python: python nixl
 	cd python && ../$(VENV_PY) -m pytest -q -p no:cacheprovider
 
 # Python consumer -> producer with the harness's workloads, side by side
