@@ -89,3 +89,14 @@ def test_producer_killed(peers):
     finally:
         t.deregister()
         reg.close()
+
+
+def test_example_runs():
+    """The README's two-command example (python/examples/vllm_pair.py)."""
+    import subprocess
+
+    ex = str(HELPERS.parent / "examples" / "vllm_pair.py")
+    r = subprocess.run([sys.executable, ex], env=child_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "DONE" in r.stdout and "bytes verified" in r.stdout, r.stdout
+    assert "'session-1:mm-hash-abc'" in r.stdout, r.stdout
