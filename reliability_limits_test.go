@@ -253,3 +253,68 @@ func TestNoStaleSuccessAfterDeath(t *testing.T) {
 		_ = cons.RemoveRemotePeer(name)
 	}
 }
+
+// TestLargeReadIsExecutedInPieces: a READ of the whole 256 MiB region goes
+// to the engine a few MiB per loop turn. A one-block READ posted right
+// after it is DONE while the large one is still running (on one piece the
+// large READ would be DONE first: its copy alone takes milliseconds), and
+// an XferTimeout of 1 ms ends a large READ that is still running with
+// ErrTimeout (copying 256 MiB takes several milliseconds at any speed this
+// machine has).
+func TestLargeReadIsExecutedInPieces(t *testing.T) {
+	const bs, nb = 64 << 10, 4096 // 256 MiB
+	e := ucxEnv(t)
+	pname := uniqueName("prod")
+	prod := e.transport(pname, bs, nb)
+	cons := e.transport(uniqueName("cons"), bs, nb)
+	_, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+	require.NoError(t, err)
+	all := make([]int, nb)
+	for i := range all {
+		all[i] = i
+	}
+	conclusive := 0
+	for trial := 0; trial < 5 && conclusive < 2; trial++ {
+		big, err := cons.PostRead(all, pname, all, nil)
+		require.NoError(t, err)
+		small, err := cons.PostRead([]int{0}, pname, []int{1}, nil)
+		require.NoError(t, err)
+		// Watch both; the first state seen with one of them DONE decides.
+		for {
+			sb, _ := cons.CheckXferState(big)
+			ss, _ := cons.CheckXferState(small)
+			if sb == StateProc && ss == StateProc {
+				continue
+			}
+			require.NotEqual(t, StateErr, sb)
+			require.NotEqual(t, StateErr, ss)
+			switch {
+			case ss == StateDone && sb == StateProc:
+				conclusive++
+			case sb == StateDone && ss == StateProc:
+				t.Fatalf("trial %d: the maximum READ finished before the one-block READ posted after it", trial)
+			default:
+				t.Logf("trial %d: both seen DONE at once (the watcher was descheduled): inconclusive", trial)
+			}
+			break
+		}
+		for _, h := range []Handle{big, small} {
+			st, err := wait(t, cons, h)
+			require.NoError(t, err)
+			require.Equal(t, StateDone, st)
+			require.NoError(t, cons.ReleaseXferHandle(h))
+		}
+	}
+	require.Positive(t, conclusive, "no trial was conclusive")
+
+	short := e.transport(uniqueName("cons"), bs, nb, func(c *Config) { c.XferTimeout = time.Millisecond })
+	_, err = short.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+	require.NoError(t, err)
+	h, err := short.PostRead(all, pname, all, nil)
+	require.NoError(t, err)
+	st, err := wait(t, short, h)
+	require.Equal(t, StateErr, st)
+	require.ErrorIs(t, err, ErrTimeout)
+	require.NoError(t, short.ReleaseXferHandle(h))
+	require.Equal(t, int64(0), short.Stats().InFlight)
+}

@@ -10,8 +10,15 @@
 // environment variables (UCX_TLS, UCX_NET_DEVICES, ...), which this package
 // never sets.
 //
-// PostXfer posts every get (or put) of a request with one cgo call, from a
-// C array of merged ranges built by MakeXfer. UCX completion callbacks are C
+// PostXfer posts the gets (or puts) of a request with one cgo call, from a
+// C array of merged ranges built by MakeXfer, cut into pieces of at most
+// 1 MiB. A round (from one Progress to the next) posts at most 4 MiB, new
+// requests and the rest of earlier ones together, though every new request
+// posts at least one piece: the rest of a large request goes out in later
+// Progress calls, oldest first, so a one-block READ behind a 256 MiB one
+// is not held up for the whole copy (UCX-allocated memory over shared
+// memory is copied inside ucp_get_nbx), and releasing it, or a timeout,
+// stops it between pieces. UCX completion callbacks are C
 // functions that only count down a per-request C struct; when the last
 // operation of a request has called back (for a WRITE, the endpoint flush
 // that follows the puts), the request goes on a C ready list. Progress (one
@@ -24,7 +31,9 @@
 //
 // A get has landed when it calls back, so a READ needs no flush. When all
 // gets complete inside ucp_get_nbx (UCX-allocated memory over shared memory
-// is a plain copy), the notification goes out inside PostXfer.
+// is a plain copy), the notification goes out inside the call that posted
+// the last piece. (ecxfer's reactor passes no notification: it sends it
+// itself once the READ is published DONE.)
 //
 // Received notifications are copied, inside the AM handler, into a C queue
 // that GetNotifs drains. Senders force eager protocol and notifications are

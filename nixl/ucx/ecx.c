@@ -34,6 +34,16 @@ struct ecx_post {
     uint8_t queued;   /* on the completion queue */
     uint32_t notif_len;
     char *notif;
+    /* Posting in rounds: ranges [next, nranges) are still to be posted.
+     * ranges and rkeys belong to Go and stay valid until the post is
+     * cancelled, which takes it off the posting list first. */
+    ecx_post_t *posting_next;
+    const ecx_range_t *ranges;
+    ucp_rkey_h *rkeys;
+    uint32_t next;
+    uint32_t nranges;
+    int op;
+    uint8_t on_posting;
     void *reqs[]; /* outstanding UCX requests (NULL once called back) */
 };
 
@@ -110,7 +120,7 @@ static void op_cb(void *request, ucs_status_t status, void *user_data)
         p->status = status;
     }
     ucp_request_free(request);
-    if (--p->outstanding == 0) {
+    if (--p->outstanding == 0 && p->next == p->nranges) {
         ready_push(p);
     }
 }
@@ -258,6 +268,7 @@ int ecx_create(const char *name, uint32_t name_len, ecx_ctx_t **out)
         return UCS_ERR_NO_MEMORY;
     }
     c->efd = -1;
+    c->budget = ECX_TURN_BUDGET;
     c->name = malloc(name_len + 1);
     if (c->name == NULL) {
         free(c);
@@ -580,14 +591,80 @@ void ecx_rkey_destroy(ucp_rkey_h rkey)
     ucp_rkey_destroy(rkey);
 }
 
+/* Posts p's ranges from p->next on while this round's byte budget lasts,
+ * at least one; after the last one of a write, the flush. An error stops
+ * the posting: the post then completes once its outstanding operations
+ * have called back. */
+static void post_some(ecx_post_t *p)
+{
+    ecx_ctx_t *c = p->ctx;
+    ucp_request_param_t prm = op_param(p);
+    const ecx_range_t *r = p->ranges;
+    ucs_status_ptr_t sp;
+    uint32_t i = p->next, first = p->next;
+
+    for (; i < p->nranges && p->status == UCS_OK; i++) {
+        if (i > first && r[i].len > c->budget) {
+            break;
+        }
+        c->budget -= r[i].len < c->budget ? r[i].len : c->budget;
+        if (p->op == ECX_OP_READ) {
+            sp = ucp_get_nbx(p->ep, (void *)(uintptr_t)r[i].local, r[i].len,
+                             r[i].remote, p->rkeys[r[i].rkey], &prm);
+        } else {
+            sp = ucp_put_nbx(p->ep, (const void *)(uintptr_t)r[i].local, r[i].len,
+                             r[i].remote, p->rkeys[r[i].rkey], &prm);
+        }
+        track(p, sp, i);
+    }
+    p->next = p->status == UCS_OK ? i : p->nranges;
+    /* A get has landed when it calls back. A put has only left the local
+     * buffer: the flush makes it remote-complete. */
+    if (p->next == p->nranges && p->op == ECX_OP_WRITE && p->status == UCS_OK) {
+        sp = ucp_ep_flush_nbx(p->ep, &prm);
+        track(p, sp, p->nranges);
+    }
+}
+
+static void posting_remove(ecx_post_t *p)
+{
+    ecx_post_t **pp;
+    for (pp = &p->ctx->posting; *pp != NULL; pp = &(*pp)->posting_next) {
+        if (*pp == p) {
+            *pp = p->posting_next;
+            break;
+        }
+    }
+    p->posting_next = NULL;
+    p->on_posting = 0;
+}
+
+/* Continues the posts that still have ranges to post, oldest first, while
+ * the round's budget lasts. */
+static uint32_t post_rounds(ecx_ctx_t *c)
+{
+    uint32_t events = 0;
+    ecx_post_t *p;
+    while ((p = c->posting) != NULL && c->budget > 0) {
+        post_some(p);
+        events++;
+        if (p->next < p->nranges) {
+            break; /* budget spent */
+        }
+        posting_remove(p);
+        if (p->outstanding == 0) {
+            ready_push(p);
+        }
+    }
+    return events;
+}
+
 int ecx_post(ecx_ctx_t *c, uint64_t id, ucp_ep_h ep, int op,
              const ecx_range_t *r, uint32_t n, ucp_rkey_h *rkeys,
              const void *notif, uint32_t notif_len, ecx_post_t **out)
 {
-    ecx_post_t *p;
-    ucp_request_param_t prm;
-    ucs_status_ptr_t sp;
-    uint32_t i, nreqs = n + 1;
+    ecx_post_t *p, **tail;
+    uint32_t nreqs = n + 1;
 
     p = malloc(sizeof(*p) + (size_t)nreqs * sizeof(void *) + notif_len);
     if (p == NULL) {
@@ -605,6 +682,10 @@ int ecx_post(ecx_ctx_t *c, uint64_t id, ucp_ep_h ep, int op,
     if (notif_len > 0) {
         memcpy(p->notif, notif, notif_len);
     }
+    p->ranges = r;
+    p->rkeys = rkeys;
+    p->nranges = n;
+    p->op = op;
     p->live_next = c->live;
     if (c->live != NULL) {
         c->live->live_prev = p;
@@ -612,25 +693,15 @@ int ecx_post(ecx_ctx_t *c, uint64_t id, ucp_ep_h ep, int op,
     c->live = p;
     c->nlive++;
 
-    prm = op_param(p);
-    for (i = 0; i < n && p->status == UCS_OK; i++) {
-        if (op == ECX_OP_READ) {
-            sp = ucp_get_nbx(ep, (void *)(uintptr_t)r[i].local, r[i].len,
-                             r[i].remote, rkeys[r[i].rkey], &prm);
-        } else {
-            sp = ucp_put_nbx(ep, (const void *)(uintptr_t)r[i].local, r[i].len,
-                             r[i].remote, rkeys[r[i].rkey], &prm);
-        }
-        track(p, sp, i);
-    }
-    /* A get has landed when it calls back. A put has only left the local
-     * buffer: the flush makes it remote-complete. */
-    if (op == ECX_OP_WRITE && p->status == UCS_OK) {
-        sp = ucp_ep_flush_nbx(ep, &prm);
-        track(p, sp, n);
-    }
+    post_some(p);
     *out = p;
-    if (p->outstanding == 0) {
+    if (p->next < p->nranges) {
+        /* The rest goes out in later rounds, after older posts' rests. */
+        for (tail = &c->posting; *tail != NULL; tail = &(*tail)->posting_next) {
+        }
+        *tail = p;
+        p->on_posting = 1;
+    } else if (p->outstanding == 0) {
         advance(p);
     }
     return UCS_OK;
@@ -640,6 +711,16 @@ void ecx_post_cancel(ecx_ctx_t *c, ecx_post_t *p)
 {
     uint32_t i;
     p->orphaned = 1;
+    if (p->on_posting) {
+        /* Not all posted: post no more (its ranges and rkeys may go once
+         * this returns). Quiet, it is on no list: free it now. */
+        posting_remove(p);
+        p->next = p->nranges;
+        if (p->outstanding == 0) {
+            post_free(p);
+            return;
+        }
+    }
     if (p->queued || p->outstanding == 0) {
         /* Queued: freed by ecx_drain. Quiet: on the ready list, freed by
          * advance. */
@@ -689,6 +770,10 @@ uint32_t ecx_progress(ecx_ctx_t *c)
 {
     uint32_t events = 0, k, i;
     ecx_post_t *p;
+    c->budget = ECX_TURN_BUDGET;
+    if (c->posting != NULL) {
+        events += post_rounds(c);
+    }
     for (i = 0; i < 64; i++) {
         k = ucp_worker_progress(c->worker);
         if (k == 0) {
@@ -770,7 +855,7 @@ int ecx_arm(ecx_ctx_t *c)
 {
     ucs_status_t st;
     if (c->ready_head != NULL || c->comp_head != NULL || c->notif_head != NULL ||
-        c->err_head != NULL) {
+        c->err_head != NULL || c->posting != NULL) {
         return 0;
     }
     st = ucp_worker_arm(c->worker);

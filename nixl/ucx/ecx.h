@@ -18,6 +18,10 @@
 #define ECX_OP_READ 0
 #define ECX_OP_WRITE 1
 
+/* Bytes of gets or puts posted per ecx_progress round, new posts and
+ * continued ones together; a post always posts at least one range. */
+#define ECX_TURN_BUDGET (4u << 20)
+
 /* Active-message id of notifications. */
 #define ECX_AM_NOTIF 0xEC
 
@@ -78,6 +82,8 @@ typedef struct ecx_ctx {
     ecx_peer_err_t *err_head;
     ecx_peer_err_t *err_tail;
     ecx_close_t *closing;   /* endpoint closes in progress */
+    ecx_post_t *posting;    /* posts with ranges not yet posted */
+    uint64_t budget;        /* bytes left to post this round */
 
     uint64_t nlive;          /* posts alive */
     uint64_t notif_dropped;  /* notifications received and not queued */

@@ -109,7 +109,7 @@ func (a *Agent) MakeXfer(op nixl.Op, local nixl.DlistID, localIdx []int, remote 
 			for r.Len > 0 {
 				i := p.regionAt(r.Remote)
 				reg := p.regions[i]
-				l := min(r.Len, reg.addr+reg.len-r.Remote)
+				l := min(r.Len, reg.addr+reg.len-r.Remote, maxGet)
 				out[k] = C.ecx_range_t{local: C.uint64_t(r.Local), remote: C.uint64_t(r.Remote),
 					len: C.uint64_t(l), rkey: C.uint32_t(reg.rkey)}
 				k++
@@ -128,12 +128,19 @@ func (a *Agent) MakeXfer(op nixl.Op, local nixl.DlistID, localIdx []int, remote 
 	return x.id, nil
 }
 
-// pieces returns into how many gets r splits at remote region boundaries.
+// maxGet bounds one get: large READs are cut into gets of at most 1 MiB,
+// which ecx_post and ecx_progress post a few MiB per loop turn (see
+// ECX_TURN_BUDGET), so READs behind a large one are not held up for the
+// whole of it and a timeout or a release can stop it between pieces.
+const maxGet = 1 << 20
+
+// pieces returns into how many gets r splits at remote region boundaries
+// and at maxGet.
 func (p *peer) pieces(r descriptors.Range) int {
 	n := 0
 	for r.Len > 0 {
 		reg := p.regions[p.regionAt(r.Remote)]
-		l := min(r.Len, reg.addr+reg.len-r.Remote)
+		l := min(r.Len, reg.addr+reg.len-r.Remote, maxGet)
 		r.Remote += l
 		r.Len -= l
 		n++
@@ -141,8 +148,8 @@ func (p *peer) pieces(r descriptors.Range) int {
 	return n
 }
 
-// PostXfer implements nixl.Agent: every get (or put) of the request is
-// posted by one cgo call.
+// PostXfer implements nixl.Agent: the gets (or puts) of the request are
+// posted by one cgo call, up to the round's budget; the rest by Progress.
 func (a *Agent) PostXfer(id nixl.XferID) error {
 	if a.closed {
 		return errClosed
