@@ -90,25 +90,11 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	m := machineInfo()
-	m.Backend, m.Idle = cfg.Backend, cfg.Reactor.Idle.String()
-	m.ReactorCPU = -1
-	if cfg.Reactor.PinCPU {
-		m.ReactorCPU = cfg.Reactor.CPU
-	}
-	m.Duration, m.Warmup = cfg.Duration.String(), cfg.Warmup.String()
-	s := &session{cfg: cfg, rep: &Report{Machine: m}, start: time.Now()}
-	cpu0 := sampleCPU()
-	m.Started = s.start.UTC().Format(time.RFC3339)
-	s.rep.Machine = m
-	for _, bs := range blockSizes {
-		for _, mode := range cfg.Modes {
-			s.total += len(cellsFor(&cfg, bs, mode))
-		}
-	}
+	s := newSession(cfg)
 	if s.total == 0 {
 		return nil, fmt.Errorf("%w: nothing to run", ErrUsage)
 	}
+	cpu0 := sampleCPU()
 	stop, err := s.startProducer(ctx)
 	if err != nil {
 		return nil, err
@@ -132,6 +118,36 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	if cfg.References {
 		s.references(ctx)
 	}
+	s.addNotes()
+	sortResults(s.rep.Results)
+	s.noteDisturbance(cpu0)
+	return s.rep, writeOutputs(&cfg, s.rep)
+}
+
+// newSession starts a report with the machine and run settings and counts
+// the cells to run.
+func newSession(cfg Config) *session {
+	m := machineInfo()
+	m.Backend, m.Idle = cfg.Backend, cfg.Reactor.Idle.String()
+	m.ReactorCPU = -1
+	if cfg.Reactor.PinCPU {
+		m.ReactorCPU = cfg.Reactor.CPU
+	}
+	m.Duration, m.Warmup = cfg.Duration.String(), cfg.Warmup.String()
+	s := &session{cfg: cfg, start: time.Now()}
+	m.Started = s.start.UTC().Format(time.RFC3339)
+	s.rep = &Report{Machine: m}
+	for _, bs := range blockSizes {
+		for _, mode := range cfg.Modes {
+			s.total += len(cellsFor(&cfg, bs, mode))
+		}
+	}
+	return s
+}
+
+// addNotes says in the report how the figures were taken.
+func (s *session) addNotes() {
+	cfg := &s.cfg
 	s.rep.Notes = append(s.rep.Notes,
 		"latency READs carry no notification; image, fanin and notif READs carry one (as vLLM's do)",
 		fmt.Sprintf("locked: the producer polls notifications under its lock every %v (an engine step); reactor/raw producers poll back to back during notif", stepInterval),
@@ -144,25 +160,35 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	if cfg.Connect != "" && slices.Contains(cfg.Workloads, "notif") {
 		s.rep.Notes = append(s.rep.Notes, "notif skipped: the producer is on another host, CLOCK_MONOTONIC is not shared")
 	}
-	sortResults(s.rep.Results)
-	s.rep.Machine.WallSecs = time.Since(s.start).Seconds()
+}
+
+// noteDisturbance records the run's wall time and the CPU time other
+// processes took since cpu0, and flags the report when that was more than
+// 5% of the machine.
+func (s *session) noteDisturbance(cpu0 cpuSample) {
+	m := &s.rep.Machine
+	m.WallSecs = time.Since(s.start).Seconds()
 	cpu1 := sampleCPU()
 	other := max(0, (cpu1.busy-cpu0.busy)-(cpu1.ours-cpu0.ours))
-	s.rep.Machine.OtherCPU = other
-	if share := other / (s.rep.Machine.WallSecs * float64(m.Cores)); share > 0.05 {
+	m.OtherCPU = other
+	if share := other / (m.WallSecs * float64(m.Cores)); share > 0.05 {
 		s.rep.Notes = append(s.rep.Notes, fmt.Sprintf("DISTURBED: other processes used %.1f CPU-seconds during the run (%.0f%% of the machine); rerun on a quiet machine", other, 100*share))
 	}
+}
+
+// writeOutputs writes the report's JSON and SVG files, where configured.
+func writeOutputs(cfg *Config, rep *Report) error {
 	if cfg.JSONFile != "" {
-		if err := writeFile(cfg.JSONFile, func(w io.Writer) error { return WriteJSON(w, s.rep) }); err != nil {
-			return s.rep, err
+		if err := writeFile(cfg.JSONFile, func(w io.Writer) error { return WriteJSON(w, rep) }); err != nil {
+			return err
 		}
 	}
 	if cfg.SVGFile != "" {
-		if err := writeFile(cfg.SVGFile, func(w io.Writer) error { return WriteSVG(w, s.rep) }); err != nil {
-			return s.rep, err
+		if err := writeFile(cfg.SVGFile, func(w io.Writer) error { return WriteSVG(w, rep) }); err != nil {
+			return err
 		}
 	}
-	return s.rep, nil
+	return nil
 }
 
 func sortResults(rs []Result) {
