@@ -8,11 +8,14 @@ import (
 	"runtime"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/ecxfer/ecxfer/internal/ctrl"
+	"github.com/ecxfer/ecxfer/internal/leakcheck"
 	"github.com/ecxfer/ecxfer/reactor"
 )
 
@@ -171,4 +174,53 @@ func (s *syncBuffer) String() string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.b.String()
+}
+
+// TestTimedOutReadsDoNotNotify: READs (with notifications) to a producer
+// frozen by SIGSTOP end in ErrTimeout; after the producer resumes it is
+// told nothing about them, while a READ posted after that notifies it as
+// usual. The consumer counts them failed, not done.
+func TestTimedOutReadsDoNotNotify(t *testing.T) {
+	leakcheck.Check(t)
+	prod := uniqueName("prod")
+	pp := startTestProducer(t, nil, prod, relBS, relNB, 51, "mmap")
+	cons := ucxEnv(t).transport(uniqueName("cons"), relBS, relNB, func(c *Config) { c.XferTimeout = 300 * time.Millisecond })
+	_, err := cons.AddRemotePeer(pp.hello.Metadata, pp.hello.MemDesc)
+	require.NoError(t, err)
+	readVerify(t, cons, prod, 16, 51, rand.New(rand.NewSource(1)))
+
+	pp.signal(syscall.SIGSTOP)
+	pp.waitStopped()
+	hs := postStalled(t, cons, prod, 4) // each carries the notification "stalled"
+	for _, h := range hs {
+		st, err := wait(t, cons, h)
+		require.Equal(t, StateErr, st)
+		require.ErrorIs(t, err, ErrTimeout)
+		require.NoError(t, cons.ReleaseXferHandle(h))
+	}
+	pp.signal(syscall.SIGCONT)
+	// The gets the frozen producer owed may still be answered now; give it
+	// time to send whatever it would.
+	time.Sleep(500 * time.Millisecond)
+	h, err := cons.PostRead([]int{0}, prod, []int{0}, []byte("after"))
+	require.NoError(t, err)
+	st, err := wait(t, cons, h)
+	require.NoError(t, err)
+	require.Equal(t, StateDone, st)
+	require.NoError(t, cons.ReleaseXferHandle(h))
+	require.Eventually(t, func() bool {
+		s, err := pp.request(ctrl.Message{Kind: "stats"}, "stats")
+		return err == nil && s.Ints["notifs"] >= 1
+	}, 10*time.Second, 10*time.Millisecond)
+	time.Sleep(200 * time.Millisecond)
+	s, err := pp.request(ctrl.Message{Kind: "stats"}, "stats")
+	require.NoError(t, err)
+	var msgs []string
+	for _, n := range pp.notifs {
+		msgs = append(msgs, fmt.Sprint(n.Strs))
+	}
+	require.Equal(t, int64(1), s.Ints["notifs"], "notifications at the producer: %v", msgs)
+	cs := cons.Stats()
+	require.Equal(t, uint64(1), cs.NotifsSent)
+	require.GreaterOrEqual(t, cs.ReadsFailed, uint64(len(hs)))
 }
