@@ -24,8 +24,10 @@
 // Index lists are arrays of int64 (the layout of Python's array('q') and
 // numpy's int64); they are read in place and not kept.
 //
-// Every call may block the calling thread only where its documentation says
-// so (ecx_wait, ecx_notifs with a timeout, ecx_new, ecx_deregister); the
-// Python package calls the library through ctypes, which releases the GIL
-// for the duration of every call.
+// ecx_wait and ecx_notifs block up to their timeout; ecx_new, ecx_add_peer,
+// ecx_remove_peer and ecx_deregister wait for the transport's reactor
+// thread to do their work; ecx_post_read waits for room only with the
+// wait_when_busy option; the other calls never block. The Python package
+// calls the library through ctypes, which releases the GIL for the
+// duration of every call.
 package main
