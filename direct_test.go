@@ -82,7 +82,7 @@ func TestDirectRead(t *testing.T) {
 			require.Equal(t, 1, cons.Stats().DirectPeers)
 
 			rng := rand.New(rand.NewSource(seed))
-			sent := 0
+			sent, inline := 0, 0
 			for _, n := range []int{1, 3, 12, 13, 100, 880} {
 				for _, scattered := range []bool{false, true} {
 					remote, local := make([]int, n), make([]int, n)
@@ -99,6 +99,7 @@ func TestDirectRead(t *testing.T) {
 					h, err := cons.PostRead(local, pname, remote, msg)
 					require.NoError(t, err)
 					if n*bs <= DefaultInlineBytes {
+						inline++
 						st, err := cons.CheckXferState(h)
 						require.NoError(t, err)
 						require.Equal(t, StateDone, st, "a READ of %d bytes is DONE when PostRead returns", n*bs)
@@ -123,7 +124,8 @@ func TestDirectRead(t *testing.T) {
 			}
 			st := cons.Stats()
 			require.Equal(t, uint64(sent), st.DirectReads)
-			require.Equal(t, uint64(6), st.InlineReads) // 1, 3 and 12 blocks, twice each
+			require.Equal(t, uint64(inline), st.InlineReads)
+			require.Less(t, inline, sent, "some READs went to the copy workers")
 			require.NoError(t, cons.RemoveRemotePeer(pname))
 			require.Equal(t, base, shmview.Mapped(), "mapping left after RemoveRemotePeer")
 		})

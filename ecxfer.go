@@ -131,7 +131,7 @@ const (
 
 // Defaults of the direct path.
 const (
-	DefaultInlineBytes = 64 << 10
+	DefaultInlineBytes = 128 << 10
 	DefaultCopyWorkers = 2
 )
 

@@ -3,6 +3,7 @@ package reactor
 import (
 	"errors"
 	"fmt"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -134,8 +135,12 @@ type direct struct {
 	pool   *copypool.Pool
 	inline uint64
 
-	finished *ring.MPSC[*dirJob] // jobs whose last chunk has landed
-	notifQ   *ring.MPSC[uint64]  // inline READs whose notification is due
+	finished *ring.MPSC[*dirJob]   // jobs whose last chunk has landed
+	notifQ   *ring.MPSC[*notifRec] // notifications of inline READs, due
+
+	jobMu sync.Mutex // guards free and recs: callers take, the loop returns
+	free  []*dirJob
+	recs  []*notifRec
 
 	// loop-only
 	active   []*dirJob
@@ -143,7 +148,7 @@ type direct struct {
 	pollFDs  []unix.PollFd
 	lastPoll int64
 	jobBuf   []*dirJob
-	notifBuf []uint64
+	notifBuf []*notifRec
 
 	reads, inlineReads atomic.Uint64
 }
@@ -155,6 +160,7 @@ type dirJob struct {
 	h     uint64
 	peer  *Peer
 	segs  []seg
+	notif []byte
 	total uint64
 	err   error
 	idx   int  // position in active
@@ -174,9 +180,9 @@ func (r *Reactor) SetDirect(o DirectOptions) error {
 		pool:     o.Pool,
 		inline:   uint64(max(o.InlineBytes, 0)),
 		finished: ring.NewMPSC[*dirJob](2 * n),
-		notifQ:   ring.NewMPSC[uint64](n),
+		notifQ:   ring.NewMPSC[*notifRec](n),
 		jobBuf:   make([]*dirJob, 64),
-		notifBuf: make([]uint64, 64),
+		notifBuf: make([]*notifRec, 64),
 	}
 	return r.do(func() error { r.dir = d; return nil })
 }
@@ -204,11 +210,20 @@ func (r *Reactor) PeerPath(name string) string {
 	return p.direct.Path()
 }
 
+// notifRec is an inline READ's notification on its way to the reactor. It
+// does not live in the READ's slot: the handle is DONE, and may be
+// released and its slot reused, before the reactor sends it.
+type notifRec struct {
+	peer *Peer
+	msg  []byte
+}
+
 // postInline copies a small READ of a direct peer on the caller's
 // goroutine. The slot is published DONE (or ERR) before it returns; a
-// notification is queued for the reactor, and the slot is kept from reuse
-// until the reactor has sent it.
-func (r *Reactor) postInline(h uint64, s *slot, p *Peer, localIdx, remoteIdx []int) (uint64, error) {
+// notification is queued for the reactor to send. If the reactor falls
+// that far behind, the caller waits for room in the queue: notifications
+// are never dropped.
+func (r *Reactor) postInline(h uint64, s *slot, p *Peer, localIdx, remoteIdx []int, notif []byte) (uint64, error) {
 	d := r.dir
 	w := s.word.Load()
 	code := p.gone.Load()
@@ -231,20 +246,47 @@ func (r *Reactor) postInline(h uint64, s *slot, p *Peer, localIdx, remoteIdx []i
 	r.st.bytes.Add(s.bytes)
 	p.pc.done.Add(1)
 	p.pc.bytes.Add(s.bytes)
-	if s.hasNotif {
+	s.word.Store(w&^stateMask | stDone)
+	if len(notif) > 0 {
 		r.st.notifsSent.Add(1)
-		s.notifPending.Store(true)
-		s.word.Store(w&^stateMask | stDone)
-		if !d.notifQ.TryPush(h) {
-			// Cannot happen: one place per slot, and a slot with a
-			// pending notification is not reused.
-			panic("reactor: notification queue full")
+		rec := d.getRec()
+		rec.peer = p
+		rec.msg = append(rec.msg[:0], notif...)
+		for !d.notifQ.TryPush(rec) {
+			r.wakeAlways()
+			runtime.Gosched()
 		}
 		r.wake()
-		return h, nil
 	}
-	s.word.Store(w&^stateMask | stDone)
 	return h, nil
+}
+
+// maxFreeRecs bounds the notification records kept for reuse: as many as
+// the queue holds, so a reactor that lags does not make callers allocate.
+const maxFreeRecs = 4096
+
+func (d *direct) getRec() *notifRec {
+	d.jobMu.Lock()
+	defer d.jobMu.Unlock()
+	if n := len(d.recs); n > 0 {
+		rec := d.recs[n-1]
+		d.recs[n-1] = nil
+		d.recs = d.recs[:n-1]
+		return rec
+	}
+	return &notifRec{}
+}
+
+func (d *direct) putRec(rec *notifRec) {
+	rec.peer = nil
+	if cap(rec.msg) > 8*slotKeep {
+		rec.msg = nil
+	}
+	d.jobMu.Lock()
+	if len(d.recs) < maxFreeRecs {
+		d.recs = append(d.recs, rec)
+	}
+	d.jobMu.Unlock()
 }
 
 func (r *Reactor) copyInline(p *Peer, localIdx, remoteIdx []int) error {
@@ -288,21 +330,28 @@ func (r *Reactor) copyInline(p *Peer, localIdx, remoteIdx []int) error {
 
 var errPeerClosed = errors.New("reactor: peer closed")
 
-// jobs are the copy jobs of all reactors, reused so a READ allocates
-// nothing.
-var jobs sync.Pool
-
 // newJob builds the copy of a READ of a direct peer, with its runs merged.
-// Caller side, before the handle is published.
-func (r *Reactor) newJob(h uint64, p *Peer, loc descriptors.List, localIdx, remoteIdx []int) *dirJob {
-	j, _ := jobs.Get().(*dirJob)
+// Caller side, before the handle is published. Jobs are reused through the
+// reactor's free list (not a sync.Pool, which a GC empties: a fresh job
+// grows its runs again), so a READ allocates nothing.
+func (r *Reactor) newJob(h uint64, p *Peer, loc descriptors.List, localIdx, remoteIdx []int, notif []byte) *dirJob {
+	d := r.dir
+	var j *dirJob
+	d.jobMu.Lock()
+	if n := len(d.free); n > 0 {
+		j = d.free[n-1]
+		d.free[n-1] = nil
+		d.free = d.free[:n-1]
+	}
+	d.jobMu.Unlock()
 	if j == nil {
-		j = &dirJob{}
+		j = &dirJob{r: r}
 		j.Run = j.run
 		j.Done = j.done
 	}
-	j.r, j.h, j.peer, j.err = r, h, p, nil
-	j.build(loc, p.Descs, localIdx, remoteIdx, r.dir.base, p.direct.adv.Base)
+	j.h, j.peer, j.err = h, p, nil
+	j.notif = append(j.notif[:0], notif...)
+	j.build(loc, p.Descs, localIdx, remoteIdx, d.base, p.direct.adv.Base)
 	return j
 }
 
@@ -315,13 +364,25 @@ func (r *Reactor) dropJob(s *slot) {
 	}
 }
 
+// maxFreeJobs bounds the free list: more large READs in flight than this
+// at once is rare, and each job keeps its runs.
+const maxFreeJobs = 256
+
 func (j *dirJob) recycle() {
-	j.r, j.peer, j.err, j.running, j.live = nil, nil, nil, false, false
+	j.peer, j.err, j.running, j.live = nil, nil, false, false
 	j.segs = j.segs[:0]
 	if cap(j.segs) > 1<<14 {
 		j.segs = nil
 	}
-	jobs.Put(j)
+	if cap(j.notif) > 8*slotKeep {
+		j.notif = nil
+	}
+	d := j.r.dir
+	d.jobMu.Lock()
+	if len(d.free) < maxFreeJobs {
+		d.free = append(d.free, j)
+	}
+	d.jobMu.Unlock()
 }
 
 // submitDirect hands a READ of a direct peer to the copy pool. Loop only.
@@ -428,17 +489,16 @@ func (r *Reactor) drainDirect() bool {
 			break
 		}
 		work = true
-		for _, h := range d.notifBuf[:n] {
-			s := &r.tab.slots[h&r.tab.mask]
-			// The slot is ours until notifPending is cleared: its peer
-			// and notification are those of READ h.
-			if err := r.agent.SendNotif(s.peer.Name, s.notif); err != nil {
-				r.engineError("notif", err)
+		for i, rec := range d.notifBuf[:n] {
+			// A peer removed or replaced meanwhile is not told: its
+			// name may already stand for a new incarnation.
+			if rec.peer.gone.Load() == 0 {
+				if err := r.agent.SendNotif(rec.peer.Name, rec.msg); err != nil {
+					r.engineError("notif", err)
+				}
 			}
-			if cap(s.notif) > 8*slotKeep {
-				s.notif = nil
-			}
-			s.notifPending.Store(false)
+			d.putRec(rec)
+			d.notifBuf[i] = nil
 		}
 	}
 	if len(d.watched) > 0 && (r.lastTime-d.lastPoll >= int64(time.Millisecond)) {
@@ -485,16 +545,11 @@ func (r *Reactor) endJob(j *dirJob) {
 				r.finish(h, s, codeRemoteDisconnect)
 			} else {
 				// Nothing of the slot may be touched once it is published:
-				// take out what the notification and the counters need (the
-				// message buffer is swapped for the spare one), publish, and
-				// notify only if the READ was published DONE, not released
-				// meanwhile.
+				// take out what the counters need, publish, and notify only
+				// if the READ was published DONE, not released meanwhile.
+				// The message is the job's.
 				bytes, posted, notify := s.bytes, s.posted, s.hasNotif
-				var msg []byte
-				if notify {
-					msg, s.notif = s.notif, r.notifSpare[:0]
-					r.notifSpare = nil
-				}
+				s.trim()
 				if !r.finish(h, s, codeNone) {
 					r.st.canceled.Add(1)
 				} else {
@@ -505,15 +560,12 @@ func (r *Reactor) endJob(j *dirJob) {
 					p.pc.bytes.Add(bytes)
 					r.st.latency.Add(time.Duration(r.lastTime - posted))
 					if notify {
-						if err := r.agent.SendNotif(p.Name, msg); err != nil {
+						if err := r.agent.SendNotif(p.Name, j.notif); err != nil {
 							r.engineError("notif", err)
 						} else {
 							r.st.notifsSent.Add(1)
 						}
 					}
-				}
-				if notify && cap(msg) <= 8*slotKeep {
-					r.notifSpare = msg
 				}
 			}
 		}

@@ -298,7 +298,6 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 	// transfer, another Post claimed the freed slot) is not ours to free.
 	claimed := r.tab.claimedWord(h)
 	s.peer = p
-	s.notif = append(s.notif[:0], notif...)
 	s.hasNotif = len(notif) > 0
 	var bytes uint64
 	for _, i := range localIdx {
@@ -308,13 +307,15 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 	if p.direct != nil && r.dir != nil {
 		if bytes <= r.dir.inline {
 			// Copied here and now: the index lists are not kept.
-			return r.postInline(h, s, p, localIdx, remoteIdx)
+			return r.postInline(h, s, p, localIdx, remoteIdx, notif)
 		}
-		// The copy's runs are built here; the reactor hands them to the
+		// The copy's runs and the notification go with the job (jobs are
+		// few and reused; slots are many); the reactor hands it to the
 		// copy workers.
-		s.job = r.newJob(h, p, loc.descs, localIdx, remoteIdx)
+		s.job = r.newJob(h, p, loc.descs, localIdx, remoteIdx, notif)
 	} else {
 		s.job = nil
+		s.notif = append(s.notif[:0], notif...)
 		s.localIdx = append(s.localIdx[:0], localIdx...)
 		s.remoteIdx = append(s.remoteIdx[:0], remoteIdx...)
 	}

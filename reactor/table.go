@@ -67,10 +67,6 @@ type slot struct {
 	notif     []byte
 	hasNotif  bool
 
-	// notifPending: an inline direct READ's notification still waits for
-	// the reactor; the slot is not reused until it is sent.
-	notifPending atomic.Bool
-
 	// reactor-only
 	job    *dirJob // the copy of a direct READ, while it runs
 	xfer   nixl.XferID
@@ -148,7 +144,7 @@ func (t *table) claim() (uint64, *slot) {
 	for i := uint64(0); i <= t.mask; i++ {
 		idx := (home + i) & t.mask
 		s := &t.slots[idx]
-		if s.word.Load() != 0 || s.notifPending.Load() {
+		if s.word.Load() != 0 {
 			continue
 		}
 		if s.word.CompareAndSwap(0, gbits|stProc) {
