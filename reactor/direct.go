@@ -253,7 +253,7 @@ func (r *Reactor) postInline(h uint64, s *slot, p *Peer, localIdx, remoteIdx []i
 		rec.peer = p
 		rec.msg = append(rec.msg[:0], notif...)
 		for !d.notifQ.TryPush(rec) {
-			r.wakeAlways()
+			r.writeWake()
 			runtime.Gosched()
 		}
 		r.wake()
