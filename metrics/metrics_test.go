@@ -3,8 +3,6 @@ package metrics_test
 import (
 	"context"
 	"fmt"
-	"io"
-	"net/http"
 	"os"
 	"runtime"
 	"strings"
@@ -50,14 +48,8 @@ func newTransport(tb testing.TB, backend, agent string, cfg ...func(*ecxfer.Conf
 
 func get(t *testing.T, url string) map[string]*scrape.Family {
 	t.Helper()
-	resp, err := http.Get(url)
+	fams, err := scrape.Get(url)
 	require.NoError(t, err)
-	defer resp.Body.Close()
-	require.Equal(t, http.StatusOK, resp.StatusCode)
-	body, err := io.ReadAll(resp.Body)
-	require.NoError(t, err)
-	fams, err := scrape.Parse(bytesReader(body))
-	require.NoError(t, err, "%s", body)
 	return fams
 }
 
@@ -377,19 +369,6 @@ func benchScraped(b *testing.B, backend string) {
 		b.ReportMetric(scraped/quiet, "scraped/unscraped")
 		b.ReportMetric(float64(scrapes.Load())/el[1].Seconds(), "scrapes/s")
 	}
-}
-
-func bytesReader(b []byte) io.Reader { return &byteReader{b: b} }
-
-type byteReader struct{ b []byte }
-
-func (r *byteReader) Read(p []byte) (int, error) {
-	if len(r.b) == 0 {
-		return 0, io.EOF
-	}
-	n := copy(p, r.b)
-	r.b = r.b[n:]
-	return n, nil
 }
 
 // BenchmarkGather: one scrape of a transport with 16 peers, per-peer

@@ -2,8 +2,6 @@ package main
 
 import (
 	"bytes"
-	"io"
-	"net/http"
 	"os"
 	"os/exec"
 	"regexp"
@@ -54,14 +52,8 @@ func waitFor(t *testing.T, buf *syncBuf, re *regexp.Regexp) string {
 
 func scrapeURL(t *testing.T, url string) map[string]*scrape.Family {
 	t.Helper()
-	resp, err := http.Get(url)
+	fams, err := scrape.Get(url)
 	require.NoError(t, err)
-	defer resp.Body.Close()
-	require.Equal(t, http.StatusOK, resp.StatusCode)
-	body, err := io.ReadAll(resp.Body)
-	require.NoError(t, err)
-	fams, err := scrape.Parse(bytes.NewReader(body))
-	require.NoError(t, err, "%s", body)
 	return fams
 }
 

@@ -3,8 +3,6 @@ package main
 import (
 	"bufio"
 	"bytes"
-	"io"
-	"net/http"
 	"os"
 	"os/exec"
 	"regexp"
@@ -49,14 +47,8 @@ func (s *syncBuf) String() string {
 
 func scrapeURL(t *testing.T, url string) map[string]*scrape.Family {
 	t.Helper()
-	resp, err := http.Get(url)
+	fams, err := scrape.Get(url)
 	require.NoError(t, err)
-	defer resp.Body.Close()
-	require.Equal(t, http.StatusOK, resp.StatusCode)
-	body, err := io.ReadAll(resp.Body)
-	require.NoError(t, err)
-	fams, err := scrape.Parse(bytes.NewReader(body))
-	require.NoError(t, err, "%s", body)
 	return fams
 }
 

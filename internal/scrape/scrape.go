@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"net/http"
 	"strconv"
 	"strings"
 )
@@ -30,6 +31,20 @@ type Family struct {
 
 // maxLine bounds one line of input.
 const maxLine = 1 << 20
+
+// Get fetches an exporter's exposition from url and parses it. A status
+// other than 200 is an error.
+func Get(url string) (map[string]*Family, error) {
+	resp, err := http.Get(url)
+	if err != nil {
+		return nil, fmt.Errorf("scrape: %w", err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("scrape: %s: %s", url, resp.Status)
+	}
+	return Parse(resp.Body)
+}
 
 // Parse reads an exposition and returns its families by name. Samples of
 // a histogram or summary (name_bucket, name_sum, name_count) go to the

@@ -1,7 +1,10 @@
 package scrape
 
 import (
+	"io"
 	"math"
+	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
 
@@ -98,4 +101,33 @@ func FuzzParse(f *testing.F) {
 			}
 		}
 	})
+}
+
+func TestGet(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case "/metrics":
+			_, _ = io.WriteString(w, sample)
+		case "/garbage":
+			_, _ = io.WriteString(w, "9x 1\n")
+		default:
+			http.NotFound(w, r)
+		}
+	}))
+	defer srv.Close()
+
+	fams, err := Get(srv.URL + "/metrics")
+	require.NoError(t, err)
+	v, ok := fams["ecxfer_reads_done_total"].Value("", map[string]string{"agent": "a"})
+	require.True(t, ok)
+	require.Equal(t, 42.0, v)
+
+	_, err = Get(srv.URL + "/missing")
+	require.ErrorContains(t, err, "404")
+	_, err = Get(srv.URL + "/garbage")
+	require.Error(t, err)
+	_, err = Get("http://127.0.0.1:1/metrics") // nothing listens on port 1
+	require.Error(t, err)
+	_, err = Get("::not a url")
+	require.Error(t, err)
 }
