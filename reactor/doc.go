@@ -22,6 +22,18 @@
 // submitters write only when the reactor has said it is asleep. A busy
 // reactor never sleeps; an idle one costs about nothing.
 //
+// The direct path (direct.go): a peer on this host whose region this
+// process has mapped read-only (or, for anonymous memory, reads with
+// process_vm_readv) is read without the engine. A READ of at most
+// InlineBytes is copied by the caller inside Post and published DONE
+// before Post returns; a larger one goes through the submission ring like
+// any READ, and the reactor hands its runs to the copy workers instead of
+// the engine. The reactor keeps what must stay serialized: it sends every
+// notification, once, after the READ is published DONE; it ends READs on
+// cancel, removal, replacement and close; and it watches each direct
+// peer's pidfd. Mappings are reference counted, so nothing is unmapped
+// under a running copy.
+//
 // Handles are (generation, slot) pairs. The slot word carries the
 // generation, so a released or reused slot never answers for an old
 // handle; see table.go for the layout and the hashing.
