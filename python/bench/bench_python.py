@@ -12,7 +12,7 @@ READ of every workload.
 
 ecxfer runs twice: through the UCX engine (the default), and with
 direct="on", where the consumer copies from the producer's mapped /dev/shm
-file itself (inside post_read up to 64 KiB, on its copy workers above).
+file itself (inside post_read up to inline_bytes, on its copy workers above).
 ecxfer's indices go in as one array('q') buffer (what its post_read reads in
 place); the cost of a post_read given Python lists, as vLLM passes them, is
 reported too. NIXL gets what vLLM passes: lists, under vLLM's lock, with
