@@ -429,7 +429,7 @@ func runOps(t *testing.T, data []byte) {
 			// A changed blob under the producer's name replaces the peer
 			// (a restart), even when its descriptors are then refused; a
 			// changed list that is accepted reads other bytes.
-			known = cons.r.Peer(pname) != nil
+			known = cons.PeerPath(pname) != ""
 			if err == nil && name == pname {
 				genuine = false
 			}

@@ -200,7 +200,7 @@ func (r *Reactor) isDirect(d *Direct) bool {
 // PeerPath names the path READs of a peer take: "engine", "direct-file",
 // "direct-sysv" or "direct-proc"; "" for an unknown peer.
 func (r *Reactor) PeerPath(name string) string {
-	p := r.Peer(name)
+	p := r.peer(name)
 	switch {
 	case p == nil:
 		return ""

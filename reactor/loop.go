@@ -574,7 +574,7 @@ func (r *Reactor) addPeer(md []byte, descs descriptors.List, d *Direct) (_ strin
 	restarted, failed := false, 0
 	if errors.Is(err, nixl.ErrNotAllowed) && name != "" {
 		// Changed metadata under a loaded name: the peer restarted.
-		if old := r.Peer(name); old != nil {
+		if old := r.peer(name); old != nil {
 			failed = r.dropPeer(old, codeRemoteDisconnect)
 			restarted = true
 		} else if ierr := r.agent.InvalidateRemoteMetadata(name); ierr != nil {
@@ -585,7 +585,7 @@ func (r *Reactor) addPeer(md []byte, descs descriptors.List, d *Direct) (_ strin
 	if err != nil {
 		return "", fmt.Errorf("%w: %v", ErrBadMetadata, err)
 	}
-	old := r.Peer(name)
+	old := r.peer(name)
 	if !ValidName(name) {
 		// Published peers all have valid names, so old is nil here.
 		_ = r.agent.InvalidateRemoteMetadata(name)
@@ -635,7 +635,7 @@ func (r *Reactor) RemovePeer(name string) error {
 		return ErrClosed
 	}
 	return r.do(func() error {
-		p := r.Peer(name)
+		p := r.peer(name)
 		if p == nil {
 			return wrapf(ErrUnknownPeer, "%q", name)
 		}

@@ -584,11 +584,8 @@ func (r *Reactor) WaitNotifs(ctx context.Context) (map[string][][]byte, error) {
 	}
 }
 
-// Peer returns the published peer of that name, or nil.
-func (r *Reactor) Peer(name string) *Peer { return (*r.peers.Load())[name] }
-
-// Closed reports whether Close has begun.
-func (r *Reactor) Closed() bool { return r.closing.Load() }
+// peer returns the published peer of that name, or nil.
+func (r *Reactor) peer(name string) *Peer { return (*r.peers.Load())[name] }
 
 // Done is closed when the reactor thread has exited.
 func (r *Reactor) Done() <-chan struct{} { return r.done }
