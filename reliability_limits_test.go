@@ -1,6 +1,7 @@
 package ecxfer
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -226,7 +227,10 @@ func TestNoStaleSuccessAfterDeath(t *testing.T) {
 				if err != nil {
 					continue
 				}
-				_, _ = wait(t, cons, h)
+				// Not wait(): no require outside the test's goroutine.
+				ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+				_ = cons.Wait(ctx, h)
+				cancel()
 				_ = cons.ReleaseXferHandle(h)
 			}
 		}()
