@@ -81,8 +81,10 @@ type Config struct {
 	// refuses Go heap memory with ErrConfig. Nil: the transport allocates the
 	// region through the engine, and New first checks that it fits (with a
 	// margin) in the memory available, under the memory cgroup's limit and,
-	// for the ucx and nixl engines, in /dev/shm's free space; a region that
-	// does not fit is refused with ErrConfig before anything is allocated.
+	// for the ucx and nixl engines when it is beyond System V shared
+	// memory's limits (UCX's fallback is a /dev/shm file), in /dev/shm's
+	// free space; a region that does not fit is refused with ErrConfig
+	// before anything is allocated.
 	Region []byte
 	// XferTimeout ends a READ still in flight after this long in ERR
 	// (ErrTimeout). Zero means 20 s; negative disables the timeout.

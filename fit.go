@@ -16,9 +16,11 @@ import (
 // its neighbours, killed by the OOM killer and can leave a file behind in
 // /dev/shm. New refuses it before anything is allocated, checking it
 // against what the machine can give now: MemAvailable, the memory cgroup's
-// limit (v2 and v1, every level up to the root) and free space in
-// /dev/shm, each less a margin. A limit that cannot be read is not
-// checked; what can be read is.
+// limit (v2 and v1, every level up to the root) and, when the region is
+// beyond what System V shared memory allows (kernel.shmmax, shmall), free
+// space in /dev/shm, each less a margin: UCX allocates System V segments
+// first and falls back to a /dev/shm file. A limit that cannot be read is
+// not checked; what can be read is.
 
 // fitMargin is what must stay free besides the region: 64 MiB or 1/16 of
 // the region, whichever is more.
@@ -35,7 +37,7 @@ type memLimit struct {
 func checkRegionFits(size uint64, shm bool) error {
 	need := size + fitMargin(size)
 	limits := memLimits()
-	if shm {
+	if shm && !fitsSysV(size) {
 		if free, ok := shmFree(shmDir); ok {
 			limits = append(limits, memLimit{"free space in " + shmDir, free})
 		}
@@ -47,6 +49,40 @@ func checkRegionFits(size uint64, shm bool) error {
 		}
 	}
 	return nil
+}
+
+// fitsSysV reports whether one System V segment of size bytes is within
+// this IPC namespace's limits (kernel.shmmax, and kernel.shmall in pages
+// for all segments together, those already there included).
+func fitsSysV(size uint64) bool {
+	shmmax, ok1 := readUint("/proc/sys/kernel/shmmax")
+	shmall, ok2 := readUint("/proc/sys/kernel/shmall")
+	if !ok1 || !ok2 || size > shmmax {
+		return false
+	}
+	page := uint64(os.Getpagesize())
+	pages := (size + page - 1) / page
+	return pages <= shmall && pages+sysVPagesInUse(page) <= shmall
+}
+
+// sysVPagesInUse sums the sizes of the System V segments that exist now,
+// in pages (0 if they cannot be read).
+func sysVPagesInUse(page uint64) uint64 {
+	b, err := os.ReadFile("/proc/sysvipc/shm")
+	if err != nil {
+		return 0
+	}
+	var total uint64
+	for i, line := range strings.Split(string(b), "\n") {
+		fs := strings.Fields(line)
+		if i == 0 || len(fs) < 4 {
+			continue // the header
+		}
+		if n, err := strconv.ParseUint(fs[3], 10, 64); err == nil {
+			total += (n + page - 1) / page
+		}
+	}
+	return total
 }
 
 // shmDir is where shared-memory segments live; a variable for tests.

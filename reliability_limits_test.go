@@ -45,6 +45,13 @@ func runHugeRegion() int {
 			return 2
 		}
 	}
+	if m := os.Getenv("ECX_SHMMAX"); m != "" {
+		// This IPC namespace is the role's own: lower its System V limit,
+		// so that UCX would have to fall back to a /dev/shm file.
+		if err := os.WriteFile("/proc/sys/kernel/shmmax", []byte(m), 0); err != nil {
+			res.ShmErr = err.Error()
+		}
+	}
 	if sz := os.Getenv("ECX_SHM_SIZE"); sz != "" {
 		if err := unix.Mount("tmpfs", "/dev/shm", "tmpfs", 0, "size="+sz); err != nil {
 			res.ShmErr = err.Error()
@@ -109,10 +116,12 @@ func memCgroupDir(t *testing.T, limit uint64) string {
 
 // TestHugeRegionRefused: engine-allocated regions that cannot fit are
 // refused with ErrConfig before anything is allocated. New runs in a child
-// process inside a 384 MiB memory cgroup with a private 96 MiB /dev/shm, so
-// a regression kills only that child: a 1 GiB region (beyond the cgroup), a
-// 1 TiB one (beyond the machine) and a 128 MiB one (beyond /dev/shm) are
-// refused; an 8 MiB one works; nothing is left in /dev/shm.
+// process inside a 384 MiB memory cgroup, with a private 96 MiB /dev/shm
+// and its own IPC namespace whose System V limit is 64 MiB, so a regression
+// kills only that child: a 1 GiB region (beyond the cgroup), a 1 TiB one
+// (beyond the machine) and a 128 MiB one (beyond System V, so it would go
+// to /dev/shm, and beyond that too) are refused; an 8 MiB one works;
+// nothing is left in /dev/shm.
 func TestHugeRegionRefused(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("needs root: makes a memory cgroup and mounts a tmpfs")
@@ -121,9 +130,9 @@ func TestHugeRegionRefused(t *testing.T) {
 	exe, err := os.Executable()
 	require.NoError(t, err)
 	cmd := exec.Command(exe, "-test.run=^$")
-	cmd.Env = append(os.Environ(), roleEnv+"=hugeregion", "ECX_CGROUP="+cg, "ECX_SHM_SIZE=96m",
+	cmd.Env = append(os.Environ(), roleEnv+"=hugeregion", "ECX_CGROUP="+cg, "ECX_SHM_SIZE=96m", "ECX_SHMMAX=67108864",
 		"ECX_CASES="+strings.Join([]string{"1073741824:1", "1099511627776:1", "134217728:1", "8388608:1"}, ","))
-	cmd.SysProcAttr = &syscall.SysProcAttr{Unshareflags: syscall.CLONE_NEWNS}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Unshareflags: syscall.CLONE_NEWNS | syscall.CLONE_NEWIPC}
 	var stderr strings.Builder
 	cmd.Stderr = &stderr
 	out, err := cmd.Output()
@@ -143,6 +152,23 @@ func TestHugeRegionRefused(t *testing.T) {
 	if res.ShmErr == "" {
 		require.Empty(t, res.ShmLeft, "files left in /dev/shm")
 	}
+
+	// With System V at its usual limits the same 128 MiB region goes to a
+	// System V segment: a /dev/shm smaller than the region (a container's
+	// 96 MiB, say) does not refuse it.
+	cmd = exec.Command(exe, "-test.run=^$")
+	cmd.Env = append(os.Environ(), roleEnv+"=hugeregion", "ECX_CGROUP="+cg, "ECX_SHM_SIZE=96m", "ECX_CASES=134217728:1")
+	cmd.SysProcAttr = &syscall.SysProcAttr{Unshareflags: syscall.CLONE_NEWNS}
+	stderr.Reset()
+	cmd.Stderr = &stderr
+	out, err = cmd.Output()
+	require.NoError(t, err, "the child died: %s", stderr.String())
+	res = hugeRegionResult{}
+	require.NoError(t, json.Unmarshal(out, &res), "child said %q", out)
+	if res.ShmErr != "" {
+		t.Skipf("no private /dev/shm: %s", res.ShmErr)
+	}
+	require.Equal(t, []string{""}, res.Errs, "a region System V can hold is refused for /dev/shm's size")
 }
 
 // TestReadIndexLimit: a READ with more indices than the region has blocks
