@@ -341,3 +341,32 @@ func TestDirectAllocs(t *testing.T) {
 		require.Zero(t, allocs, "%d-block direct READ: %.2f allocations per READ", n, allocs)
 	}
 }
+
+// Inline READs with notifications, released at once, back to back: the
+// handle table never fills, however far the reactor lags with sending the
+// notifications (they do not hold the READs' slots), and each arrives once.
+func TestDirectInlineNotifNoBusy(t *testing.T) {
+	leakcheck.Check(t)
+	e := env{t: t, backend: "ucx"}
+	const bs, nb, reads = 5120, 64, 20000
+	pname := uniqueName("nprod")
+	prod := e.transport(pname, bs, nb, direct)
+	cons := e.transport(uniqueName("ncons"), bs, nb, direct, func(c *Config) { c.Reactor.Handles = 256 })
+	_, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+	require.NoError(t, err)
+	got := 0
+	for i := range reads {
+		h, err := cons.PostRead([]int{i % nb}, pname, []int{(i * 7) % nb}, []byte("n"))
+		require.NoError(t, err, "READ %d", i)
+		st, err := cons.CheckXferState(h)
+		require.NoError(t, err)
+		require.Equal(t, StateDone, st)
+		require.NoError(t, cons.ReleaseXferHandle(h))
+		if i%1000 == 0 {
+			got += len(prod.NewNotifs()[cons.cfg.AgentName])
+		}
+	}
+	rest := notifsUntil(prod, reads-got, 20*time.Second)
+	require.Equal(t, reads, got+len(rest[cons.cfg.AgentName]))
+	require.Equal(t, int64(0), cons.Stats().LiveHandles)
+}
