@@ -16,6 +16,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ecxfer/ecxfer/descriptors"
+	"github.com/ecxfer/ecxfer/internal/procinfo"
 	"github.com/ecxfer/ecxfer/nixl"
 	"github.com/ecxfer/ecxfer/nixl/internal/enginekit"
 )
@@ -177,7 +178,7 @@ func New(cfg Config) (*Agent, error) {
 		return nil, nixl.Errorf(nixl.ErrBackend, "ucx: host identity: %v", err)
 	}
 	pid := os.Getpid()
-	start, err := procStart(pid)
+	start, err := procinfo.StartTime(pid)
 	if err != nil {
 		return nil, nixl.Errorf(nixl.ErrBackend, "ucx: process start time: %v", err)
 	}

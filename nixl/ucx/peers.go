@@ -15,6 +15,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/ecxfer/ecxfer/internal/procinfo"
 	"github.com/ecxfer/ecxfer/nixl"
 	"github.com/ecxfer/ecxfer/nixl/internal/enginekit"
 )
@@ -104,7 +105,7 @@ func openPidfd(m *metadata) (int, error) {
 		return -1, nixl.Errorf(nixl.ErrRemoteDisconnect, "ucx: peer %q (pid %d): %v", m.Name, m.Pid, err)
 	}
 	// The pid may have been recycled; the start time tells.
-	if st, err := procStart(int(m.Pid)); err != nil || st != m.Start {
+	if st, err := procinfo.StartTime(int(m.Pid)); err != nil || st != m.Start {
 		unix.Close(fd)
 		return -1, nixl.Errorf(nixl.ErrRemoteDisconnect, "ucx: peer %q (pid %d) is gone", m.Name, m.Pid)
 	}
