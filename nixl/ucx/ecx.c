@@ -69,6 +69,35 @@ static void rkeys_free(ucp_rkey_h *rkeys, uint32_t n)
     free(rkeys);
 }
 
+/* Allocates a post with nreqs request slots and its own copy of notif,
+ * linked on c's live list until post_free; NULL when out of memory. */
+static ecx_post_t *post_new(ecx_ctx_t *c, ucp_ep_h ep, uint32_t nreqs,
+                            const void *notif, uint32_t notif_len)
+{
+    size_t head = sizeof(ecx_post_t) + (size_t)nreqs * sizeof(void *);
+    ecx_post_t *p = malloc(head + notif_len);
+    if (p == NULL) {
+        return NULL;
+    }
+    memset(p, 0, head);
+    p->ctx = c;
+    p->ep = ep;
+    p->nreqs = nreqs;
+    p->status = UCS_OK;
+    p->notif = (char *)&p->reqs[nreqs];
+    p->notif_len = notif_len;
+    if (notif_len > 0) {
+        memcpy(p->notif, notif, notif_len);
+    }
+    p->live_next = c->live;
+    if (c->live != NULL) {
+        c->live->live_prev = p;
+    }
+    c->live = p;
+    c->nlive++;
+    return p;
+}
+
 static void post_free(ecx_post_t *p)
 {
     ecx_ctx_t *c = p->ctx;
@@ -664,34 +693,18 @@ int ecx_post(ecx_ctx_t *c, uint64_t id, ucp_ep_h ep, int op,
              const void *notif, uint32_t notif_len, ecx_post_t **out)
 {
     ecx_post_t *p, **tail;
-    uint32_t nreqs = n + 1;
 
-    p = malloc(sizeof(*p) + (size_t)nreqs * sizeof(void *) + notif_len);
+    /* One request slot per range, and one for a write's flush. */
+    p = post_new(c, ep, n + 1, notif, notif_len);
     if (p == NULL) {
         return UCS_ERR_NO_MEMORY;
     }
-    memset(p, 0, sizeof(*p) + (size_t)nreqs * sizeof(void *));
-    p->ctx = c;
     p->id = id;
-    p->ep = ep;
-    p->nreqs = nreqs;
-    p->status = UCS_OK;
     p->phase = PH_DATA;
-    p->notif = (char *)&p->reqs[nreqs];
-    p->notif_len = notif_len;
-    if (notif_len > 0) {
-        memcpy(p->notif, notif, notif_len);
-    }
     p->ranges = r;
     p->rkeys = rkeys;
     p->nranges = n;
     p->op = op;
-    p->live_next = c->live;
-    if (c->live != NULL) {
-        c->live->live_prev = p;
-    }
-    c->live = p;
-    c->nlive++;
 
     post_some(p);
     *out = p;
@@ -737,26 +750,11 @@ int ecx_send_notif(ecx_ctx_t *c, ucp_ep_h ep, const void *msg, uint32_t len)
 {
     ecx_post_t *p;
     int st;
-    p = calloc(1, sizeof(*p) + sizeof(void *) + len);
+    p = post_new(c, ep, 1, msg, len);
     if (p == NULL) {
         return UCS_ERR_NO_MEMORY;
     }
-    p->ctx = c;
-    p->ep = ep;
-    p->nreqs = 1;
     p->silent = 1;
-    p->status = UCS_OK;
-    p->notif = (char *)&p->reqs[1];
-    p->notif_len = len;
-    if (len > 0) {
-        memcpy(p->notif, msg, len);
-    }
-    p->live_next = c->live;
-    if (c->live != NULL) {
-        c->live->live_prev = p;
-    }
-    c->live = p;
-    c->nlive++;
     send_am(p);
     if (p->outstanding == 0) {
         st = p->status;
