@@ -242,10 +242,7 @@ func (r *Reactor) postInline(h uint64, s *slot, p *Peer, localIdx, remoteIdx []i
 	d.reads.Add(1)
 	d.inlineReads.Add(1)
 	r.st.posted.Add(1)
-	r.st.done.Add(1)
-	r.st.bytes.Add(s.bytes)
-	p.pc.done.Add(1)
-	p.pc.bytes.Add(s.bytes)
+	r.countDone(p, s.bytes)
 	s.word.Store(w&^stateMask | stDone)
 	if len(notif) > 0 {
 		r.st.notifsSent.Add(1)
@@ -494,7 +491,7 @@ func (r *Reactor) drainDirect() bool {
 			// name may already stand for a new incarnation.
 			if rec.peer.gone.Load() == 0 {
 				if err := r.agent.SendNotif(rec.peer.Name, rec.msg); err != nil {
-					r.engineError("notif", err)
+					r.engineError("notify", err)
 				}
 			}
 			d.putRec(rec)
@@ -554,18 +551,7 @@ func (r *Reactor) endJob(j *dirJob) {
 					r.st.canceled.Add(1)
 				} else {
 					d.reads.Add(1)
-					r.st.done.Add(1)
-					r.st.bytes.Add(bytes)
-					p.pc.done.Add(1)
-					p.pc.bytes.Add(bytes)
-					r.st.latency.Add(time.Duration(r.lastTime - posted))
-					if notify {
-						if err := r.agent.SendNotif(p.Name, j.notif); err != nil {
-							r.engineError("notif", err)
-						} else {
-							r.st.notifsSent.Add(1)
-						}
-					}
+					r.readDone(p, bytes, posted, notify, j.notif)
 				}
 			}
 		}

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"runtime"
+	"slices"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -191,20 +192,8 @@ func (r *Reactor) turn() bool {
 	if r.pLen > 0 {
 		completed += r.expire()
 	}
-	if n := r.agent.GetNotifs(r.notifTmp); n > 0 {
+	if r.takeNotifs() {
 		work = true
-		n -= r.dropOversized()
-		r.st.notifsReceived.Add(uint64(n))
-		r.notifMu.Lock()
-		for k, v := range r.notifTmp {
-			r.notifs[k] = append(r.notifs[k], v...)
-		}
-		r.notifMu.Unlock()
-		clear(r.notifTmp)
-		r.ended = true // wake WaitNotifs
-	}
-	if r.dropper != nil {
-		r.st.notifsDroppedByEngine.Store(r.dropper.DroppedNotifs())
 	}
 	if completed > 0 {
 		work = true
@@ -217,6 +206,28 @@ func (r *Reactor) turn() bool {
 	}
 	r.lastWork = work
 	return work
+}
+
+// takeNotifs moves the notifications the engine received into the map
+// NewNotifs and WaitNotifs read, and reports whether there were any.
+func (r *Reactor) takeNotifs() bool {
+	n := r.agent.GetNotifs(r.notifTmp)
+	if r.dropper != nil {
+		r.st.notifsDroppedByEngine.Store(r.dropper.DroppedNotifs())
+	}
+	if n == 0 {
+		return false
+	}
+	n -= r.dropOversized()
+	r.st.notifsReceived.Add(uint64(n))
+	r.notifMu.Lock()
+	for k, v := range r.notifTmp {
+		r.notifs[k] = append(r.notifs[k], v...)
+	}
+	r.notifMu.Unlock()
+	clear(r.notifTmp)
+	r.ended = true // wake WaitNotifs
+	return true
 }
 
 // dropOversized removes from notifTmp the notifications longer than
@@ -337,18 +348,6 @@ func (r *Reactor) compactPostings() {
 	r.pLen = kept
 }
 
-func equalDescs(a, b descriptors.List) bool {
-	if len(a) != len(b) {
-		return false
-	}
-	for i := range a {
-		if a[i] != b[i] {
-			return false
-		}
-	}
-	return true
-}
-
 // finish publishes the end of an in-flight transfer whose engine request
 // has already been released, and reports whether it did. A slot released
 // meanwhile is left as it is (false): onCancel frees it.
@@ -425,24 +424,36 @@ func (r *Reactor) complete(c nixl.Completion) {
 		// producer is not told its blocks are free.
 		r.st.canceled.Add(1)
 	} else {
-		r.st.done.Add(1)
-		r.st.bytes.Add(bytes)
-		p.pc.done.Add(1)
-		p.pc.bytes.Add(bytes)
-		r.st.latency.Add(time.Duration(r.lastTime - posted))
-		if notify {
-			// Only now, with the READ published DONE, is the producer
-			// told: a READ released or timed out first never notifies.
-			if err := r.agent.SendNotif(p.Name, msg); err != nil {
-				r.engineError("notify", err)
-			} else {
-				r.st.notifsSent.Add(1)
-			}
-		}
+		// Only now, with the READ published DONE, is the producer told:
+		// a READ released or timed out first never notifies.
+		r.readDone(p, bytes, posted, notify, msg)
 	}
 	if notify && cap(msg) <= 8*slotKeep {
 		r.notifSpare = msg
 	}
+}
+
+// readDone counts a READ of n bytes from p, posted at posted, that finish
+// published DONE, and then sends p its notification msg if it has one.
+func (r *Reactor) readDone(p *Peer, n uint64, posted int64, notify bool, msg []byte) {
+	r.countDone(p, n)
+	r.st.latency.Add(time.Duration(r.lastTime - posted))
+	if notify {
+		if err := r.agent.SendNotif(p.Name, msg); err != nil {
+			r.engineError("notify", err)
+		} else {
+			r.st.notifsSent.Add(1)
+		}
+	}
+}
+
+// countDone counts a READ of n bytes from p that ended DONE. Atomics only:
+// safe off the loop thread.
+func (r *Reactor) countDone(p *Peer, n uint64) {
+	r.st.done.Add(1)
+	r.st.bytes.Add(n)
+	p.pc.done.Add(1)
+	p.pc.bytes.Add(n)
 }
 
 // abort releases an in-flight transfer's engine request and ends it with
@@ -591,7 +602,7 @@ func (r *Reactor) addPeer(md []byte, descs descriptors.List, d *Direct) (_ strin
 		_ = r.agent.InvalidateRemoteMetadata(name)
 		return "", wrapf(ErrBadMetadata, "peer name %q: want 1 to 256 bytes of printable ASCII without spaces", name)
 	}
-	if old != nil && equalDescs(descs, old.Descs) {
+	if old != nil && slices.Equal(descs, old.Descs) {
 		return name, nil
 	}
 	dl, err := r.agent.PrepDlist(name, descs, nixl.DRAM)
