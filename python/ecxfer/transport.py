@@ -75,12 +75,7 @@ def _indices(x: Any):
         else:
             return b, b, n
     if isinstance(x, (list, tuple, range)):
-        try:
-            a = array.array("q", x)
-        except OverflowError as e:
-            raise IndexRangeError(f"ecxfer: block index out of range: {e}") from None
-        addr, n = a.buffer_info()
-        return a, addr, n
+        return _q_array(x)
     try:
         mv = memoryview(x)
     except TypeError:
@@ -96,7 +91,12 @@ def _indices(x: Any):
         a.frombytes(mv.cast("B"))
         addr, n = a.buffer_info()
         return a, addr, n
-    try:  # any other iterable of ints (numpy of another dtype, generators)
+    return _q_array(x)  # any other iterable of ints (numpy of another dtype, generators)
+
+
+def _q_array(x):
+    """x as an array('q'), with its address and length."""
+    try:
         a = array.array("q", x)
     except OverflowError as e:
         raise IndexRangeError(f"ecxfer: block index out of range: {e}") from None

@@ -2,6 +2,7 @@
 vLLM's own tests do not check."""
 
 import array
+import collections
 import logging
 
 import pytest
@@ -74,6 +75,8 @@ def test_index_out_of_range(pair):
             cons.post_read(local, peer, remote, b"")
     with pytest.raises(IndexError):
         cons.post_read([2**64], peer, [0], b"")
+    with pytest.raises(IndexError):  # any other iterable takes the same path
+        cons.post_read(collections.deque([2**64]), peer, [0], b"")
     with pytest.raises(TypeError):
         cons.post_read(None, peer, None, b"")
     with pytest.raises(TypeError):
