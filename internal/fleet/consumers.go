@@ -302,29 +302,13 @@ func consumerChild(c *ctrl.Conn) error {
 	if err != nil {
 		return err
 	}
-	rng := rand.New(rand.NewSource(int64(id) + 1))
-	local, remote := make([]int, k), make([]int, k)
-	for i := range local {
-		local[i] = i
-	}
-	ctx := context.Background()
-	// read returns when it saw the READ DONE (CLOCK_MONOTONIC).
-	read := func(notif []byte) (int64, error) {
-		for i := range remote {
-			remote[i] = rng.Intn(nb)
-		}
-		h, err := t.PostRead(local, peer, remote, notif)
-		if err != nil {
-			return 0, err
-		}
-		if err := t.Wait(ctx, h); err != nil {
-			return 0, err
-		}
-		at := monoNow()
-		return at, t.ReleaseXferHandle(h)
+	r := &fleetReader{t: t, peer: peer, nb: nb, rng: rand.New(rand.NewSource(int64(id) + 1)),
+		local: make([]int, k), remote: make([]int, k)}
+	for i := range r.local {
+		r.local[i] = i
 	}
 	for i := 0; i < 8; i++ { // connect and warm up, unmeasured
-		if _, err := read(nil); err != nil {
+		if _, err := r.read(nil); err != nil {
 			return err
 		}
 	}
@@ -335,34 +319,10 @@ func consumerChild(c *ctrl.Conn) error {
 	if err != nil {
 		return err
 	}
-	dur := time.Duration(g.Ints["ns"])
-	var (
-		reads, verified uint64
-		times           []byte
-		notif           [8]byte
-	)
-	binary.LittleEndian.PutUint32(notif[:4], id)
 	start := time.Now()
-	for seq := uint32(0); time.Since(start) < dur; seq++ {
-		binary.LittleEndian.PutUint32(notif[4:], seq)
-		doneAt, err := read(notif[:])
-		if err != nil {
-			return fmt.Errorf("READ %d: %w", seq, err)
-		}
-		if len(times) < maxTimed*12 {
-			times = binary.LittleEndian.AppendUint32(times, seq)
-			times = binary.LittleEndian.AppendUint64(times, uint64(doneAt))
-		}
-		reads++
-		if seq%16 == 0 {
-			region := t.Region()
-			for i, r := range remote {
-				if ok, off := pattern.Check(region[i*bs:(i+1)*bs], seed, r); !ok {
-					return fmt.Errorf("READ %d block %d: wrong byte at %d", seq, r, off)
-				}
-			}
-			verified++
-		}
+	reads, verified, times, err := r.measure(time.Duration(g.Ints["ns"]), id, bs, seed)
+	if err != nil {
+		return err
 	}
 	el := time.Since(start)
 	err = c.Send(ctrl.Message{Kind: "result", Data: times, Ints: map[string]int64{
@@ -371,4 +331,63 @@ func consumerChild(c *ctrl.Conn) error {
 		return err
 	}
 	return waitEOF(c)
+}
+
+// fleetReader is a consumer child's READ of random producer blocks into
+// its whole region.
+type fleetReader struct {
+	t             *ecxfer.Transport
+	peer          string
+	nb            int // blocks of the producer
+	rng           *rand.Rand
+	local, remote []int
+}
+
+// read READs fresh random blocks and returns when it saw the READ DONE
+// (CLOCK_MONOTONIC).
+func (r *fleetReader) read(notif []byte) (int64, error) {
+	for i := range r.remote {
+		r.remote[i] = r.rng.Intn(r.nb)
+	}
+	h, err := r.t.PostRead(r.local, r.peer, r.remote, notif)
+	if err != nil {
+		return 0, err
+	}
+	if err := r.t.Wait(context.Background(), h); err != nil {
+		return 0, err
+	}
+	at := monoNow()
+	return at, r.t.ReleaseXferHandle(h)
+}
+
+// measure READs for dur, each with a notification naming consumer id and
+// the READ's sequence number, verifies every 16th READ's blocks and
+// returns the counts and the (sequence, DONE time) records of the first
+// maxTimed READs.
+func (r *fleetReader) measure(dur time.Duration, id uint32, bs int, seed uint64) (reads, verified uint64, times []byte, err error) {
+	var notif [8]byte
+	binary.LittleEndian.PutUint32(notif[:4], id)
+	start := time.Now()
+	for seq := uint32(0); time.Since(start) < dur; seq++ {
+		binary.LittleEndian.PutUint32(notif[4:], seq)
+		doneAt, err := r.read(notif[:])
+		if err != nil {
+			return 0, 0, nil, fmt.Errorf("READ %d: %w", seq, err)
+		}
+		if len(times) < maxTimed*12 {
+			times = binary.LittleEndian.AppendUint32(times, seq)
+			times = binary.LittleEndian.AppendUint64(times, uint64(doneAt))
+		}
+		reads++
+		if seq%16 == 0 {
+			region := r.t.Region()
+			for i, b := range r.remote {
+				if ok, off := pattern.Check(region[i*bs:(i+1)*bs], seed, b); !ok {
+					return 0, 0, nil, fmt.Errorf("READ %d block %d: wrong byte at %d", seq, b, off)
+				}
+			}
+			verified++
+		}
+	}
+	return reads, verified, times, nil
 }
