@@ -92,74 +92,91 @@ func run(role, name string, nums []int, in *bufio.Scanner) error {
 		if len(nums) < 3 {
 			return fmt.Errorf("producer needs a seed")
 		}
-		region := t.Region()
-		for b := 0; b < nb; b++ {
-			fill(region[b*bs:(b+1)*bs], nums[2], b)
-		}
-		var want struct {
-			ExpectNotifs int `json:"expect_notifs"`
-		}
-		if err := hear(&want); err != nil {
-			return err
-		}
-		var got [][2]string
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		for len(got) < want.ExpectNotifs {
-			m, err := t.WaitNotifs(ctx)
-			if err != nil {
-				break
-			}
-			for sender, msgs := range m {
-				for _, msg := range msgs {
-					got = append(got, [2]string{sender, string(msg)})
-				}
-			}
-		}
-		say(map[string]any{"notifs": got})
+		err = produce(t, nb, bs, nums[2], hear)
 	case "consumer":
-		var j job
-		if err := hear(&j); err != nil {
-			return err
-		}
-		peer, err := t.AddRemotePeer(j.MD, j.Desc)
-		if err != nil {
-			return err
-		}
-		type result struct {
-			State     string `json:"state"`
-			Error     string `json:"error,omitempty"`
-			BadBlocks []int  `json:"bad_blocks"`
-		}
-		var results []result
-		region := t.Region()
-		want := make([]byte, bs)
-		for _, rd := range j.Reads {
-			h, err := t.PostRead(rd.Local, peer, rd.Remote, []byte(rd.Notif))
-			if err != nil {
-				return err
-			}
-			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-			werr := t.Wait(ctx, h)
-			cancel()
-			r := result{State: "DONE", BadBlocks: []int{}}
-			if werr != nil {
-				r.State, r.Error = "ERR", werr.Error()
-			}
-			_ = t.ReleaseXferHandle(h)
-			for k, loc := range rd.Local {
-				fill(want, j.Seed, rd.Remote[k])
-				if string(region[loc*bs:(loc+1)*bs]) != string(want) {
-					r.BadBlocks = append(r.BadBlocks, loc)
-				}
-			}
-			results = append(results, r)
-		}
-		say(map[string]any{"results": results})
+		err = consume(t, bs, hear)
 	default:
 		return fmt.Errorf("unknown role %q", role)
 	}
+	if err != nil {
+		return err
+	}
 	var quit any
 	_ = hear(&quit)
+	return nil
+}
+
+// produce fills the region's nb blocks of bs bytes, waits for as many notifications as it is told
+// to expect (at most 30 s) and reports them.
+func produce(t *ecxfer.Transport, nb, bs, seed int, hear func(any) error) error {
+	region := t.Region()
+	for b := 0; b < nb; b++ {
+		fill(region[b*bs:(b+1)*bs], seed, b)
+	}
+	var want struct {
+		ExpectNotifs int `json:"expect_notifs"`
+	}
+	if err := hear(&want); err != nil {
+		return err
+	}
+	var got [][2]string
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	for len(got) < want.ExpectNotifs {
+		m, err := t.WaitNotifs(ctx)
+		if err != nil {
+			break
+		}
+		for sender, msgs := range m {
+			for _, msg := range msgs {
+				got = append(got, [2]string{sender, string(msg)})
+			}
+		}
+	}
+	say(map[string]any{"notifs": got})
+	return nil
+}
+
+// consume (blocks of bs bytes) adds the producer it is given, does the READs it is told to and
+// reports each one's state and the local blocks whose bytes are wrong.
+func consume(t *ecxfer.Transport, bs int, hear func(any) error) error {
+	var j job
+	if err := hear(&j); err != nil {
+		return err
+	}
+	peer, err := t.AddRemotePeer(j.MD, j.Desc)
+	if err != nil {
+		return err
+	}
+	type result struct {
+		State     string `json:"state"`
+		Error     string `json:"error,omitempty"`
+		BadBlocks []int  `json:"bad_blocks"`
+	}
+	var results []result
+	region := t.Region()
+	want := make([]byte, bs)
+	for _, rd := range j.Reads {
+		h, err := t.PostRead(rd.Local, peer, rd.Remote, []byte(rd.Notif))
+		if err != nil {
+			return err
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		werr := t.Wait(ctx, h)
+		cancel()
+		r := result{State: "DONE", BadBlocks: []int{}}
+		if werr != nil {
+			r.State, r.Error = "ERR", werr.Error()
+		}
+		_ = t.ReleaseXferHandle(h)
+		for k, loc := range rd.Local {
+			fill(want, j.Seed, rd.Remote[k])
+			if string(region[loc*bs:(loc+1)*bs]) != string(want) {
+				r.BadBlocks = append(r.BadBlocks, loc)
+			}
+		}
+		results = append(results, r)
+	}
+	say(map[string]any{"results": results})
 	return nil
 }
