@@ -51,9 +51,17 @@ func indexArg(p *C.int64_t, n C.int64_t) ([]int, error) {
 	return unsafe.Slice((*int)(unsafe.Pointer(p)), int(n)), nil
 }
 
-// giveBytes hands b to the caller as malloc'd memory at *out and returns
-// its length (0 and *out NULL for none).
-func giveBytes(b []byte, out *unsafe.Pointer) C.int64_t {
+// giveBytes hands the bytes get returns to the caller as malloc'd memory at
+// *out and returns their length (0 and *out NULL for none), or a negative
+// code: for a NULL out (get is then not called) or get's error.
+func giveBytes(out *unsafe.Pointer, get func() ([]byte, error)) C.int64_t {
+	if out == nil {
+		return C.int64_t(fail(fmt.Errorf("%w: null out", errBadArg)))
+	}
+	b, err := get()
+	if err != nil {
+		return C.int64_t(fail(err))
+	}
 	if len(b) == 0 {
 		*out = nil
 		return 0
@@ -73,7 +81,7 @@ func nanos(ns C.int64_t) time.Duration {
 func ecx_abi_version() C.int { return abiVersion }
 
 // ecx_new creates a transport from opts, a JSON object of options (see
-// options), over the caller's region of region_len bytes (NULL: the
+// options), over the caller's region of regionLen bytes (NULL: the
 // transport allocates its own). The region must stay mapped until
 // ecx_deregister returns. It stores the transport's id at *out.
 //
@@ -117,18 +125,11 @@ func ecx_deregister(t C.uint64_t) C.int {
 //
 //export ecx_blob
 func ecx_blob(t C.uint64_t, which C.int, out *unsafe.Pointer) C.int64_t {
-	if out == nil {
-		return C.int64_t(fail(fmt.Errorf("%w: null out", errBadArg)))
-	}
-	b, err := blob(uint64(t), int(which))
-	if err != nil {
-		return C.int64_t(fail(err))
-	}
-	return giveBytes(b, out)
+	return giveBytes(out, func() ([]byte, error) { return blob(uint64(t), int(which)) })
 }
 
 // ecx_add_peer adds a peer from its metadata and descriptor list. It
-// writes the peer's name, NUL-terminated, into name (name_cap bytes; 257
+// writes the peer's name, NUL-terminated, into name (nameCap bytes; 257
 // always suffice) and its id at *peer.
 //
 //export ecx_add_peer
@@ -158,7 +159,7 @@ func ecx_add_peer(t C.uint64_t, md unsafe.Pointer, mdLen C.int64_t, desc unsafe.
 	return 0
 }
 
-// ecx_remove_peer removes the peer with that name (name_len bytes),
+// ecx_remove_peer removes the peer with that name (nameLen bytes),
 // canceling its READs in flight.
 //
 //export ecx_remove_peer
@@ -173,8 +174,8 @@ func ecx_remove_peer(t C.uint64_t, name unsafe.Pointer, nameLen C.int64_t) C.int
 	return 0
 }
 
-// ecx_post_read posts a READ of the peer's blocks remote[0:n_remote] into
-// the local blocks local[0:n_local], with notif (notif_len bytes; none when
+// ecx_post_read posts a READ of the peer's blocks remote[0:nRemote] into
+// the local blocks local[0:nLocal], with notif (notifLen bytes; none when
 // 0) delivered to the peer once the data has landed. It returns the handle
 // (> 0) or a negative code; it never waits for data.
 //
@@ -212,7 +213,7 @@ func ecx_check(t C.uint64_t, h C.uint64_t) C.int {
 	return C.int(st)
 }
 
-// ecx_wait blocks until the READ leaves PROC or timeout_ns passes
+// ecx_wait blocks until the READ leaves PROC or timeoutNs passes
 // (negative: no limit) and returns its state as ecx_check does: 0 means
 // the time ran out first.
 //
@@ -236,7 +237,7 @@ func ecx_release(t C.uint64_t, h C.uint64_t) C.int {
 }
 
 // ecx_notifs takes the notifications received since the last call,
-// waiting up to timeout_ns for the first (0: not at all; negative: no
+// waiting up to timeoutNs for the first (0: not at all; negative: no
 // limit). It returns the length of the encoding at *out (malloc'd; 0 and
 // NULL when there are none) or a negative code. The encoding, integers
 // little-endian uint32: number of senders; per sender its name's length,
@@ -244,14 +245,7 @@ func ecx_release(t C.uint64_t, h C.uint64_t) C.int {
 //
 //export ecx_notifs
 func ecx_notifs(t C.uint64_t, timeoutNs C.int64_t, out *unsafe.Pointer) C.int64_t {
-	if out == nil {
-		return C.int64_t(fail(fmt.Errorf("%w: null out", errBadArg)))
-	}
-	b, err := notifs(uint64(t), nanos(timeoutNs))
-	if err != nil {
-		return C.int64_t(fail(err))
-	}
-	return giveBytes(b, out)
+	return giveBytes(out, func() ([]byte, error) { return notifs(uint64(t), nanos(timeoutNs)) })
 }
 
 // ecx_stats writes the transport's counters as a JSON object to malloc'd
@@ -259,14 +253,7 @@ func ecx_notifs(t C.uint64_t, timeoutNs C.int64_t, out *unsafe.Pointer) C.int64_
 //
 //export ecx_stats
 func ecx_stats(t C.uint64_t, out *unsafe.Pointer) C.int64_t {
-	if out == nil {
-		return C.int64_t(fail(fmt.Errorf("%w: null out", errBadArg)))
-	}
-	b, err := stats(uint64(t))
-	if err != nil {
-		return C.int64_t(fail(err))
-	}
-	return giveBytes(b, out)
+	return giveBytes(out, func() ([]byte, error) { return stats(uint64(t)) })
 }
 
 // ecx_runtime writes {"transports": live transports, "goroutines": Go
@@ -274,14 +261,11 @@ func ecx_stats(t C.uint64_t, out *unsafe.Pointer) C.int64_t {
 //
 //export ecx_runtime
 func ecx_runtime(out *unsafe.Pointer) C.int64_t {
-	if out == nil {
-		return C.int64_t(fail(fmt.Errorf("%w: null out", errBadArg)))
-	}
-	return giveBytes(runtimeStats(), out)
+	return giveBytes(out, func() ([]byte, error) { return runtimeStats(), nil })
 }
 
 // ecx_last_error copies the calling thread's last error message into buf
-// (cap bytes, NUL-terminated, cut to fit), forgets it, and returns the
+// (capacity bytes, NUL-terminated, cut to fit), forgets it, and returns the
 // message's full length (0: none).
 //
 //export ecx_last_error
