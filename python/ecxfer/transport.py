@@ -91,7 +91,7 @@ def _indices(x: Any):
         a.frombytes(mv.cast("B"))
         addr, n = a.buffer_info()
         return a, addr, n
-    return _q_array(x)  # any other iterable of ints (numpy of another dtype, generators)
+    return _q_array(x)  # any other sized iterable of ints (numpy of another dtype, deque)
 
 
 def _q_array(x):
