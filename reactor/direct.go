@@ -531,7 +531,13 @@ func (r *Reactor) endJob(j *dirJob) {
 		case stCanceling:
 			r.st.canceled.Add(1)
 			s.trim()
-			r.tab.free(s, w)
+			// Freed here only once onCancel has drained the release's
+			// entry; otherwise onCancel frees it (s.job is nil now), so a
+			// slot never has two cancel entries on the ring.
+			if s.cancelDrained {
+				s.cancelDrained = false
+				r.tab.free(s, w)
+			}
 		case stProc:
 			if j.err != nil {
 				p.direct.dead.Store(true)

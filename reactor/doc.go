@@ -37,4 +37,15 @@
 // Handles are (generation, slot) pairs. The slot word carries the
 // generation, so a released or reused slot never answers for an old
 // handle; see table.go for the layout and the hashing.
+//
+// Every slot has one owner at a time, and only its owner frees it: the
+// Post that claimed it, until the handle is on the submission ring (on
+// error it frees exactly the word it claimed; Close leaves such a slot to
+// its Post); then the reactor, until it publishes the end; then the caller
+// who releases the handle. A handle released in flight is marked
+// canceling and queued on the cancel ring; its slot is freed by the
+// reactor as it drains that entry (or, for a direct READ whose copy is
+// still running, when the copy ends after the entry was drained), so a
+// slot never has two cancel entries queued and the cancel ring, with a
+// place per slot, cannot fill.
 package reactor

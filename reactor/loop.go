@@ -271,6 +271,7 @@ func (r *Reactor) submit(h uint64) {
 	if s == nil {
 		return // released and freed already
 	}
+	s.cancelDrained = false
 	if wordState(w) == stCanceling {
 		// Released before it was posted; onCancel frees the slot when it
 		// drains the release's cancel entry.
@@ -494,7 +495,10 @@ func (r *Reactor) onCancel(h uint64) {
 	}
 	if s.job != nil {
 		if s.job.running {
-			return // endJob frees the slot when the copy ends
+			// endJob frees the slot when the copy ends; this entry is
+			// drained, so the slot may be claimed again then.
+			s.cancelDrained = true
+			return
 		}
 		r.dropJob(s)
 	}

@@ -68,11 +68,14 @@ type slot struct {
 	hasNotif  bool
 
 	// reactor-only
-	job    *dirJob // the copy of a direct READ, while it runs
-	xfer   nixl.XferID
-	posted int64 // monotonic ns at post
-	bytes  uint64
-	_      cpu.CacheLinePad
+	job  *dirJob // the copy of a direct READ, while it runs
+	xfer nixl.XferID
+	// cancelDrained: onCancel drained this transfer's cancel entry while
+	// its direct copy ran, and left freeing the slot to endJob.
+	cancelDrained bool
+	posted        int64 // monotonic ns at post
+	bytes         uint64
+	_             cpu.CacheLinePad
 }
 
 // slotKeep bounds the index and notification buffers a slot keeps between
