@@ -142,6 +142,9 @@ func TestDirectProducerKilled(t *testing.T) {
 					}
 				})
 			}
+			// Readers write into cons's region: if the test fails early,
+			// stop them before cons's own cleanup unmaps it.
+			t.Cleanup(func() { stop.Store(true); wg.Wait() })
 			for round := range 3 {
 				seed := uint64(10 + round)
 				pv, _ := startDirectProducer(t, victim, c.region, bs, nb, seed)
@@ -155,10 +158,11 @@ func TestDirectProducerKilled(t *testing.T) {
 				// each), 880-block READs, until it dies.
 				var vwg sync.WaitGroup
 				var victimDone, victimErr atomic.Int64
+				var vstop atomic.Bool
 				for w := range 4 {
 					vwg.Go(func() {
 						rng := rand.New(rand.NewSource(int64(round*10 + w)))
-						for {
+						for !vstop.Load() {
 							remote := rng.Perm(nb)[:700]
 							local := make([]int, 700)
 							for i := range local {
@@ -178,6 +182,7 @@ func TestDirectProducerKilled(t *testing.T) {
 						}
 					})
 				}
+				t.Cleanup(func() { vstop.Store(true); vwg.Wait() })
 				time.Sleep(20 * time.Millisecond)
 				before := healthyReads.Load()
 				pv.kill()
@@ -189,7 +194,8 @@ func TestDirectProducerKilled(t *testing.T) {
 				select {
 				case <-waited:
 				case <-time.After(20 * time.Second):
-					t.Fatal("READs of a killed producer still succeed 20s after SIGKILL")
+					t.Fatalf("READs of a killed producer still succeed 20s after SIGKILL: %d done, %d refused, stats %+v",
+						victimDone.Load(), victimErr.Load(), cons.Stats())
 				}
 				require.Equal(t, int64(4), victimErr.Load())
 				h, err := cons.PostRead([]int{0}, victim, []int{1}, nil)
