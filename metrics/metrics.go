@@ -39,6 +39,9 @@
 //	                                                direct-sysv, direct-proc) and state (up, dead)
 //	ecxfer_reads_direct_total           [counter]   READs of direct peers that copied every byte
 //	ecxfer_reads_inline_total           [counter]   of those, READs the caller copied inside PostRead
+//	ecxfer_copy_workers                 [gauge]     copy workers of the direct path (only with one)
+//	ecxfer_copy_busy_seconds_total      [counter]   time the copy workers spent copying, summed;
+//	                                                rate / ecxfer_copy_workers is their busy fraction
 //	ecxfer_reactor_loop_turns_total     [counter]   event loop turns
 //	ecxfer_reactor_parks_total          [counter]   times the reactor slept
 //	ecxfer_reactor_busy_seconds_total   [counter]   reactor time in turns that found work;
@@ -104,6 +107,7 @@ type collector struct {
 	peersDesc, loopTurns, parks, busySeconds, cpu      *prometheus.Desc
 	waitBlocks, duration                               *prometheus.Desc
 	notifsDropped, readsDirect, readsInline            *prometheus.Desc
+	copyWorkers, copyBusy                              *prometheus.Desc
 	peerDone, peerFailed, peerBytes, peerOmitted       *prometheus.Desc
 }
 
@@ -132,6 +136,8 @@ func NewCollector(t *ecxfer.Transport, opts ...Option) prometheus.Collector {
 	c.notifsDropped = d("ecxfer_notifications_dropped_total", "Notifications dropped on receipt, by reason.", "reason")
 	c.readsDirect = d("ecxfer_reads_direct_total", "READs of direct peers that copied every byte.")
 	c.readsInline = d("ecxfer_reads_inline_total", "READs of direct peers the caller copied inside PostRead.")
+	c.copyWorkers = d("ecxfer_copy_workers", "Copy workers of the direct path.")
+	c.copyBusy = d("ecxfer_copy_busy_seconds_total", "Time the copy workers spent copying, summed over them; its rate over ecxfer_copy_workers is their busy fraction.")
 	c.peersDesc = d("ecxfer_peers", "Known peers by path and state.", "path", "state")
 	c.loopTurns = d("ecxfer_reactor_loop_turns_total", "Event loop turns.")
 	c.parks = d("ecxfer_reactor_parks_total", "Times the reactor slept.")
@@ -154,6 +160,7 @@ func (c *collector) Describe(ch chan<- *prometheus.Desc) {
 		c.notifsSent, c.notifsReceived, c.engineErrors,
 		c.peersDesc, c.loopTurns, c.parks, c.busySeconds, c.cpu,
 		c.waitBlocks, c.duration, c.notifsDropped, c.readsDirect, c.readsInline,
+		c.copyWorkers, c.copyBusy,
 	} {
 		ch <- d
 	}
@@ -194,6 +201,10 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	counter(c.notifsDropped, float64(s.NotifsDroppedByEngine), "engine")
 	counter(c.readsDirect, float64(s.DirectReads))
 	counter(c.readsInline, float64(s.InlineReads))
+	if s.CopyWorkers > 0 {
+		gauge(c.copyWorkers, float64(s.CopyWorkers))
+		counter(c.copyBusy, s.CopyBusyTime.Seconds())
+	}
 	counter(c.loopTurns, float64(s.LoopTurns))
 	counter(c.parks, float64(s.Parks))
 	counter(c.busySeconds, s.BusyTime.Seconds())

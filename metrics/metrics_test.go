@@ -391,12 +391,13 @@ func BenchmarkGather(b *testing.B) {
 }
 
 // TestDirectPathMetrics: a same-host ucx peer read on the direct path is
-// counted under its path, and its READs as direct (and inline).
+// counted under its path, and its READs as direct (and inline); a READ
+// above InlineBytes moves the copy workers' busy time.
 func TestDirectPathMetrics(t *testing.T) {
 	warmPoller()
 	leakcheck.Check(t)
 	pn, cn := name("dprod"), name("dcons")
-	direct := func(c *ecxfer.Config) { c.Direct = ecxfer.DirectOn }
+	direct := func(c *ecxfer.Config) { c.Direct, c.InlineBytes, c.CopyWorkers = ecxfer.DirectOn, 4096, 2 }
 	prod := newTransport(t, "ucx", pn, direct)
 	cons := newTransport(t, "ucx", cn, direct)
 	_, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
@@ -446,4 +447,29 @@ func TestDirectPathMetrics(t *testing.T) {
 	require.Equal(t, float64(n), vals["ecxfer_reads_direct_total"])
 	require.Equal(t, float64(n), vals["ecxfer_reads_inline_total"], "4 KiB READs are copied inline")
 	require.Equal(t, float64(n), vals["ecxfer_peer_reads_done_total"])
+
+	// All 32 blocks in one READ: above InlineBytes, so the workers copy it.
+	all := make([]int, 32)
+	for i := range all {
+		all[i] = i
+	}
+	h, err := cons.PostRead(all, pn, all, nil)
+	require.NoError(t, err)
+	require.NoError(t, cons.Wait(context.Background(), h))
+	require.NoError(t, cons.ReleaseXferHandle(h))
+	require.Eventually(t, func() bool { return cons.Stats().CopyBusyTime > 0 }, 10*time.Second, time.Millisecond)
+	mfs, err = reg.Gather()
+	require.NoError(t, err)
+	got := map[string]float64{}
+	for _, mf := range mfs {
+		switch mf.GetName() {
+		case "ecxfer_copy_workers":
+			got[mf.GetName()] = mf.GetMetric()[0].GetGauge().GetValue()
+		case "ecxfer_copy_busy_seconds_total":
+			got[mf.GetName()] = mf.GetMetric()[0].GetCounter().GetValue()
+		}
+	}
+	require.Equal(t, 2.0, got["ecxfer_copy_workers"])
+	require.Greater(t, got["ecxfer_copy_busy_seconds_total"], 0.0)
+	require.Equal(t, float64(n), vals["ecxfer_reads_inline_total"])
 }

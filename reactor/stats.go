@@ -64,6 +64,10 @@ type Stats struct {
 	DirectPeers int    // peers read on the direct path (same host, region mapped)
 	DirectReads uint64 // READs of direct peers that copied every byte
 	InlineReads uint64 // of those, READs the caller copied inside Post
+
+	// The copy workers (0 and 0 without a direct path).
+	CopyWorkers  int           // workers in the copy pool
+	CopyBusyTime time.Duration // time they spent copying, summed over them
 }
 
 // Stats returns the counters.
@@ -93,6 +97,9 @@ func (r *Reactor) Stats() Stats {
 	}
 	if d := r.dir; d != nil {
 		st.DirectReads, st.InlineReads = d.reads.Load(), d.inlineReads.Load()
+		if d.pool != nil {
+			st.CopyWorkers, st.CopyBusyTime = d.pool.Workers(), d.pool.BusyTime()
+		}
 		for _, p := range *r.peers.Load() {
 			if p.direct != nil {
 				st.DirectPeers++

@@ -19,6 +19,7 @@ import (
 	"runtime/debug"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/ecxfer/ecxfer/internal/affinity"
 )
@@ -68,6 +69,7 @@ type Pool struct {
 	mu      sync.RWMutex // held shared by Submit, exclusively by Close
 	closed  bool
 	workers int
+	busy    atomic.Int64 // nanoseconds the workers spent copying
 }
 
 // New starts the workers.
@@ -122,9 +124,16 @@ func (p *Pool) work(i int, ready chan<- error) {
 	debug.SetPanicOnFault(true)
 	ready <- nil
 	for c := range p.ch {
+		t0 := time.Now()
 		run(c)
+		p.busy.Add(int64(time.Since(t0)))
 	}
 }
+
+// BusyTime returns the time the workers have spent copying, summed over
+// the workers; its rate divided by Workers is their busy fraction. Chunks
+// a submitter copies itself (a full queue) are not in it.
+func (p *Pool) BusyTime() time.Duration { return time.Duration(p.busy.Load()) }
 
 // run copies one chunk and finishes the job if it was the last.
 func run(c chunk) {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/ecxfer/ecxfer/internal/affinity"
 	"github.com/ecxfer/ecxfer/internal/leakcheck"
@@ -226,5 +227,39 @@ func BenchmarkImage(b *testing.B) {
 				img = (img + 1) % 8
 			}
 		})
+	}
+}
+
+// TestBusyTime: the workers' copying time is counted, and only grows.
+func TestBusyTime(t *testing.T) {
+	leakcheck.Check(t)
+	p, err := New(Options{Workers: 2, Chunk: 64 << 10})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	if got := p.BusyTime(); got != 0 {
+		t.Fatalf("BusyTime before any job = %v", got)
+	}
+	src := bytes.Repeat([]byte{7}, 8<<20)
+	dst := make([]byte, len(src))
+	j := newCopyJob(dst, src)
+	var last time.Duration
+	for round := range 3 {
+		p.Submit(&j.Job, len(src))
+		if err := <-j.done; err != nil {
+			t.Fatal(err)
+		}
+		// The job's Done runs inside the last chunk's timing; wait for
+		// that worker to add its time.
+		deadline := time.Now().Add(10 * time.Second)
+		for p.BusyTime() <= last && time.Now().Before(deadline) {
+			time.Sleep(time.Millisecond)
+		}
+		got := p.BusyTime()
+		if got <= last {
+			t.Fatalf("round %d: BusyTime %v did not grow from %v", round, got, last)
+		}
+		last = got
 	}
 }
