@@ -408,7 +408,10 @@ func (t *Transport) WaitNotifs(ctx context.Context) (map[string][][]byte, error)
 
 // CheckXferState reports a READ's state: (StateProc, nil) in flight,
 // (StateDone, nil) done, (StateErr, err) failed or for a bad handle. It is
-// one atomic load: cheap enough to spin on.
+// one atomic load: cheap enough to spin on. For a large READ of a direct
+// peer that the copy workers have not finished taking, the call first
+// copies the untaken chunks itself, so a caller that polls lends its CPU
+// to the copy (see the reactor package).
 func (t *Transport) CheckXferState(h Handle) (State, error) {
 	st, err := t.r.State(uint64(h))
 	switch st {

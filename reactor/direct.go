@@ -399,6 +399,7 @@ func (r *Reactor) submitDirect(h uint64, s *slot, p *Peer) {
 	j.live, j.running = true, true
 	r.inflight.Add(1)
 	r.st.posted.Add(1)
+	s.run.Store(&j.Job)
 	d.pool.Submit(&j.Job, int(j.total))
 }
 
@@ -527,6 +528,7 @@ func (r *Reactor) endJob(j *dirJob) {
 	s, w := r.tab.lookup(h)
 	if s != nil && (wordState(w) == stProc || wordState(w) == stCanceling) && s.job == j {
 		s.job = nil
+		s.run.Store(nil)
 		switch wordState(w) {
 		case stCanceling:
 			r.st.canceled.Add(1)
@@ -578,6 +580,7 @@ func (r *Reactor) failDirectReads(p *Peer, code uint64) int {
 		}
 		if s, w := r.tab.lookup(j.h); s != nil && wordState(w) == stProc && s.job == j {
 			s.job = nil
+			s.run.Store(nil)
 			j.live = false
 			r.inflight.Add(-1)
 			if code == codeCanceled {

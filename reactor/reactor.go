@@ -434,7 +434,10 @@ func (r *Reactor) waitForRoom(tries int) error {
 	return nil
 }
 
-// State reports a transfer's state with one atomic load.
+// State reports a transfer's state with one atomic load. For a direct
+// READ still on the copy pool it first copies the chunks no worker has
+// taken (copypool.Job.Help), so polling callers copy instead of starving
+// the workers.
 func (r *Reactor) State(h uint64) (State, error) {
 	if r.closing.Load() {
 		return StateErr, ErrClosed
@@ -445,6 +448,12 @@ func (r *Reactor) State(h uint64) (State, error) {
 	}
 	switch wordState(w) {
 	case stProc:
+		if j := s.run.Load(); j != nil {
+			// A direct READ on the copy pool: copy what no worker has
+			// started yet rather than spend this caller's turn in the
+			// scheduler while the workers wait for a CPU.
+			j.Help()
+		}
 		return StateProc, nil
 	case stDone:
 		return StateDone, nil

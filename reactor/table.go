@@ -7,6 +7,7 @@ import (
 	"github.com/cespare/xxhash/v2"
 	"golang.org/x/sys/cpu"
 
+	"github.com/ecxfer/ecxfer/internal/copypool"
 	"github.com/ecxfer/ecxfer/nixl"
 )
 
@@ -66,6 +67,10 @@ type slot struct {
 	remoteIdx []int
 	notif     []byte
 	hasNotif  bool
+
+	// run is the copy of a direct READ while the pool runs it, for callers
+	// that check the READ to help with (State). Written by the loop.
+	run atomic.Pointer[copypool.Job]
 
 	// reactor-only
 	job  *dirJob // the copy of a direct READ, while it runs

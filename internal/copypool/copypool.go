@@ -6,7 +6,14 @@
 // unused: two threads copying halves of a 28.8 MB image beat one even on
 // two cores. The pool splits a job into chunks, hands them to its workers
 // (pinned, if asked, to the CPUs the reactor is told to use) and calls the
-// job's Done once, from the worker that finished the last chunk.
+// job's Done once, from whoever finished the last chunk.
+//
+// Chunks are claimed, not handed out: a job's chunks are numbered, and a
+// worker or any other goroutine takes the next one with a compare-and-swap
+// on the job. A caller waiting for a job can therefore copy with the
+// workers (Job.Help) instead of giving its CPU to the scheduler: on a
+// machine whose cores are all busy (a reactor thread and a polling caller
+// on two cores) the workers would otherwise wait for a time slice.
 //
 // A Job is owned by the caller and reused: submitting one allocates
 // nothing.
@@ -51,20 +58,19 @@ type Job struct {
 	// returned, with the first error a chunk reported (or nil).
 	Done func(err error)
 
+	// claim is chunks<<32 | the next chunk to take. Submit stores it last,
+	// after total and pending: whoever takes a chunk sees both.
+	claim   atomic.Uint64
+	total   atomic.Int64
 	pending atomic.Int32
 	failed  atomic.Bool
 	err     error
 }
 
-type chunk struct {
-	j      *Job
-	lo, hi int
-}
-
 // Pool is a set of copy workers.
 type Pool struct {
 	opts    Options
-	ch      chan chunk
+	ch      chan *Job // one entry per chunk; a worker takes whatever is left
 	wg      sync.WaitGroup
 	mu      sync.RWMutex // held shared by Submit, exclusively by Close
 	closed  bool
@@ -89,7 +95,7 @@ func New(o Options) (*Pool, error) {
 	case o.Chunk < 0 || o.Queue < 0:
 		return nil, fmt.Errorf("copypool: chunk %d, queue %d", o.Chunk, o.Queue)
 	}
-	p := &Pool{opts: o, ch: make(chan chunk, o.Queue), workers: o.Workers}
+	p := &Pool{opts: o, ch: make(chan *Job, o.Queue), workers: o.Workers}
 	errs := make(chan error, o.Workers)
 	for i := range o.Workers {
 		p.wg.Add(1)
@@ -123,24 +129,58 @@ func (p *Pool) work(i int, ready chan<- error) {
 	}
 	debug.SetPanicOnFault(true)
 	ready <- nil
-	for c := range p.ch {
+	for j := range p.ch {
+		// An entry whose chunk a helper took already (or that outlived
+		// its submission) finds nothing to claim.
 		t0 := time.Now()
-		run(c)
-		p.busy.Add(int64(time.Since(t0)))
+		if j.runOne() {
+			p.busy.Add(int64(time.Since(t0)))
+		}
 	}
 }
 
 // BusyTime returns the time the workers have spent copying, summed over
 // the workers; its rate divided by Workers is their busy fraction. Chunks
-// a submitter copies itself (a full queue) are not in it.
+// a submitter (a full queue) or a helper copies are not in it.
 func (p *Pool) BusyTime() time.Duration { return time.Duration(p.busy.Load()) }
 
-// run copies one chunk and finishes the job if it was the last.
-func run(c chunk) {
-	if err := c.j.Run(c.lo, c.hi); err != nil {
-		c.j.fail(err)
+// runOne takes the job's next chunk, copies it and finishes the job if it
+// was the last. It reports false when no chunk was left to take.
+//
+// A job is reused only after its Done: until then no chunk of it is
+// taken twice, and a claim that loads an exhausted word touches nothing
+// of the job but that word. A claim racing a resubmission takes a chunk
+// of the new submission, whose total and pending Submit stored before
+// the claim word.
+func (j *Job) runOne() bool {
+	for {
+		w := j.claim.Load()
+		n, i := w>>32, w&(1<<32-1)
+		if i >= n {
+			return false
+		}
+		if !j.claim.CompareAndSwap(w, w+1) {
+			continue
+		}
+		total := uint64(j.total.Load())
+		if err := j.Run(int(total*i/n), int(total*(i+1)/n)); err != nil {
+			j.fail(err)
+		}
+		j.chunkDone()
+		return true
 	}
-	c.j.chunkDone()
+}
+
+// Help copies the chunks of j that nobody has taken yet, on the calling
+// goroutine, and returns how many it copied. It is safe at any time, on a
+// job in any state: on a finished job it copies nothing. The job's Done
+// may run on the caller, if Help copies the last chunk.
+func (j *Job) Help() int {
+	n := 0
+	for j.runOne() {
+		n++
+	}
+	return n
 }
 
 func (j *Job) fail(err error) {
@@ -169,7 +209,6 @@ func (p *Pool) Chunks(total int) int {
 // called at once with ErrClosed.
 func (p *Pool) Submit(j *Job, total int) {
 	n := p.Chunks(total)
-	j.pending.Store(int32(n))
 	p.mu.RLock()
 	if p.closed {
 		p.mu.RUnlock()
@@ -178,14 +217,16 @@ func (p *Pool) Submit(j *Job, total int) {
 		j.chunkDone()
 		return
 	}
-	for i := range n {
-		c := chunk{j: j, lo: total * i / n, hi: total * (i + 1) / n}
+	j.pending.Store(int32(n))
+	j.total.Store(int64(total))
+	j.claim.Store(uint64(n) << 32)
+	for range n {
 		select {
-		case p.ch <- c:
+		case p.ch <- j:
 		default:
 			// The queue is full: copying here is slower for this caller
 			// but never leaves it waiting for the workers.
-			run(c)
+			j.runOne()
 		}
 	}
 	p.mu.RUnlock()

@@ -263,3 +263,116 @@ func TestBusyTime(t *testing.T) {
 		last = got
 	}
 }
+
+// A caller that helps copies the chunks no worker has taken: with the only
+// worker held, Help copies the whole job and its Done runs on the caller.
+// The queue entries left behind find nothing to take, and one that outlives
+// its submission takes a chunk of the next at most once.
+func TestHelpTakesUntakenChunks(t *testing.T) {
+	leakcheck.Check(t)
+	p, err := New(Options{Workers: 1, Chunk: 100})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	var never Job
+	if n := never.Help(); n != 0 {
+		t.Fatalf("Help on a job never submitted copied %d chunks", n)
+	}
+	block, started := make(chan struct{}), make(chan struct{})
+	holder := newCopyJob(nil, nil)
+	holder.Run = func(lo, hi int) error { close(started); <-block; return nil }
+	p.Submit(&holder.Job, 1)
+	<-started
+
+	src := bytes.Repeat([]byte("0123456789"), 40)
+	dst := make([]byte, len(src))
+	j := newCopyJob(dst, src)
+	p.Submit(&j.Job, len(src))
+	if n := j.Help(); n != 4 {
+		t.Fatalf("Help copied %d chunks, want all 4", n)
+	}
+	select {
+	case err := <-j.done:
+		if err != nil || !bytes.Equal(dst, src) {
+			t.Fatalf("helped job: %v, equal %v", err, bytes.Equal(dst, src))
+		}
+	default:
+		t.Fatal("Done did not run on the helper that copied the last chunk")
+	}
+	if n := j.Help(); n != 0 {
+		t.Fatalf("Help on a finished job copied %d chunks", n)
+	}
+	// Resubmit while the four stale entries still wait for the worker.
+	clear(dst)
+	var runs [4]int
+	j.Run = func(lo, hi int) error {
+		runs[lo/100]++
+		copy(dst[lo:hi], src[lo:hi])
+		return nil
+	}
+	p.Submit(&j.Job, len(src))
+	close(block)
+	<-holder.done
+	if err := <-j.done; err != nil || !bytes.Equal(dst, src) {
+		t.Fatalf("resubmitted job: %v, equal %v", err, bytes.Equal(dst, src))
+	}
+	if runs != [4]int{1, 1, 1, 1} {
+		t.Fatalf("chunk runs %v, want each once", runs)
+	}
+	if j.calls != 2 {
+		t.Fatalf("Done called %d times for 2 submits", j.calls)
+	}
+}
+
+// Helpers and workers racing for the chunks of reused jobs copy every byte
+// exactly once per submission.
+func TestHelpRace(t *testing.T) {
+	p, err := New(Options{Workers: 2, Chunk: 256})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	var wg sync.WaitGroup
+	for g := range 3 {
+		wg.Go(func() {
+			src := bytes.Repeat([]byte{byte(g + 1)}, 4096)
+			dst := make([]byte, len(src))
+			var copied sync.Map // lo -> submission
+			j := newCopyJob(dst, src)
+			round := 0
+			j.Run = func(lo, hi int) error {
+				if prev, dup := copied.Swap(lo, round); dup && prev == round {
+					t.Errorf("chunk at %d copied twice in round %d", lo, round)
+				}
+				copy(dst[lo:hi], src[lo:hi])
+				return nil
+			}
+			stop := make(chan struct{})
+			helper := make(chan struct{})
+			go func() {
+				defer close(helper)
+				for {
+					select {
+					case <-stop:
+						return
+					default:
+						j.Help()
+					}
+				}
+			}()
+			for round = 1; round <= 200; round++ {
+				clear(dst)
+				p.Submit(&j.Job, len(src))
+				j.Help()
+				if err := <-j.done; err != nil || !bytes.Equal(dst, src) {
+					t.Errorf("goroutine %d round %d: %v", g, round, err)
+					break
+				}
+			}
+			close(stop)
+			<-helper
+		})
+	}
+	wg.Wait()
+}
