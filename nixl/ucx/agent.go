@@ -89,14 +89,18 @@ type peerRegion struct {
 
 type peer struct {
 	enginekit.PeerBase
-	name     string
-	tag      uint64
-	blob     []byte // the metadata it was loaded from, to recognise a reload
-	pid      uint64
-	ep       C.ucp_ep_h
-	eparg    *C.ecx_ep_arg_t
-	rkeys    *C.ucp_rkey_h // C array, len(regions)
-	regions  []peerRegion  // sorted by addr
+	name  string
+	tag   uint64
+	blob  []byte // the metadata it was loaded from, to recognise a reload
+	pid   uint64
+	ep    C.ucp_ep_h
+	eparg *C.ecx_ep_arg_t
+	rkeys *C.ucp_rkey_h // C array, len(regions); nil entries are deferred
+	// deferred holds the packed rkeys of regions not unpacked yet (caller
+	// memory of a same-host peer, see connect), by region index; nil once
+	// every rkey is unpacked.
+	deferred [][]byte
+	regions  []peerRegion // sorted by addr
 	spans    nixl.SpanIndex
 	peerMode bool
 	pidfd    int
@@ -336,8 +340,8 @@ func (a *Agent) Close() error {
 	}
 	a.spare = nil
 	a.pending.Reset()
-	// Forced closes: a flushed close waits for the peer to answer, and we
-	// are leaving.
+	// Leaving: PEER-mode endpoints are force-closed, NONE-mode ones go with
+	// the worker (a flushed close waits for the peer to answer).
 	for name, p := range a.peers {
 		a.failPeer(p, errClosed, true)
 		delete(a.peers, name)

@@ -592,6 +592,12 @@ void ecx_ep_close_rkeys(ecx_ctx_t *c, ucp_ep_h ep, ecx_ep_arg_t *arg, int force,
     c->closing = k;
 }
 
+void ecx_ep_abandon(ecx_ep_arg_t *arg, ucp_rkey_h *rkeys, uint32_t n)
+{
+    rkeys_free(rkeys, n);
+    free(arg);
+}
+
 void ecx_ep_close(ecx_ctx_t *c, ucp_ep_h ep, ecx_ep_arg_t *arg, int force)
 {
     ecx_ep_close_rkeys(c, ep, arg, force, NULL, 0);

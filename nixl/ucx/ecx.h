@@ -120,6 +120,10 @@ void ecx_ep_close_rkeys(ecx_ctx_t *c, ucp_ep_h ep, ecx_ep_arg_t *arg, int force,
 void ecx_version(uint32_t *major, uint32_t *minor);
 int ecx_rkey_unpack(ucp_ep_h ep, const void *buf, ucp_rkey_h *out);
 void ecx_rkey_destroy(ucp_rkey_h rkey);
+/* Destroys the n rkeys of rkeys and frees arg, leaving the endpoint to
+ * ucp_worker_destroy (an endpoint in error mode NONE cannot be force
+ * closed). */
+void ecx_ep_abandon(ecx_ep_arg_t *arg, ucp_rkey_h *rkeys, uint32_t n);
 /* Where remote address raddr of rkey is mapped in this process, for
  * shared-memory rkeys (ucp_rkey_ptr); a negative status otherwise. */
 int ecx_rkey_ptr(ucp_rkey_h rkey, uint64_t raddr, void **out);

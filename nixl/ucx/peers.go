@@ -142,20 +142,32 @@ func (a *Agent) connect(p *peer, m *metadata) error {
 	}
 	if n := len(m.Region); n > 0 {
 		p.rkeys = (*C.ucp_rkey_h)(C.calloc(C.size_t(n), C.size_t(unsafe.Sizeof(C.ucp_rkey_h(nil)))))
-		rk := unsafe.Slice(p.rkeys, n)
+		var caller []bool
+		if m.Host == a.host {
+			// Caller memory is checked against the peer's mappings now
+			// and its rkeys unpacked at the first transfer (see
+			// unpackDeferred).
+			if caller, err = callerRegions(m); err != nil {
+				a.closeEp(p, n)
+				return err
+			}
+		}
 		for i, r := range m.Region {
-			buf := C.CBytes(r.Rkey)
-			st := C.ecx_rkey_unpack(p.ep, buf, &rk[i])
-			C.free(buf)
-			if st != 0 {
-				C.ecx_ep_close_rkeys(a.c, p.ep, p.eparg, 1, p.rkeys, C.uint32_t(n))
-				return nixl.Errorf(nixl.ErrInvalidParam, "ucx: peer %q region %d: rkey_unpack: %s",
-					m.Name, i, C.GoString(C.ecx_status_string(st)))
+			if caller != nil && caller[i] {
+				if p.deferred == nil {
+					p.deferred = make([][]byte, n)
+				}
+				p.deferred[i] = r.Rkey
+				continue
+			}
+			if err := a.unpack(p, i, r.Rkey); err != nil {
+				a.closeEp(p, n)
+				return err
 			}
 		}
 		if m.Host == a.host {
-			if err := checkTruth(m, rk); err != nil {
-				C.ecx_ep_close_rkeys(a.c, p.ep, p.eparg, 1, p.rkeys, C.uint32_t(n))
+			if err := checkTruth(m, unsafe.Slice(p.rkeys, n), caller); err != nil {
+				a.closeEp(p, n)
 				return err
 			}
 		}
@@ -163,7 +175,7 @@ func (a *Agent) connect(p *peer, m *metadata) error {
 	if p.pidfd >= 0 {
 		if err := unix.EpollCtl(a.epfd, unix.EPOLL_CTL_ADD, p.pidfd,
 			&unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(p.pidfd)}); err != nil {
-			C.ecx_ep_close_rkeys(a.c, p.ep, p.eparg, 1, p.rkeys, C.uint32_t(len(m.Region)))
+			a.closeEp(p, len(m.Region))
 			return nixl.Errorf(nixl.ErrBackend, "ucx: epoll add pidfd: %v", err)
 		}
 		a.pidPeers = append(a.pidPeers, p)
@@ -186,10 +198,68 @@ func (a *Agent) closePidfd(p *peer) {
 	p.pidfd = -1
 }
 
+// unpack unpacks the rkey of p's region i.
+func (a *Agent) unpack(p *peer, i int, packed []byte) error {
+	rk := unsafe.Slice(p.rkeys, len(p.regions))
+	buf := C.CBytes(packed)
+	st := C.ecx_rkey_unpack(p.ep, buf, &rk[i])
+	C.free(buf)
+	if st != 0 {
+		return nixl.Errorf(nixl.ErrInvalidParam, "ucx: peer %q region %d: rkey_unpack: %s",
+			p.name, i, C.GoString(C.ecx_status_string(st)))
+	}
+	return nil
+}
+
+// unpackDeferred unpacks the rkeys connect deferred, before p's first
+// transfer.
+//
+// Why they wait: UCX 1.13 reaches caller memory on this host with gets it
+// emulates over active messages, and unpacking such an rkey makes UCX
+// resolve the peer's endpoint id at once (a wireup exchange). From then
+// on a flushed close of the endpoint waits for the peer to acknowledge,
+// which a dead peer never does, and an endpoint in error mode NONE cannot
+// be force-closed: the endpoint and its mappings of the peer's segments
+// (about 4 MiB) stayed until Close, once per producer restart. A peer that
+// is read directly never transfers through the engine, so its endpoint
+// carries only notifications and closes at once.
+func (a *Agent) unpackDeferred(p *peer) error {
+	for i, packed := range p.deferred {
+		if packed == nil {
+			continue
+		}
+		if err := a.unpack(p, i, packed); err != nil {
+			return err
+		}
+		p.deferred[i] = nil
+	}
+	p.deferred = nil
+	return nil
+}
+
+// closeEp closes p's endpoint and, once nothing can use them, its first n
+// rkeys: forced in error mode PEER, flushed in mode NONE (see failPeer).
+func (a *Agent) closeEp(p *peer, n int) {
+	f := C.int(0)
+	if p.peerMode {
+		f = 1
+	}
+	C.ecx_ep_close_rkeys(a.c, p.ep, p.eparg, f, p.rkeys, C.uint32_t(n))
+}
+
 // failPeer ends every in-flight transfer to p with err and closes p's
-// endpoint (forced when the peer is dead or in PEER mode, flushed
-// otherwise), releasing its rkeys once nothing can use them.
-func (a *Agent) failPeer(p *peer, err error, force bool) {
+// endpoint, releasing its rkeys once nothing can use them.
+//
+// UCX force-closes only endpoints in error mode PEER: for one in mode NONE
+// (a same-host peer) ucp_ep_close_nbx with the force flag returns
+// INVALID_PARAM and does nothing, which left the endpoint, its lanes and
+// its mapping of the peer's receive FIFO (4 MiB) in place until the worker
+// went. Those are closed with a flush instead, which completes at once
+// when nothing is outstanding (the direct path sends a dead peer nothing
+// but notifications); one that cannot complete (an emulated get the dead
+// peer never answers) stays on the closing list until Close. When the
+// agent is leaving, mode-NONE endpoints are left to ucp_worker_destroy.
+func (a *Agent) failPeer(p *peer, err error, leaving bool) {
 	if p.Dead != nil {
 		return
 	}
@@ -198,11 +268,11 @@ func (a *Agent) failPeer(p *peer, err error, force bool) {
 		a.failXfer(x, err)
 		delete(p.inflight, id)
 	}
-	f := C.int(0)
-	if force || p.peerMode {
-		f = 1
+	if leaving && !p.peerMode {
+		C.ecx_ep_abandon(p.eparg, p.rkeys, C.uint32_t(len(p.regions)))
+	} else {
+		a.closeEp(p, len(p.regions))
 	}
-	C.ecx_ep_close_rkeys(a.c, p.ep, p.eparg, f, p.rkeys, C.uint32_t(len(p.regions)))
 	p.ep, p.eparg, p.rkeys = nil, nil, nil
 	a.closePidfd(p)
 	delete(a.peerTags, p.tag)
@@ -218,16 +288,6 @@ func (a *Agent) failXfer(x *xfer, err error) {
 	a.pending.Push(x.id, x.gen, err)
 }
 
-// pidAlive polls p's pidfd once.
-func pidAlive(p *peer) bool {
-	if p.pidfd < 0 {
-		return true
-	}
-	fds := [1]unix.PollFd{{Fd: int32(p.pidfd), Events: unix.POLLIN}}
-	n, err := unix.Poll(fds[:], 0)
-	return err != nil || n == 0
-}
-
 // InvalidateRemoteMetadata implements nixl.Agent.
 func (a *Agent) InvalidateRemoteMetadata(name string) error {
 	if a.closed {
@@ -237,8 +297,7 @@ func (a *Agent) InvalidateRemoteMetadata(name string) error {
 	if p == nil {
 		return kit.PeerNotFound(name)
 	}
-	alive := pidAlive(p)
-	a.failPeer(p, kit.Invalidated(name), !alive)
+	a.failPeer(p, kit.Invalidated(name), false)
 	a.dlists.Invalidate(p)
 	delete(a.peers, name)
 	return nil
@@ -265,7 +324,7 @@ func (a *Agent) checkPids() bool {
 		}
 	}
 	for _, p := range died {
-		a.failPeer(p, nixl.Errorf(nixl.ErrRemoteDisconnect, "ucx: peer %q (pid %d) exited", p.name, p.pid), true)
+		a.failPeer(p, nixl.Errorf(nixl.ErrRemoteDisconnect, "ucx: peer %q (pid %d) exited", p.name, p.pid), false)
 	}
 	return len(died) > 0
 }
@@ -278,7 +337,7 @@ func (a *Agent) drainPeerErrors() bool {
 	}
 	for e := list; e != nil; e = e.next {
 		if p := a.peerTags[uint64(e.peer)]; p != nil {
-			a.failPeer(p, ucsErrDisconnect(C.int(e.status), "ucx: peer "+p.name), true)
+			a.failPeer(p, ucsErrDisconnect(C.int(e.status), "ucx: peer "+p.name), false)
 		}
 	}
 	C.ecx_err_free(list)

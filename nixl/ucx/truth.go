@@ -37,9 +37,18 @@ import (
 // every get against its own memory, so a lie cannot make this process
 // touch anything but the local blocks it named: such regions are not
 // checked.
+//
+// Caller memory is told apart from UCX segments by the peer's own mappings
+// (the path of the mapping a region lies in), before any rkey is unpacked:
+// its rkeys are unpacked only when the first transfer needs them (see
+// unpackDeferred).
 
-// span is one mapping of a /proc/<pid>/maps file, [start, end).
-type span struct{ start, end uint64 }
+// span is one mapping of a /proc/<pid>/maps file, [start, end), and the
+// path it maps ("" for anonymous memory).
+type span struct {
+	start, end uint64
+	name       string
+}
 
 // readMaps returns the mappings of /proc/<who>/maps, sorted by address.
 func readMaps(who string) ([]span, error) {
@@ -52,8 +61,12 @@ func readMaps(who string) ([]span, error) {
 	sc := bufio.NewScanner(f)
 	sc.Buffer(make([]byte, 0, 4096), 1<<20)
 	for sc.Scan() {
-		rng, _, _ := strings.Cut(sc.Text(), " ")
-		lo, hi, ok := strings.Cut(rng, "-")
+		// start-end perms offset dev inode [path]
+		f := strings.Fields(sc.Text())
+		if len(f) < 5 {
+			continue
+		}
+		lo, hi, ok := strings.Cut(f[0], "-")
 		if !ok {
 			continue
 		}
@@ -62,7 +75,11 @@ func readMaps(who string) ([]span, error) {
 		if err1 != nil || err2 != nil || e <= s {
 			continue
 		}
-		out = append(out, span{s, e})
+		var name string
+		if len(f) > 5 {
+			name = f[5]
+		}
+		out = append(out, span{s, e, name})
 	}
 	if err := sc.Err(); err != nil {
 		return nil, err
@@ -73,19 +90,57 @@ func readMaps(who string) ([]span, error) {
 
 // inOne reports whether [addr, addr+n) lies inside a single mapping.
 func inOne(maps []span, addr, n uint64) bool {
+	return within(maps, addr, n) != nil
+}
+
+// within returns the mapping [addr, addr+n) lies inside, or nil.
+func within(maps []span, addr, n uint64) *span {
 	end := addr + n
 	if end < addr {
-		return false
+		return nil
 	}
 	i := sort.Search(len(maps), func(i int) bool { return maps[i].start > addr }) - 1
-	return i >= 0 && end <= maps[i].end
+	if i >= 0 && end <= maps[i].end {
+		return &maps[i]
+	}
+	return nil
+}
+
+// ucxSegment reports whether a mapping's path names a segment UCX
+// allocates: System V (/SYSV<key>) or its POSIX shared-memory files.
+func ucxSegment(name string) bool {
+	return strings.HasPrefix(name, "/SYSV") || strings.HasPrefix(name, "/dev/shm/ucx_shm_posix_")
+}
+
+// callerRegions reads the mappings of m's process and reports, by region,
+// which regions are caller memory: inside one mapping that is not a UCX
+// segment. Those regions are checked here; a region inside no single
+// mapping refuses the peer.
+func callerRegions(m *metadata) ([]bool, error) {
+	theirs, err := readMaps(strconv.FormatUint(m.Pid, 10))
+	if err != nil {
+		return nil, nixl.Errorf(nixl.ErrInvalidParam, "ucx: peer %q (pid %d): cannot check its regions: %v", m.Name, m.Pid, err)
+	}
+	caller := make([]bool, len(m.Region))
+	for i, r := range m.Region {
+		sp := within(theirs, r.Addr, r.Len)
+		if sp == nil {
+			return nil, truthErr(m, i, r, "it is not mapped in the peer process")
+		}
+		caller[i] = !ucxSegment(sp.name)
+	}
+	return caller, nil
 }
 
 // checkTruth checks the regions of m, a peer on this host whose rkeys are
-// unpacked in rk, against the mappings behind them.
-func checkTruth(m *metadata, rk []C.ucp_rkey_h) error {
+// unpacked in rk, against the mappings behind them; regions marked in
+// caller were checked by callerRegions (their rkeys are not unpacked yet).
+func checkTruth(m *metadata, rk []C.ucp_rkey_h, caller []bool) error {
 	var self, theirs []span
 	for i, r := range m.Region {
+		if caller != nil && caller[i] {
+			continue
+		}
 		var ptr unsafe.Pointer
 		if C.ecx_rkey_ptr(rk[i], C.uint64_t(r.Addr), &ptr) == C.UCS_OK {
 			if self == nil {

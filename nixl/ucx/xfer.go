@@ -172,6 +172,11 @@ func (a *Agent) PostXfer(id nixl.XferID) error {
 	if p.Dead != nil {
 		return p.Dead
 	}
+	if p.deferred != nil {
+		if err := a.unpackDeferred(p); err != nil {
+			return err
+		}
+	}
 	op := C.int(C.ECX_OP_READ)
 	if x.op == nixl.Write {
 		op = C.ECX_OP_WRITE
