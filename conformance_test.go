@@ -525,14 +525,15 @@ func confConcurrent(t *testing.T, s suite, pinned bool) {
 
 func TestConformanceLoopback(t *testing.T) { runConformance(t, "loopback") }
 
-func TestConformanceUCX(t *testing.T) { runConformance(t, "ucx") }
+// TestConformanceUCX runs the suite on the ucx engine path (the direct
+// path off: every READ is UCX gets).
+func TestConformanceUCX(t *testing.T) { runConformance(t, "ucx", enginePath) }
 
-// TestConformanceDirect runs the suite with READs of same-host peers on the
-// direct path: engine regions (UCX System V segments) mapped read-only,
-// small READs copied inside PostRead, large ones by the copy workers.
-func TestConformanceDirect(t *testing.T) {
-	runConformance(t, "ucx", func(c *Config) { c.Direct = DirectOn })
-}
+// TestConformanceDirect runs the suite with the ucx backend's defaults:
+// READs of same-host peers on the direct path, engine regions (UCX System V
+// segments) mapped read-only, small READs copied inside PostRead, large
+// ones by the copy workers.
+func TestConformanceDirect(t *testing.T) { runConformance(t, "ucx") }
 
 // TestConformanceDirectProc runs it on the kernel-copy direct path
 // (loopback regions are anonymous memory), with every READ on the copy

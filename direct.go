@@ -15,9 +15,17 @@ import (
 // are read directly, and the copy workers. The reactor package documents
 // where each copy happens.
 
-// directOn resolves Config.Direct for the configured backend.
+// directOn resolves Config.Direct for the configured backend: DirectAuto
+// is on for the ucx engine only (the loopback engine exists to isolate the
+// reactor, and NIXL's metadata cannot carry the advertisement).
 func directOn(cfg *Config) bool {
-	return cfg.Direct == DirectOn && cfg.Backend != "nixl"
+	switch cfg.Direct {
+	case DirectOn:
+		return cfg.Backend != "nixl"
+	case DirectAuto:
+		return cfg.Backend == "ucx"
+	}
+	return false
 }
 
 // startDirect starts the copy workers when the direct path is on.
@@ -37,6 +45,9 @@ func (t *Transport) startDirect() error {
 	}
 	h, err := shmview.LocalHost()
 	if err != nil {
+		if cfg.Direct == DirectAuto {
+			return nil // this host cannot name itself: the engine path
+		}
 		return fmt.Errorf("ecxfer: direct path: %w", err)
 	}
 	cpus, err := copyCPUs(cfg.Reactor)

@@ -120,7 +120,10 @@ type Config struct {
 type DirectMode uint8
 
 const (
-	// DirectAuto is the default: off for now (see DirectOn).
+	// DirectAuto is the default: DirectOn for the ucx backend, DirectOff
+	// for loopback and nixl. Where this host cannot identify itself for
+	// the same-host check (/proc unreadable), it falls back to the
+	// engine path instead of failing New.
 	DirectAuto DirectMode = iota
 	// DirectOn advertises this transport's region to same-host peers and
 	// reads same-host peers that advertise theirs directly. The "nixl"

@@ -225,18 +225,45 @@ func TestPeerDescriptorChecks(t *testing.T) {
 	}
 }
 
-// TestNoStaleSuccessAfterDeath: a same-host producer of engine-allocated
-// memory is killed and reaped while the consumer's reactor is busy with
-// READs to it. Every READ posted after that fails with ErrRemoteDisconnect:
-// none reads the segment the dead producer left behind.
+// TestNoStaleSuccessAfterDeath: a same-host producer is killed and reaped
+// while the consumer's reactor is busy with READs to it. Every READ posted
+// after that fails with ErrRemoteDisconnect: none reads the memory the dead
+// producer left behind. On the engine path with engine-allocated memory
+// (UCX's segment outlives the process) and on the direct path for every
+// region kind it reads (a System V segment, a /dev/shm file, anonymous
+// memory through kernel copies).
 func TestNoStaleSuccessAfterDeath(t *testing.T) {
+	for _, tc := range []struct {
+		name, region string
+		opt          func(*Config)
+	}{
+		{"engine-alloc", "alloc", enginePath},
+		{"direct-alloc", "alloc", direct},
+		{"direct-shm", "shm", direct},
+		{"direct-mmap", "mmap", direct},
+	} {
+		t.Run(tc.name, func(t *testing.T) { testNoStaleSuccess(t, tc.region, tc.opt) })
+	}
+}
+
+func testNoStaleSuccess(t *testing.T, region string, opt func(*Config)) {
 	leakcheck.Check(t)
-	cons := ucxEnv(t).transport(uniqueName("cons"), relBS, relNB)
+	cons := env{t: t, backend: "ucx"}.transport(uniqueName("cons"), relBS, relNB, opt)
 	for round := 0; round < 5; round++ {
 		name := uniqueName("victim")
-		pv := startTestProducer(t, nil, name, relBS, relNB, 41, "alloc")
+		var penv []string
+		if region == "shm" {
+			penv = []string{"ECX_SHM_PATH=" + filepath.Join("/dev/shm", name+".mmap")}
+			t.Cleanup(func() { _ = os.Remove(penv[0][len("ECX_SHM_PATH="):]) })
+		}
+		pv := startTestProducer(t, nil, name, relBS, relNB, 41, region, penv...)
 		_, err := cons.AddRemotePeer(pv.hello.Metadata, pv.hello.MemDesc)
 		require.NoError(t, err)
+		wantPath := map[string]string{"alloc": "direct-sysv", "shm": "direct-file", "mmap": "direct-proc"}[region]
+		if cons.cfg.Direct == DirectOff {
+			wantPath = "engine"
+		}
+		require.Equal(t, wantPath, cons.PeerPath(name))
 		// Keep the reactor busy (spinning, not parked) with READs.
 		stop := make(chan struct{})
 		var wg sync.WaitGroup

@@ -217,7 +217,13 @@ func TestProducerKilled(t *testing.T) {
 }
 
 // ucxEnv is the conformance env for the ucx backend.
-func ucxEnv(t *testing.T) env { return env{t: t, backend: "ucx"} }
+// ucxEnv is the ucx engine with the direct path off: these tests are about
+// the engine path (the direct path has its own, in direct_test.go).
+func ucxEnv(t *testing.T) env {
+	return env{t: t, backend: "ucx", base: []func(*Config){enginePath}}
+}
+
+func enginePath(c *Config) { c.Direct = DirectOff }
 
 // TestConsumerKilled: a consumer process is SIGKILLed in the middle of
 // READs (over tcp: right after them, see below). The producer keeps serving another consumer, its region is
@@ -296,7 +302,7 @@ func TestRemoveAndDeregisterInFlight(t *testing.T) {
 	leakcheck.Check(t)
 	prod := uniqueName("prod")
 	pp := startTestProducer(t, nil, prod, relBS, relNB, 31, "mmap")
-	cons, err := New(Config{AgentName: uniqueName("cons"), BlockSize: relBS, NumBlocks: relNB})
+	cons, err := New(Config{AgentName: uniqueName("cons"), BlockSize: relBS, NumBlocks: relNB, Direct: DirectOff})
 	require.NoError(t, err)
 	defer func() { _ = cons.Deregister() }()
 	_, err = cons.AddRemotePeer(pp.hello.Metadata, pp.hello.MemDesc)

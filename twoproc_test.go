@@ -167,11 +167,20 @@ func startProducer(t *testing.T, name string, bs, nb int, seed uint64, region st
 	return p
 }
 
+// TestTwoProcessRead: a consumer reads 880 random blocks of a producer
+// process and verifies every byte and the notification, on UCX (the engine
+// path over shared memory and over tcp) and on the direct path the ucx
+// backend takes by default for same-host peers.
 func TestTwoProcessRead(t *testing.T) {
-	for _, c := range []struct{ name, region, tls string }{
-		{"alloc", "alloc", ""},
-		{"mmap", "mmap", ""},
-		{"tcp", "alloc", "tcp"},
+	for _, c := range []struct {
+		name, region, tls string
+		path              string
+	}{
+		{"alloc", "alloc", "", "engine"},
+		{"mmap", "mmap", "", "engine"},
+		{"tcp", "alloc", "tcp", "engine"},
+		{"direct-alloc", "alloc", "", "direct-sysv"},
+		{"direct-mmap", "mmap", "", "direct-proc"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			var env []string
@@ -183,12 +192,17 @@ func TestTwoProcessRead(t *testing.T) {
 			const bs, nb, seed = 5120, 1024, 42
 			pname := uniqueName("xproc-prod")
 			p := startProducer(t, pname, bs, nb, seed, c.region, env...)
-			cons, err := New(Config{AgentName: uniqueName("xproc-cons"), BlockSize: bs, NumBlocks: nb})
+			cfg := Config{AgentName: uniqueName("xproc-cons"), BlockSize: bs, NumBlocks: nb}
+			if c.path == "engine" {
+				cfg.Direct = DirectOff
+			}
+			cons, err := New(cfg)
 			require.NoError(t, err)
 			defer func() { require.NoError(t, cons.Deregister()) }()
 			got, err := cons.AddRemotePeer(p.hello.Metadata, p.hello.MemDesc)
 			require.NoError(t, err)
 			require.Equal(t, pname, got)
+			require.Equal(t, c.path, cons.PeerPath(pname))
 
 			rng := rand.New(rand.NewSource(seed))
 			remote := rng.Perm(nb)[:880]

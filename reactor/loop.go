@@ -580,7 +580,7 @@ func (r *Reactor) AddPeerDirect(md []byte, descs descriptors.List, d *Direct) (s
 func (r *Reactor) addPeer(md []byte, descs descriptors.List, d *Direct) (_ string, err error) {
 	if d != nil {
 		defer func() {
-			if d.pidfd >= 0 && (err != nil || !r.isDirect(d)) {
+			if err != nil || !r.isDirect(d) {
 				d.Close()
 			}
 		}()

@@ -305,6 +305,15 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 	}
 	s.bytes = bytes
 	if p.direct != nil && r.dir != nil {
+		if p.gone.Load() == 0 && p.direct.acquire() {
+			// The reactor polls the pidfds every millisecond; a READ
+			// posted in between must not be copied from what a dead
+			// producer left behind either.
+			if p.direct.exited() {
+				p.gone.CompareAndSwap(0, codeRemoteDisconnect)
+			}
+			p.direct.release()
+		}
 		if bytes <= r.dir.inline {
 			// Copied here and now: the index lists are not kept.
 			return r.postInline(h, s, p, localIdx, remoteIdx, notif)
