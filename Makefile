@@ -6,7 +6,8 @@ PKGS      ?= ./...
 FUZZTIME  ?= 20000x
 LONGFUZZ  ?= 2000000x
 DEBS      := libucx-dev ucx-utils pkg-config iproute2 python3-msgpack python3-venv
-SOAK      ?= 60s
+SOAK      ?= 5m
+SOAK_RESTARTS ?= 100
 BENCHTIME ?= 1s
 
 .PHONY: python test-python bench-python test-vllm
@@ -125,13 +126,17 @@ test: deps nixl fmt-check cgo-guard dep-guard vet staticcheck
 	@$(MAKE) --no-print-directory fuzz-seed
 	@$(MAKE) --no-print-directory soak
 
-# Random READs from 16 goroutines against two producer processes, with
-# releases in flight and a producer restarted every few seconds; checks that
-# every accepted READ is accounted for and nothing leaks (SOAK=60s).
-soak: export UCX_LOG_LEVEL ?= error
+# Random READs from 16 goroutines against three producer processes (an
+# engine-allocated region, anonymous memory, a /dev/shm file), with releases
+# in flight, one producer replaced every 100 ms (killed or exiting) until
+# SOAK_RESTARTS replacements (at most SOAK); checks that every accepted READ
+# is accounted for, nothing leaks (goroutines, descriptors, RSS, shared
+# mappings) and UCX's own teardown report is empty (hence UCX_LOG_LEVEL=warn).
+soak: export UCX_LOG_LEVEL = warn
 soak: deps
 	$(GO) build -o .soak ./cmd/ecxfer-soak
-	./.soak --duration $(SOAK) --producers 2 --workers 16; s=$$?; rm -f .soak; exit $$s
+	./.soak --duration $(SOAK) --producers 3 --regions alloc,mmap,shm --workers 16 \
+		--restart 100ms --restarts $(SOAK_RESTARTS); s=$$?; rm -f .soak; exit $$s
 
 # A real transfer between two processes (the harness forks a UCX producer)
 # with every workload and mode, bytes verified, and the table (about 45 s).

@@ -12,13 +12,24 @@
 //     moments, in flight or not, and check nothing but the bookkeeping;
 //   - every --restart one producer is replaced by a new process under the
 //     same name with new bytes (alternately SIGKILL and a clean exit), and
-//     re-added with its new metadata.
+//     re-added with its new metadata; with --restarts N the run ends after
+//     the Nth replacement instead of after --duration.
+//
+// Producer i's region is the i-th kind of --regions, round robin: "alloc"
+// (engine-allocated), "mmap" (anonymous caller memory) or "shm" (caller
+// memory, a MAP_SHARED mapping of a /dev/shm file, as vLLM's). --direct
+// chooses the consumer's path to them (auto, on or off: the engine path).
 //
 // At the end: every accepted READ is accounted for (done + failed +
 // released in flight == accepted), no READ is stuck and no verified block
 // is wrong, the transport has no live handle and nothing in flight,
-// goroutines and descriptors are back to their baseline, and the resident
-// set grew by less than --rss-bound MiB after warm-up. The totals are
+// goroutines and descriptors are back to their baseline, the resident set
+// grew by less than --rss-bound MiB after warm-up, and the consumer has no
+// more shared-memory mappings at the end than after warm-up (one per
+// producer and region: a replaced producer's must not stay mapped), and
+// UCX's own teardown report (operations never flushed, requests never
+// returned to their pools), which it prints on this process's standard
+// output at UCX_LOG_LEVEL warn or above, has no line. The totals are
 // printed; the exit status is 1 if any check failed.
 //
 // --metrics-addr HOST:PORT serves the consumer's Prometheus metrics
@@ -27,6 +38,7 @@
 package main
 
 import (
+	"bufio"
 	"context"
 	"errors"
 	"flag"
@@ -35,6 +47,7 @@ import (
 	"math/rand"
 	"os"
 	"os/exec"
+	"regexp"
 	"runtime"
 	"runtime/pprof"
 	"strconv"
@@ -54,6 +67,9 @@ import (
 )
 
 var (
+	directMode  = ecxfer.DirectAuto
+	regionKinds = []string{"alloc", "mmap"}
+	maxRestarts int64 // end the run after this many replacements (0: --duration)
 	memProfile  string
 	metricsAddr string // serve the consumer's metrics here
 	logEvents   bool   // the consumer's structured events to stderr
@@ -79,13 +95,31 @@ func main() {
 	flag.StringVar(&memProfile, "memprofile", "", "write a heap profile here at the end of the run")
 	flag.StringVar(&metricsAddr, "metrics-addr", "", "serve the consumer's Prometheus metrics on http://ADDR/metrics (host:port)")
 	flag.BoolVar(&logEvents, "events", false, "log the consumer's structured events (peers, timeouts, engine errors) to stderr")
+	direct := flag.String("direct", "auto", "the consumer's path to its producers: auto, on (direct) or off (the engine)")
+	regions := flag.String("regions", "alloc,mmap", "producers' region kinds, round robin: alloc, mmap, shm")
+	flag.Int64Var(&maxRestarts, "restarts", 0, "end the run after this many producer replacements (0: run for --duration)")
 	flag.Parse()
+	var ok bool
+	if directMode, ok = map[string]ecxfer.DirectMode{"auto": ecxfer.DirectAuto, "on": ecxfer.DirectOn, "off": ecxfer.DirectOff}[*direct]; !ok {
+		fmt.Fprintf(os.Stderr, "ecxfer-soak: --direct %q: auto, on or off\n", *direct)
+		os.Exit(2)
+	}
+	regionKinds = strings.Split(*regions, ",")
+	for _, k := range regionKinds {
+		if k != "alloc" && k != "mmap" && k != "shm" {
+			fmt.Fprintf(os.Stderr, "ecxfer-soak: --regions: unknown kind %q\n", k)
+			os.Exit(2)
+		}
+	}
+	if maxRestarts < 0 || (maxRestarts > 0 && *restart <= 0) {
+		fmt.Fprintln(os.Stderr, "ecxfer-soak: --restarts needs a positive count and --restart interval")
+		os.Exit(2)
+	}
 	if *producers < 1 || *workers < 1 || *bs < 8 {
 		fmt.Fprintln(os.Stderr, "ecxfer-soak: need at least one producer, one worker and 8-byte blocks")
 		os.Exit(2)
 	}
-	ok := soak(*duration, *producers, *workers, *restart, *bs, *rssBound)
-	if !ok {
+	if !soak(*duration, *producers, *workers, *restart, *bs, *rssBound) {
 		os.Exit(1)
 	}
 }
@@ -108,9 +142,17 @@ func runProducer() int {
 	bs, _ := strconv.Atoi(os.Getenv("ECX_BS"))
 	seed, _ := strconv.ParseUint(os.Getenv("ECX_SEED"), 10, 64)
 	cfg := ecxfer.Config{AgentName: os.Getenv("ECX_NAME"), BlockSize: bs, NumBlocks: prodNB}
-	if os.Getenv("ECX_REGION") == "mmap" {
+	switch os.Getenv("ECX_REGION") {
+	case "mmap":
 		region, err := unix.Mmap(-1, 0, bs*prodNB, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
 		if err != nil {
+			return 1
+		}
+		cfg.Region = region
+	case "shm":
+		region, err := shmRegion(os.Getenv("ECX_SHM_PATH"), bs*prodNB)
+		if err != nil {
+			_ = c.Send(ctrl.Message{Kind: "error", Strs: map[string]string{"error": err.Error()}})
 			return 1
 		}
 		cfg.Region = region
@@ -147,6 +189,20 @@ func runProducer() int {
 	}
 }
 
+// shmRegion creates a /dev/shm file of size bytes and maps it shared. The
+// consumer removes the file once the producer is gone.
+func shmRegion(path string, size int) ([]byte, error) {
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	if err := f.Truncate(int64(size)); err != nil {
+		return nil, err
+	}
+	return unix.Mmap(int(f.Fd()), 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+}
+
 // ---------------------------------------------------------------------------
 // Consumer.
 
@@ -167,7 +223,8 @@ func startProducer(name string, seed uint64, bs int, region string) (*exec.Cmd, 
 	}
 	cmd := exec.Command(exe)
 	cmd.Env = append(os.Environ(), roleEnv+"=producer", "ECX_NAME="+name,
-		"ECX_BS="+strconv.Itoa(bs), "ECX_SEED="+strconv.FormatUint(seed, 10), "ECX_REGION="+region)
+		"ECX_BS="+strconv.Itoa(bs), "ECX_SEED="+strconv.FormatUint(seed, 10), "ECX_REGION="+region,
+		"ECX_SHM_PATH="+shmPath(name))
 	stdin, stdout, err := ctrl.StartPiped(cmd)
 	if err != nil {
 		return nil, nil, nil, ctrl.Message{}, err
@@ -183,8 +240,13 @@ func startProducer(name string, seed uint64, bs int, region string) (*exec.Cmd, 
 	return cmd, stdin, exited, hello, nil
 }
 
-// stop ends the producer process, killing it (hard) or closing its stdin.
+// shmPath is the /dev/shm file of a producer's "shm" region.
+func shmPath(name string) string { return "/dev/shm/" + name + ".mmap" }
+
+// stop ends the producer process, killing it (hard) or closing its stdin,
+// and removes its region file.
 func (p *producer) stop(hard bool) {
+	defer func() { _ = os.Remove(shmPath(p.name)) }()
 	if hard {
 		_ = p.cmd.Process.Signal(syscall.SIGKILL)
 	}
@@ -220,13 +282,13 @@ func (t *totals) classify(err error) {
 }
 
 // sharedMaps counts the process's shared-memory mappings (UCX attaches a
-// peer's segments), and their size.
-func sharedMaps() (int, int64) {
+// peer's segments, the direct path maps a peer's region), and their size;
+// lines are the mappings themselves.
+func sharedMaps() (n int, size int64, lines []string) {
 	b, err := os.ReadFile("/proc/self/maps")
 	if err != nil {
-		return 0, 0
+		return 0, 0, nil
 	}
-	n, size := 0, int64(0)
 	for _, line := range strings.Split(string(b), "\n") {
 		f := strings.Fields(line)
 		if len(f) < 6 || !(strings.Contains(f[5], "SYSV") || strings.HasPrefix(f[5], "/dev/shm/")) {
@@ -236,9 +298,10 @@ func sharedMaps() (int, int64) {
 		if _, err := fmt.Sscanf(f[0], "%x-%x", &lo, &hi); err == nil {
 			n++
 			size += hi - lo
+			lines = append(lines, line)
 		}
 	}
-	return n, size
+	return n, size, lines
 }
 
 func rssBytes() int64 {
@@ -264,12 +327,16 @@ type soakRun struct {
 	nwork, chaos      int
 	bs, rssBound      int
 
-	cons     *ecxfer.Transport
-	prods    []*producer
-	seedSeq  atomic.Uint64
-	tot      totals
-	stop     atomic.Bool
-	failures atomic.Int64 // fail is called from the restarter too
+	cons    *ecxfer.Transport
+	prods   []*producer
+	seedSeq atomic.Uint64
+	tot     totals
+	stop    atomic.Bool
+	// replacing is held by the restarter while it replaces a producer,
+	// and by the monitor while it counts mappings: counts taken in the
+	// middle of a replacement would miss the peer in between.
+	replacing sync.Mutex
+	failures  atomic.Int64 // fail is called from the restarter too
 }
 
 func (s *soakRun) fail(format string, args ...any) {
@@ -277,11 +344,78 @@ func (s *soakRun) fail(format string, args ...any) {
 	fmt.Fprintf(os.Stderr, "ecxfer-soak: FAIL: "+format+"\n", args...)
 }
 
+// ucxLeakLine matches the lines of UCX's teardown report: operations
+// never flushed, objects never returned to their memory pools.
+var ucxLeakLine = regexp.MustCompile(`were not flushed|was not returned to mpool|was not released`)
+
+// ucxReport captures this process's standard output, where UCX logs, and
+// counts the lines of UCX's teardown report while passing everything on.
+type ucxReport struct {
+	orig  int // the real standard output
+	w     *os.File
+	done  chan struct{}
+	lines atomic.Int64
+}
+
+func captureUCX() (*ucxReport, error) {
+	r, w, err := os.Pipe()
+	if err != nil {
+		return nil, err
+	}
+	orig, err := unix.Dup(1)
+	if err == nil {
+		unix.CloseOnExec(orig)
+		err = unix.Dup2(int(w.Fd()), 1)
+	}
+	if err != nil {
+		_ = r.Close()
+		_ = w.Close()
+		return nil, err
+	}
+	c := &ucxReport{orig: orig, w: w, done: make(chan struct{})}
+	go func() {
+		defer close(c.done)
+		defer r.Close()
+		out := os.NewFile(uintptr(orig), "stdout")
+		defer out.Close()
+		sc := bufio.NewScanner(r)
+		sc.Buffer(make([]byte, 0, 4096), 1<<20)
+		for sc.Scan() {
+			if strings.Contains(sc.Text(), "UCX") && ucxLeakLine.MatchString(sc.Text()) {
+				c.lines.Add(1)
+			}
+			_, _ = fmt.Fprintln(out, sc.Text())
+		}
+	}()
+	return c, nil
+}
+
+// stop restores standard output and returns how many report lines UCX
+// printed.
+func (c *ucxReport) stop() int64 {
+	_ = unix.Dup2(c.orig, 1)
+	_ = c.w.Close()
+	<-c.done
+	return c.lines.Load()
+}
+
+// ucxWarns reports whether UCX prints warnings (its teardown report) at
+// the log level in the environment.
+func ucxWarns() bool {
+	switch strings.ToLower(os.Getenv("UCX_LOG_LEVEL")) {
+	case "fatal", "error":
+		return false
+	}
+	return true
+}
+
 // samples are the resource figures taken while the workers run.
 type samples struct {
 	rss0, rssMax, rssEnd int64
 	maps0, maps1         int
 	mapSize0, mapSize1   int64
+	ucxLines             int64 // UCX teardown report lines; -1: not checked
+	mapLines0, mapLines1 []string
 }
 
 func soak(duration time.Duration, nprod, nwork int, restart time.Duration, bs, rssBound int) bool {
@@ -301,8 +435,16 @@ func soak(duration time.Duration, nprod, nwork int, restart time.Duration, bs, r
 		fmt.Printf("ecxfer-soak: metrics on http://%s/metrics\n", ex.Addr())
 	}
 	base := leakcheck.Take()
+	// Captured after the baseline: the pipe and the goroutine are gone
+	// again when the leak check runs.
+	report, err := captureUCX()
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "ecxfer-soak: capturing UCX's output: %v\n", err)
+		return false
+	}
 	s := &soakRun{duration: duration, restart: restart, nwork: nwork, chaos: max(1, nwork/4), bs: bs, rssBound: rssBound}
 	if err := s.start(nprod); err != nil {
+		report.stop()
 		fmt.Fprintf(os.Stderr, "ecxfer-soak: %v\n", err)
 		return false
 	}
@@ -333,10 +475,22 @@ func soak(duration time.Duration, nprod, nwork int, restart time.Duration, bs, r
 	<-restartDone
 	fmt.Printf("ecxfer-soak: workers and restarter stopped in %v\n", time.Since(end).Round(time.Millisecond))
 	smp.rssEnd = rssBytes()
-	smp.maps1, smp.mapSize1 = sharedMaps()
+	// The last replaced producer's endpoint closes in the reactor's next
+	// turns: give it a moment.
+	for deadline := time.Now().Add(2 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		smp.maps1, smp.mapSize1, smp.mapLines1 = sharedMaps()
+		if smp.maps1 <= smp.maps0 || time.Now().After(deadline) {
+			break
+		}
+	}
 	smp.rssMax = max(smp.rssMax, smp.rssEnd)
 
 	st := s.teardown()
+	// Deregister destroyed the UCX worker, which printed its report.
+	smp.ucxLines = report.stop()
+	if !ucxWarns() {
+		smp.ucxLines = -1
+	}
 	if ex != nil {
 		// Before the leak check: its connections are not the soak's.
 		if err := ex.Close(); err != nil {
@@ -357,7 +511,8 @@ func soak(duration time.Duration, nprod, nwork int, restart time.Duration, bs, r
 
 // start creates the consumer and the first incarnation of every producer.
 func (s *soakRun) start(nprod int) error {
-	cfg := ecxfer.Config{AgentName: fmt.Sprintf("soak-consumer-%d", os.Getpid()), BlockSize: s.bs, NumBlocks: s.nwork * maxRead}
+	cfg := ecxfer.Config{AgentName: fmt.Sprintf("soak-consumer-%d", os.Getpid()), BlockSize: s.bs, NumBlocks: s.nwork * maxRead,
+		Direct: directMode}
 	if logEvents {
 		cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, nil))
 	}
@@ -369,7 +524,7 @@ func (s *soakRun) start(nprod int) error {
 	s.seedSeq.Store(uint64(time.Now().UnixNano()))
 	s.prods = make([]*producer, nprod)
 	for i := range s.prods {
-		p := &producer{name: fmt.Sprintf("soak-producer-%d-%d", os.Getpid(), i), seed: s.seedSeq.Add(1), region: []string{"alloc", "mmap"}[i%2]}
+		p := &producer{name: fmt.Sprintf("soak-producer-%d-%d", os.Getpid(), i), seed: s.seedSeq.Add(1), region: regionKinds[i%len(regionKinds)]}
 		var hello ctrl.Message
 		p.cmd, p.stdin, p.exited, hello, err = startProducer(p.name, p.seed, s.bs, p.region)
 		if err == nil {
@@ -404,10 +559,12 @@ func (s *soakRun) restarter() {
 			return
 		}
 		p := s.prods[k%len(s.prods)]
+		s.replacing.Lock()
 		p.stop(k%2 == 0)
 		seed := s.seedSeq.Add(1)
 		cmd, stdin, exited, hello, err := startProducer(p.name, seed, s.bs, p.region)
 		if err != nil {
+			s.replacing.Unlock()
 			s.fail("restarting %s: %v", p.name, err)
 			s.stop.Store(true)
 			return
@@ -419,12 +576,16 @@ func (s *soakRun) restarter() {
 			p.seed = seed
 		}
 		p.mu.Unlock()
+		s.replacing.Unlock()
 		if err != nil || name != p.name {
 			s.fail("re-adding %s: %q, %v", p.name, name, err)
 			s.stop.Store(true)
 			return
 		}
-		s.tot.restarts.Add(1)
+		if n := s.tot.restarts.Add(1); maxRestarts > 0 && n >= maxRestarts {
+			s.stop.Store(true)
+			return
+		}
 	}
 }
 
@@ -433,9 +594,18 @@ func (s *soakRun) restarter() {
 func (s *soakRun) monitor(start time.Time) samples {
 	var smp samples
 	warm := min(10*time.Second, s.duration/4)
-	time.Sleep(warm)
+	if maxRestarts > 0 {
+		// Warm once every producer has been replaced at least once.
+		for s.tot.restarts.Load() < int64(2*len(s.prods)) && !s.stop.Load() && time.Since(start) < s.duration {
+			time.Sleep(10 * time.Millisecond)
+		}
+	} else {
+		time.Sleep(warm)
+	}
 	smp.rss0 = rssBytes()
-	smp.maps0, smp.mapSize0 = sharedMaps()
+	s.replacing.Lock()
+	smp.maps0, smp.mapSize0, smp.mapLines0 = sharedMaps()
+	s.replacing.Unlock()
 	tot := &s.tot
 	for time.Since(start) < s.duration && !s.stop.Load() {
 		time.Sleep(min(time.Second, s.duration-time.Since(start)))
@@ -491,6 +661,11 @@ func (s *soakRun) report(elapsed time.Duration, st ecxfer.Stats, smp samples) {
 		float64(smp.rss0)/(1<<20), float64(smp.rssMax)/(1<<20), float64(smp.rssEnd)/(1<<20), s.rssBound)
 	fmt.Printf("  shared mappings         %d (%.1f MiB) after warm-up, %d (%.1f MiB) at the end\n",
 		smp.maps0, float64(smp.mapSize0)/(1<<20), smp.maps1, float64(smp.mapSize1)/(1<<20))
+	if smp.ucxLines < 0 {
+		fmt.Printf("  UCX teardown report     not checked (UCX_LOG_LEVEL=%s hides it)\n", os.Getenv("UCX_LOG_LEVEL"))
+	} else {
+		fmt.Printf("  UCX teardown report     %d lines\n", smp.ucxLines)
+	}
 }
 
 // check applies the soak's pass criteria.
@@ -523,6 +698,16 @@ func (s *soakRun) check(st ecxfer.Stats, smp samples, leakErr error) {
 	}
 	if growth := smp.rssMax - smp.rss0; growth > int64(s.rssBound)<<20 {
 		s.fail("RSS grew by %.1f MiB after warm-up (bound %d MiB)", float64(growth)/(1<<20), s.rssBound)
+	}
+	if smp.ucxLines > 0 {
+		s.fail("UCX's teardown report has %d lines: operations or requests it never got back", smp.ucxLines)
+	}
+	if smp.maps1 > smp.maps0 {
+		s.fail("%d shared mappings at the end, %d after warm-up: replaced producers stay mapped\nafter warm-up:\n  %s\nat the end:\n  %s",
+			smp.maps1, smp.maps0, strings.Join(smp.mapLines0, "\n  "), strings.Join(smp.mapLines1, "\n  "))
+	}
+	if maxRestarts > 0 && tot.restarts.Load() < maxRestarts {
+		s.fail("%d of %d restarts in %v", tot.restarts.Load(), maxRestarts, s.duration)
 	}
 	if leakErr != nil {
 		s.fail("leak: %v", leakErr)
