@@ -99,19 +99,28 @@
 //     slower. ErrModeNone forces NONE: remote deaths go unnoticed.
 //
 // When a peer dies, every in-flight request to it completes with
-// ErrRemoteDisconnect at once, its C requests are orphaned (freed by C when
-// their last UCX operation calls back, never reported), and its endpoint is
-// closed with UCP_EP_CLOSE_FLAG_FORCE, then its rkeys destroyed. Emulated
-// gets to a dead peer in NONE mode may never call back; their C structs and
-// UCX requests are released when the worker is destroyed at Close (UCX then
-// warns about unreturned requests).
+// ErrRemoteDisconnect at once and its C requests are orphaned (freed by C
+// when their last UCX operation calls back, never reported). Its endpoint
+// is closed: in PEER mode with UCP_EP_CLOSE_FLAG_FORCE; in NONE mode with a
+// flush, because UCX 1.13 refuses a forced close there (INVALID_PARAM, and
+// nothing is closed). The rkeys go once the close completes. A flushed
+// close completes at once unless UCX has resolved the peer's endpoint id
+// and waits for it to answer: that happens for an emulated get (caller
+// memory on the engine path) and for any message that misses UCX's short
+// path (a notification longer than about 100 bytes with the sender's
+// name, or one sent while the peer's receive queue is full). Such an
+// endpoint of a dead peer, with its mappings of the peer's segments (about
+// 4 MiB), stays until Close destroys the worker; emulated gets the dead
+// peer never answered are released then too (UCX then warns about
+// unreturned requests). To keep endpoints closable, same-host caller
+// memory (recognised from the peer's own mappings) has its rkeys unpacked
+// only before the first transfer: unpacking one makes UCX resolve the
+// endpoint id.
 //
 // InvalidateRemoteMetadata ends in-flight requests with ErrRemoteDisconnect
-// and closes the endpoint: forced when the peer is dead or in PEER mode,
-// flushed otherwise (a forced close in NONE mode may upset a live peer's
-// transports), with the rkeys destroyed once the close completes. Close
-// forces every close, waits at most 250 ms for them, and destroys the
-// worker and context.
+// and closes the endpoint the same way. Close force-closes PEER-mode
+// endpoints, waits at most 250 ms for pending closes, leaves NONE-mode
+// endpoints to the worker, and destroys the worker and context.
 //
 // ReleaseXfer of an in-flight request calls ucp_request_cancel on its
 // outstanding operations (in UCX 1.13 this does not stop RMA already under

@@ -10,8 +10,8 @@ and one check_xfer_state call. Every READ carries a "{session}:{mm_hash}"
 notification, which the producer drains. Bytes are verified on the first
 READ of every workload.
 
-ecxfer runs twice: through the UCX engine (the default), and with
-direct="on", where the consumer copies from the producer's mapped /dev/shm
+ecxfer runs twice: through the UCX engine (direct="off"), and with the
+defaults, where the consumer copies from the producer's mapped /dev/shm
 file itself (inside post_read up to inline_bytes, on its copy workers above).
 ecxfer's indices go in as one array('q') buffer (what its post_read reads in
 place); the cost of a post_read given Python lists, as vLLM passes them, is
@@ -359,8 +359,8 @@ def main():
 
     load0 = os.getloadavg()
     out = {
-        "ecxfer": run_consumer("ecxfer", args.duration),
-        "direct": run_consumer("ecxfer", args.duration, {"direct": "on"}),
+        "ecxfer": run_consumer("ecxfer", args.duration, {"direct": "off"}),
+        "direct": run_consumer("ecxfer", args.duration),
     }
     why = "--skip-nixl" if args.skip_nixl else nixl_missing()
     if why is None:

@@ -11,8 +11,10 @@ consumer (here over a pipe; vLLM uses its ZMQ control plane), the consumer
 adds it as a peer, posts a READ of one encoding's blocks with the
 notification "{session}:{mm_hash}", checks the READ once per step until
 DONE and releases it; the producer drains its notifications once per step
-and learns it may reuse those blocks. Options (for example
-ECXFER_OPTIONS='{"direct": "on"}') apply to both sides.
+and learns it may reuse those blocks. Both sides are on this host, so the
+consumer reads the producer's file directly (the default); options (for
+example ECXFER_OPTIONS='{"direct": "off"}' for the UCX engine) apply to both
+sides.
 """
 
 import base64
