@@ -453,11 +453,13 @@ func TestDirectPathMetrics(t *testing.T) {
 	for i := range all {
 		all[i] = i
 	}
+	// Nobody checks the READ until the workers have copied: a caller that
+	// checks it copies the chunks no worker has taken yet itself.
 	h, err := cons.PostRead(all, pn, all, nil)
 	require.NoError(t, err)
+	require.Eventually(t, func() bool { return cons.Stats().CopyBusyTime > 0 }, 10*time.Second, time.Millisecond)
 	require.NoError(t, cons.Wait(context.Background(), h))
 	require.NoError(t, cons.ReleaseXferHandle(h))
-	require.Eventually(t, func() bool { return cons.Stats().CopyBusyTime > 0 }, 10*time.Second, time.Millisecond)
 	mfs, err = reg.Gather()
 	require.NoError(t, err)
 	got := map[string]float64{}

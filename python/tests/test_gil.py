@@ -29,8 +29,15 @@ def test_wait_releases_the_gil(peers, monkeypatch):
     prod = peers([sys.executable, PEER, "producer", "encoder-gil", path, "256", "65536", "3"])
     pm = prod.recv()
     reg = ShmRegion(256 * 65536)
+    # The UCX engine (direct off): the direct path would copy from the
+    # stopped producer's file at once.
     t = EcxferDataTransport(
-        agent_name="prefill-gil", base_ptr=reg.addr, num_blocks=256, block_size_bytes=65536, total_size_bytes=256 * 65536
+        agent_name="prefill-gil",
+        base_ptr=reg.addr,
+        num_blocks=256,
+        block_size_bytes=65536,
+        total_size_bytes=256 * 65536,
+        direct="off",
     )
     try:
         peer = t.add_remote_peer(base64.b64decode(pm["md"]), base64.b64decode(pm["desc"]))
