@@ -59,6 +59,11 @@ func (t *Transport) startDirect() error {
 		return fmt.Errorf("%w: %v", ErrConfig, err)
 	}
 	t.direct, t.host, t.pool = true, h, p
+	// Same-host notifications travel over a socket of ours (see the
+	// reactor package); without one they go through the engine.
+	if ns, err := reactor.ListenNotify(); err == nil {
+		t.notify = ns
+	}
 	return nil
 }
 
@@ -86,6 +91,8 @@ func (t *Transport) closePool() {
 	if t.pool != nil {
 		t.pool.Close()
 	}
+	t.notify.Close()
+	t.notify = nil
 }
 
 // advertise appends the region's advertisement to the metadata. Reactor
@@ -98,6 +105,9 @@ func (t *Transport) advertise(region []byte) {
 	if err != nil {
 		return // nothing a peer could map: peers read through the engine
 	}
+	if t.notify != nil {
+		adv.Notify = t.notify.Token
+	}
 	t.md = shmview.Wrap(t.md, &adv)
 }
 
@@ -106,7 +116,10 @@ func (t *Transport) enableDirect() error {
 	if !t.direct {
 		return nil
 	}
-	return t.r.SetDirect(reactor.DirectOptions{Region: t.mem, Pool: t.pool, InlineBytes: t.cfg.InlineBytes})
+	ns := t.notify
+	t.notify = nil // the reactor owns it now, even if SetDirect fails
+	return t.r.SetDirect(reactor.DirectOptions{Region: t.mem, Pool: t.pool, InlineBytes: t.cfg.InlineBytes,
+		Notify: ns, Name: t.cfg.AgentName})
 }
 
 // directPeer takes the advertisement off a peer's metadata and, when the

@@ -175,6 +175,8 @@ type Transport struct {
 	direct bool           // the direct path is on
 	host   shmview.Host   // this process's host, for the same-host check
 	pool   *copypool.Pool // copy workers of the direct path
+	// notify is the notification socket until the reactor takes it.
+	notify *reactor.NotifySocket
 }
 
 var _ DataTransport = (*Transport)(nil)

@@ -46,6 +46,9 @@ type Direct struct {
 	// liveness check; the view and the pidfd go when it drops to 0.
 	refs atomic.Int64
 	shut atomic.Bool
+	// notify is the producer's notification socket (nil: it advertised
+	// none, notifications go through the engine).
+	notify *unix.SockaddrUnix
 }
 
 // OpenDirect maps (or, for anonymous memory, prepares kernel copies of) an
@@ -63,6 +66,9 @@ func OpenDirect(adv *shmview.Advert) (*Direct, error) {
 	}
 	d := &Direct{adv: *adv, pidfd: fd}
 	d.refs.Store(1)
+	if adv.Notify != 0 {
+		d.notify = &unix.SockaddrUnix{Name: shmview.NotifyAddr(adv.PID, adv.Notify)}
+	}
 	if adv.Kind == shmview.KindProc && adv.Size > 0 {
 		// Kernel copies need ptrace access to the producer (same user,
 		// and Yama's ptrace_scope allowing it): find out now, so a peer
@@ -174,6 +180,12 @@ type DirectOptions struct {
 	Pool *copypool.Pool
 	// InlineBytes is the largest READ copied by the caller inside Post.
 	InlineBytes int
+	// Notify is this process's notification socket (ListenNotify), which
+	// the reactor owns from now on; nil: notifications to this process
+	// come through the engine.
+	Notify *NotifySocket
+	// Name is this agent's name, the sender of its notifications.
+	Name string
 }
 
 // direct is the reactor's direct-path state.
@@ -185,6 +197,7 @@ type direct struct {
 
 	finished *ring.MPSC[*dirJob]   // jobs whose last chunk has landed
 	notifQ   *ring.MPSC[*notifRec] // notifications of inline READs, due
+	ns       *notifSock            // notifications to and from direct peers
 
 	jobMu sync.Mutex // guards free and recs: callers take, the loop returns
 	free  []*dirJob
@@ -232,7 +245,32 @@ func (r *Reactor) SetDirect(o DirectOptions) error {
 		jobBuf:   make([]*dirJob, 64),
 		notifBuf: make([]*notifRec, 64),
 	}
-	return r.do(func() error { r.dir = d; return nil })
+	rfd := -1
+	if o.Notify != nil {
+		rfd, o.Notify.fd = o.Notify.fd, -1
+	}
+	ns, err := newNotifSock(rfd, o.Name)
+	if err != nil {
+		if rfd >= 0 {
+			_ = unix.Close(rfd)
+		}
+		return err
+	}
+	d.ns = ns
+	err = r.do(func() error {
+		if rfd >= 0 {
+			ev := unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(rfd)}
+			if err := unix.EpollCtl(r.epollFD, unix.EPOLL_CTL_ADD, rfd, &ev); err != nil {
+				return fmt.Errorf("reactor: epoll add notification socket: %w", err)
+			}
+		}
+		r.dir = d
+		return nil
+	})
+	if err != nil {
+		ns.close()
+	}
+	return err
 }
 
 // isDirect reports whether a published peer uses d. Loop only.
@@ -539,13 +577,16 @@ func (r *Reactor) drainDirect() bool {
 			// A peer removed or replaced meanwhile is not told: its
 			// name may already stand for a new incarnation.
 			if rec.peer.gone.Load() == 0 {
-				if err := r.agent.SendNotif(rec.peer.Name, rec.msg); err != nil {
+				if err := r.notify(rec.peer, rec.msg); err != nil {
 					r.engineError("notify", err)
 				}
 			}
 			d.putRec(rec)
 			d.notifBuf[i] = nil
 		}
+	}
+	if r.notifSocket() {
+		work = true
 	}
 	if len(d.watched) > 0 && (r.lastTime-d.lastPoll >= int64(time.Millisecond)) {
 		d.lastPoll = r.lastTime
@@ -719,4 +760,58 @@ func (r *Reactor) waitDirect() {
 		}
 		time.Sleep(20 * time.Microsecond)
 	}
+}
+
+// notify sends p a READ's notification: over the notification socket when
+// p is a direct peer that has one, through the engine otherwise. Loop only.
+func (r *Reactor) notify(p *Peer, msg []byte) error {
+	if d := r.dir; d != nil && d.ns.canSend(p, msg) {
+		return d.ns.send(p, msg)
+	}
+	return r.agent.SendNotif(p.Name, msg)
+}
+
+// notifSocket retries the notifications the socket refused and, every
+// notifRecvEvery (at once after a park), delivers the notifications that
+// arrived. Loop only. It reports whether it did anything.
+func (r *Reactor) notifSocket() bool {
+	ns := r.dir.ns
+	work := false
+	if len(ns.backlog) > 0 {
+		sent, failed := ns.flush()
+		work = sent || failed > 0
+		for range failed {
+			r.engineError("notify", errNotifGone)
+		}
+	}
+	if ns.rfd < 0 || r.lastTime-ns.lastRecv < notifRecvEvery {
+		return work
+	}
+	ns.lastRecv = r.lastTime
+	got, bad := ns.recv(r.deliverNotif)
+	if bad > 0 {
+		r.engineError("notification socket", fmt.Errorf("%w (%d)", errNotifDgram, bad))
+	}
+	if got > 0 {
+		r.ended = true // wake WaitNotifs
+		return true
+	}
+	return work
+}
+
+var errNotifGone = errors.New("reactor: the peer's notification socket is gone")
+
+// deliverNotif hands a notification from the socket to NewNotifs, after
+// the same MaxNotif check as the engine's.
+func (r *Reactor) deliverNotif(sender string, msg []byte) {
+	if len(msg) > r.opts.MaxNotif {
+		r.st.notifsOversized.Add(1)
+		r.logOversized(sender, len(msg))
+		return
+	}
+	m := append([]byte(nil), msg...)
+	r.notifMu.Lock()
+	r.notifs[sender] = append(r.notifs[sender], m)
+	r.notifMu.Unlock()
+	r.st.notifsReceived.Add(1)
 }

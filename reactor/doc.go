@@ -32,7 +32,11 @@
 // notification, once, after the READ is published DONE; it ends READs on
 // cancel, removal, replacement and close; and it watches each direct
 // peer's pidfd. Mappings are reference counted, so nothing is unmapped
-// under a running copy.
+// under a running copy. A caller that checks a READ still on the copy
+// workers copies the chunks no worker has taken. Notifications between
+// direct peers go over a Unix datagram socket of the reactor's instead of
+// the engine (notifsock.go): an engine endpoint that carries nothing can
+// always be closed.
 //
 // Handles are (generation, slot) pairs. The slot word carries the
 // generation, so a released or reused slot never answers for an old

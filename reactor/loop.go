@@ -69,6 +69,9 @@ func (r *Reactor) run(ready chan<- error, setup Setup) {
 			}
 		}
 		r.park(events, idle)
+		if r.dir != nil {
+			r.dir.ns.lastRecv = 0 // a notification may be what woke it
+		}
 	}
 }
 
@@ -440,7 +443,7 @@ func (r *Reactor) readDone(p *Peer, n uint64, posted int64, notify bool, msg []b
 	r.countDone(p, n)
 	r.st.latency.Add(time.Duration(r.lastTime - posted))
 	if notify {
-		if err := r.agent.SendNotif(p.Name, msg); err != nil {
+		if err := r.notify(p, msg); err != nil {
 			r.engineError("notify", err)
 		} else {
 			r.st.notifsSent.Add(1)
@@ -747,6 +750,9 @@ func (r *Reactor) teardown() error {
 	}
 	// Copies write into the local region, which goes with the engine.
 	r.waitDirect()
+	if r.dir != nil {
+		r.dir.ns.close()
+	}
 	for _, p := range *r.peers.Load() {
 		_ = r.agent.ReleaseDlist(p.dlist)
 		_ = r.agent.InvalidateRemoteMetadata(p.Name)

@@ -82,6 +82,16 @@ type Advert struct {
 	Offset uint64 // file offset of the region's first byte
 	Dev    uint64 // the file's identity, checked after opening Path
 	Ino    uint64
+	// Notify names the producer's notification socket (NotifyAddr); 0:
+	// it has none, notifications go through the engine.
+	Notify uint64
+}
+
+// NotifyAddr is the abstract Unix socket address a producer with process
+// id pid receives same-host notifications on. Abstract addresses belong to
+// the network namespace, which Host compares.
+func NotifyAddr(pid uint32, token uint64) string {
+	return fmt.Sprintf("@ecxfer-notify/%d/%016x", pid, token)
 }
 
 const (
@@ -101,7 +111,7 @@ func (a *Advert) Append(b []byte) []byte {
 	b = append(b, advVersion, byte(a.Kind))
 	b = binary.LittleEndian.AppendUint32(b, a.PID)
 	for _, v := range [...]uint64{a.Start, a.Base, a.Size, a.Offset, a.Dev, a.Ino,
-		a.Host.NetNS, a.Host.PidNS, a.Host.MntNS, 0} {
+		a.Host.NetNS, a.Host.PidNS, a.Host.MntNS, a.Notify} {
 		b = binary.LittleEndian.AppendUint64(b, v)
 	}
 	b = append(b, byte(len(a.Host.Boot)))
@@ -179,10 +189,7 @@ func DecodeAdvert(b []byte) (Advert, error) {
 		u[i] = binary.LittleEndian.Uint64(b[10+8*i:])
 	}
 	a.Start, a.Base, a.Size, a.Offset, a.Dev, a.Ino = u[0], u[1], u[2], u[3], u[4], u[5]
-	a.Host.NetNS, a.Host.PidNS, a.Host.MntNS = u[6], u[7], u[8]
-	if u[9] != 0 {
-		return Advert{}, fmt.Errorf("%w: reserved field set", ErrBadAdvert)
-	}
+	a.Host.NetNS, a.Host.PidNS, a.Host.MntNS, a.Notify = u[6], u[7], u[8], u[9]
 	rest := b[advFixed:]
 	n := int(rest[0])
 	if len(rest) < 1+n+2 {

@@ -137,7 +137,7 @@ func TestFindInListing(t *testing.T) {
 
 func testAdvert() Advert {
 	return Advert{Kind: KindFile, Host: Host{Boot: "2b4e1c5a-0000-4000-8000-000000000001", NetNS: 1, PidNS: 2, MntNS: 3},
-		PID: 1234, Start: 99, Base: 0x7f0000000000, Size: 1 << 20, Path: "/dev/shm/vllm_ec_x.mmap", Offset: 4096, Dev: 5, Ino: 6}
+		PID: 1234, Start: 99, Base: 0x7f0000000000, Size: 1 << 20, Path: "/dev/shm/vllm_ec_x.mmap", Offset: 4096, Dev: 5, Ino: 6, Notify: 0x1234567890abcdef}
 }
 
 func TestAdvertRoundTrip(t *testing.T) {
@@ -172,7 +172,6 @@ func TestAdvertHostile(t *testing.T) {
 		"kind":       mut(func(b []byte) []byte { b[5] = 9; return b }),
 		"trailing":   append(append([]byte(nil), good...), 0),
 		"truncated":  good[:len(good)-1],
-		"reserved":   mut(func(b []byte) []byte { b[10+8*9] = 1; return b }),
 		"zero size":  (&Advert{Kind: KindFile, Host: a.Host, PID: 1, Base: 1, Path: "/x"}).Append(nil),
 		"wraps":      (&Advert{Kind: KindFile, Host: a.Host, PID: 1, Base: ^uint64(0), Size: 2, Path: "/x"}).Append(nil),
 		"rel path":   (&Advert{Kind: KindFile, Host: a.Host, PID: 1, Base: 1, Size: 2, Path: "x"}).Append(nil),

@@ -115,7 +115,8 @@
 // unreturned requests). To keep endpoints closable, same-host caller
 // memory (recognised from the peer's own mappings) has its rkeys unpacked
 // only before the first transfer: unpacking one makes UCX resolve the
-// endpoint id.
+// endpoint id. (The transport sends notifications to peers it reads
+// directly over a socket of its own, so their endpoints carry nothing.)
 //
 // InvalidateRemoteMetadata ends in-flight requests with ErrRemoteDisconnect
 // and closes the endpoint the same way. Close force-closes PEER-mode

@@ -1,0 +1,217 @@
+package reactor
+
+import (
+	"crypto/rand"
+	"encoding/binary"
+	"errors"
+	"fmt"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ecxfer/ecxfer/internal/shmview"
+)
+
+// Notifications between same-host peers on the direct path travel over a
+// Unix datagram socket, not the engine.
+//
+// Why: UCX 1.13 resolves a peer's endpoint id (a wireup exchange the peer
+// must answer) the first time a message misses its short path, which a
+// notification as long as vLLM's "{session}:{mm_hash}" does, and so does
+// any message sent while the peer's receive queue is full. From then on the
+// endpoint's flushed close waits for the peer, and in the error mode shared
+// memory needs there is no forced close: every restart of a producer that
+// had been notified left its endpoint and about 4 MiB of its segments
+// mapped in the consumer until Deregister. With notifications off the
+// engine, an endpoint to a direct peer carries nothing and closes at once.
+//
+// The producer binds an abstract address (shmview.NotifyAddr: its pid and
+// a random token it advertises) and the socket sits in its reactor's epoll
+// set, so a parked reactor wakes for a notification; a spinning one reads
+// the socket every notifRecvEvery. A datagram is the sender's agent name
+// (a uint16 length, then the name) and the message. The receiver applies
+// its MaxNotif as for the engine's notifications. A send the receiver's
+// queue cannot take (EAGAIN) waits, in order, in the sender's backlog and
+// is retried every loop turn: nothing is dropped while the producer lives.
+// Notifications longer than maxNotifDgram go through the engine.
+
+// maxNotifDgram bounds the message a datagram carries; the kernel's
+// default socket buffers (about 208 KiB) take several.
+const maxNotifDgram = 64 << 10
+
+// notifRecvEvery is how often a reactor that is not parked reads its
+// socket.
+const notifRecvEvery = 10_000 // ns
+
+var errNotifDgram = errors.New("reactor: malformed notification datagram")
+
+// NotifySocket is a bound notification socket not yet handed to a
+// reactor.
+type NotifySocket struct {
+	fd int
+	// Token goes into the region's advertisement (shmview.Advert.Notify).
+	Token uint64
+}
+
+// ListenNotify opens and binds this process's notification socket. It is
+// handed to the reactor in DirectOptions, which owns it from then on; an
+// owner that never hands it over closes it.
+func ListenNotify() (*NotifySocket, error) {
+	var b [8]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return nil, err
+	}
+	token := binary.LittleEndian.Uint64(b[:]) | 1 // never 0: 0 means none
+	fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_DGRAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("notification socket: %w", err)
+	}
+	addr := &unix.SockaddrUnix{Name: shmview.NotifyAddr(uint32(unix.Getpid()), token)}
+	if err := unix.Bind(fd, addr); err != nil {
+		_ = unix.Close(fd)
+		return nil, fmt.Errorf("notification socket: bind %s: %w", addr.Name, err)
+	}
+	return &NotifySocket{fd: fd, Token: token}, nil
+}
+
+// Close closes a socket that was not handed to a reactor.
+func (s *NotifySocket) Close() {
+	if s != nil && s.fd >= 0 {
+		_ = unix.Close(s.fd)
+		s.fd = -1
+	}
+}
+
+// appendNotifDgram appends the datagram carrying msg from sender to b.
+func appendNotifDgram(b []byte, sender string, msg []byte) []byte {
+	b = binary.LittleEndian.AppendUint16(b, uint16(len(sender)))
+	b = append(b, sender...)
+	return append(b, msg...)
+}
+
+// decodeNotifDgram splits a datagram into the sender's name and the
+// message, which aliases b.
+func decodeNotifDgram(b []byte) (sender string, msg []byte, err error) {
+	if len(b) < 2 {
+		return "", nil, errNotifDgram
+	}
+	n := int(binary.LittleEndian.Uint16(b))
+	if n == 0 || n > len(b)-2 {
+		return "", nil, errNotifDgram
+	}
+	return string(b[2 : 2+n]), b[2+n:], nil
+}
+
+// notifSock is a reactor's side of the channel. Loop only.
+type notifSock struct {
+	rfd, sfd int    // receiving (bound; -1: none) and sending sockets
+	name     string // this agent's name, the sender of every datagram
+	rbuf     []byte
+	sbuf     []byte
+	backlog  []pendingNotif // refused with EAGAIN, oldest first
+	lastRecv int64
+}
+
+type pendingNotif struct {
+	peer  *Peer
+	dgram []byte
+}
+
+func newNotifSock(rfd int, name string) (*notifSock, error) {
+	sfd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_DGRAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("notification socket: %w", err)
+	}
+	return &notifSock{rfd: rfd, sfd: sfd, name: name, rbuf: make([]byte, maxNotifDgram+2+maxSenderName+1)}, nil
+}
+
+// maxSenderName is the longest agent name a datagram carries (names are
+// checked to be at most 256 bytes long by their owners).
+const maxSenderName = 1 << 10
+
+func (ns *notifSock) close() {
+	if ns.rfd >= 0 {
+		_ = unix.Close(ns.rfd)
+		ns.rfd = -1
+	}
+	if ns.sfd >= 0 {
+		_ = unix.Close(ns.sfd)
+		ns.sfd = -1
+	}
+}
+
+// canSend reports whether msg to p goes over the socket.
+func (ns *notifSock) canSend(p *Peer, msg []byte) bool {
+	return p.direct != nil && p.direct.notify != nil && len(msg) <= maxNotifDgram
+}
+
+// send sends msg to p, or queues it behind the backlog. An error means the
+// peer's socket is gone (the producer exited): the notification has nobody
+// to go to.
+func (ns *notifSock) send(p *Peer, msg []byte) error {
+	if len(ns.backlog) > 0 {
+		ns.backlog = append(ns.backlog, pendingNotif{p, appendNotifDgram(nil, ns.name, msg)})
+		return nil
+	}
+	ns.sbuf = appendNotifDgram(ns.sbuf[:0], ns.name, msg)
+	err := unix.Sendto(ns.sfd, ns.sbuf, unix.MSG_DONTWAIT, p.direct.notify)
+	if errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.ENOBUFS) {
+		ns.backlog = append(ns.backlog, pendingNotif{p, append([]byte(nil), ns.sbuf...)})
+		return nil
+	}
+	return err
+}
+
+// flush retries the backlog in order until the first refusal. Entries for
+// peers that are gone are dropped. It reports whether it sent anything and
+// the number of sends that failed for good.
+func (ns *notifSock) flush() (sent bool, failed int) {
+	i := 0
+	for ; i < len(ns.backlog); i++ {
+		e := ns.backlog[i]
+		if e.peer.gone.Load() != 0 {
+			continue
+		}
+		err := unix.Sendto(ns.sfd, e.dgram, unix.MSG_DONTWAIT, e.peer.direct.notify)
+		if errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.ENOBUFS) {
+			break
+		}
+		if err != nil {
+			failed++
+		} else {
+			sent = true
+		}
+	}
+	clear(ns.backlog[:i])
+	ns.backlog = append(ns.backlog[:0], ns.backlog[i:]...)
+	return sent, failed
+}
+
+// recv reads every datagram waiting and hands each to deliver; malformed
+// ones are counted in bad.
+func (ns *notifSock) recv(deliver func(sender string, msg []byte)) (got, bad int) {
+	if ns.rfd < 0 {
+		return 0, 0
+	}
+	for {
+		// MSG_TRUNC: n is the datagram's real length, so one longer than
+		// the buffer (no sender of ours writes one) is seen, not cut.
+		n, _, err := unix.Recvfrom(ns.rfd, ns.rbuf, unix.MSG_DONTWAIT|unix.MSG_TRUNC)
+		if err != nil {
+			if errors.Is(err, unix.EINTR) {
+				continue
+			}
+			return got, bad
+		}
+		if n > len(ns.rbuf) {
+			bad++
+			continue
+		}
+		sender, msg, err := decodeNotifDgram(ns.rbuf[:n])
+		if err != nil {
+			bad++
+			continue
+		}
+		got++
+		deliver(sender, msg)
+	}
+}

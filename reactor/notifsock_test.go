@@ -1,0 +1,159 @@
+package reactor
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ecxfer/ecxfer/internal/shmview"
+)
+
+func FuzzNotifDgram(f *testing.F) {
+	f.Add(appendNotifDgram(nil, "prefill-0", []byte("sess:hash")))
+	f.Add([]byte{})
+	f.Add([]byte{0, 0})
+	f.Add([]byte{5, 0, 'a'})
+	f.Fuzz(func(t *testing.T, b []byte) {
+		sender, msg, err := decodeNotifDgram(b)
+		if err != nil {
+			return
+		}
+		if sender == "" {
+			t.Fatal("decoded an empty sender")
+		}
+		if got := appendNotifDgram(nil, sender, msg); !bytes.Equal(got, b) {
+			t.Fatalf("re-encoding %q gave %q", b, got)
+		}
+	})
+}
+
+func TestNotifDgramRejects(t *testing.T) {
+	for _, b := range [][]byte{nil, {1}, {0, 0, 'x'}, {3, 0, 'a', 'b'}} {
+		if _, _, err := decodeNotifDgram(b); !errors.Is(err, errNotifDgram) {
+			t.Errorf("%q: %v", b, err)
+		}
+	}
+	s, m, err := decodeNotifDgram(appendNotifDgram(nil, "c", nil))
+	if err != nil || s != "c" || len(m) != 0 {
+		t.Fatalf("empty message: %q %q %v", s, m, err)
+	}
+}
+
+// socketPeer is a direct peer whose notification socket is ns.
+func socketPeer(t *testing.T, ns *NotifySocket) *Peer {
+	t.Helper()
+	d := &Direct{notify: &unix.SockaddrUnix{Name: shmview.NotifyAddr(uint32(unix.Getpid()), ns.Token)}}
+	return &Peer{Name: "producer", direct: d}
+}
+
+// A receiver that does not read fills its socket; the sender keeps the
+// rest in its backlog, in order, and delivers every notification exactly
+// once when the receiver reads again. Once the receiver's socket is gone,
+// a send fails (the producer exited).
+func TestNotifSockBacklog(t *testing.T) {
+	rx, err := ListenNotify()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.SetsockoptInt(rx.fd, unix.SOL_SOCKET, unix.SO_RCVBUF, 4096); err != nil {
+		t.Fatal(err)
+	}
+	recv, err := newNotifSock(rx.fd, "producer")
+	if err != nil {
+		t.Fatal(err)
+	}
+	rx.fd = -1
+	send, err := newNotifSock(-1, "consumer-1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer send.close()
+	p := socketPeer(t, &NotifySocket{Token: rx.Token})
+
+	const n = 2000
+	for i := range n {
+		msg := []byte(fmt.Sprintf("sess-%d:%064x", i, i))
+		if !send.canSend(p, msg) {
+			t.Fatal("a direct peer with a socket cannot be sent to")
+		}
+		if err := send.send(p, msg); err != nil {
+			t.Fatalf("send %d: %v", i, err)
+		}
+	}
+	if len(send.backlog) == 0 {
+		t.Fatal("a receiver that reads nothing took 2,000 notifications: the backlog is untested")
+	}
+	var got []string
+	for rounds := 0; len(got) < n; rounds++ {
+		if rounds > 100000 {
+			t.Fatalf("%d of %d delivered, %d in the backlog", len(got), n, len(send.backlog))
+		}
+		_, bad := recv.recv(func(sender string, msg []byte) {
+			if sender != "consumer-1" {
+				t.Fatalf("sender %q", sender)
+			}
+			got = append(got, string(msg))
+		})
+		if bad != 0 {
+			t.Fatalf("%d malformed datagrams", bad)
+		}
+		if _, failed := send.flush(); failed != 0 {
+			t.Fatalf("%d sends failed", failed)
+		}
+	}
+	for i, m := range got {
+		if want := fmt.Sprintf("sess-%d:%064x", i, i); m != want {
+			t.Fatalf("notification %d is %q, want %q", i, m, want)
+		}
+	}
+	if len(send.backlog) != 0 {
+		t.Fatalf("%d left in the backlog", len(send.backlog))
+	}
+
+	recv.close()
+	if err := send.send(p, []byte("late")); err == nil {
+		t.Fatal("a send to a closed socket succeeded")
+	}
+	long := make([]byte, maxNotifDgram+1)
+	if send.canSend(p, long) {
+		t.Fatal("a notification longer than a datagram takes would go over the socket")
+	}
+	if send.canSend(&Peer{Name: "engine-peer"}, []byte("x")) {
+		t.Fatal("a peer without a direct view would get a datagram")
+	}
+}
+
+// A datagram longer than the receive buffer is counted as malformed, not
+// delivered cut short.
+func TestNotifSockTruncated(t *testing.T) {
+	rx, err := ListenNotify()
+	if err != nil {
+		t.Fatal(err)
+	}
+	recv, err := newNotifSock(rx.fd, "producer")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer recv.close()
+	recv.rbuf = recv.rbuf[:64]
+	fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_DGRAM, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fd)
+	to := &unix.SockaddrUnix{Name: shmview.NotifyAddr(uint32(unix.Getpid()), rx.Token)}
+	if err := unix.Sendto(fd, appendNotifDgram(nil, "c", make([]byte, 100)), 0, to); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Sendto(fd, appendNotifDgram(nil, "c", []byte("ok")), 0, to); err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	_, bad := recv.recv(func(_ string, msg []byte) { got = append(got, string(msg)) })
+	if bad != 1 || len(got) != 1 || got[0] != "ok" {
+		t.Fatalf("bad %d, delivered %q", bad, got)
+	}
+}
