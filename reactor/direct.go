@@ -567,23 +567,8 @@ func (r *Reactor) drainDirect() bool {
 		}
 		clear(d.jobBuf[:n])
 	}
-	for {
-		n := d.notifQ.Drain(d.notifBuf)
-		if n == 0 {
-			break
-		}
+	if r.sendInlineNotifs() {
 		work = true
-		for i, rec := range d.notifBuf[:n] {
-			// A peer removed or replaced meanwhile is not told: its
-			// name may already stand for a new incarnation.
-			if rec.peer.gone.Load() == 0 {
-				if err := r.notify(rec.peer, rec.msg); err != nil {
-					r.engineError("notify", err)
-				}
-			}
-			d.putRec(rec)
-			d.notifBuf[i] = nil
-		}
 	}
 	if r.notifSocket() {
 		work = true
@@ -814,4 +799,52 @@ func (r *Reactor) deliverNotif(sender string, msg []byte) {
 	r.notifs[sender] = append(r.notifs[sender], m)
 	r.notifMu.Unlock()
 	r.st.notifsReceived.Add(1)
+}
+
+// sendInlineNotifs sends the notifications of inline READs that callers
+// queued. Loop only. It reports whether there were any.
+func (r *Reactor) sendInlineNotifs() bool {
+	d := r.dir
+	work := false
+	for {
+		n := d.notifQ.Drain(d.notifBuf)
+		if n == 0 {
+			return work
+		}
+		work = true
+		for i, rec := range d.notifBuf[:n] {
+			// A peer removed or replaced meanwhile is not told: its
+			// name may already stand for a new incarnation.
+			if rec.peer.gone.Load() == 0 {
+				if err := r.notify(rec.peer, rec.msg); err != nil {
+					r.engineError("notify", err)
+				}
+			}
+			d.putRec(rec)
+			d.notifBuf[i] = nil
+		}
+	}
+}
+
+// flushNotifs sends the queued notifications of inline READs and retries
+// the socket's backlog until it is empty, the peers left in it are gone,
+// or limit has passed. Loop only (teardown).
+func (r *Reactor) flushNotifs(limit time.Duration) {
+	if r.dir == nil {
+		return
+	}
+	r.sendInlineNotifs()
+	ns := r.dir.ns
+	deadline := time.Now().Add(limit)
+	for len(ns.backlog) > 0 {
+		if _, failed := ns.flush(); failed > 0 {
+			for range failed {
+				r.engineError("notify", errNotifGone)
+			}
+		}
+		if len(ns.backlog) == 0 || time.Now().After(deadline) {
+			return
+		}
+		time.Sleep(50 * time.Microsecond)
+	}
 }

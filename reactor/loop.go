@@ -721,6 +721,10 @@ func (r *Reactor) Close() error {
 }
 
 func (r *Reactor) teardown() error {
+	// Notifications a direct peer's socket has not taken yet are sent
+	// first, while the peers are still known alive (the engine's are
+	// already in its queues).
+	r.flushNotifs(time.Second)
 	for {
 		n := r.cancel.Drain(r.batch)
 		if n == 0 {

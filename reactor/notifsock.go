@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -28,11 +29,14 @@ import (
 // a random token it advertises) and the socket sits in its reactor's epoll
 // set, so a parked reactor wakes for a notification; a spinning one reads
 // the socket every notifRecvEvery. A datagram is the sender's agent name
-// (a uint16 length, then the name) and the message. The receiver applies
-// its MaxNotif as for the engine's notifications. A send the receiver's
-// queue cannot take (EAGAIN) waits, in order, in the sender's backlog and
-// is retried every loop turn: nothing is dropped while the producer lives.
-// Notifications longer than maxNotifDgram go through the engine.
+// (a uint16 length, then the name) and one or more messages (each a
+// uint32 length, then the bytes). The receiver applies its MaxNotif as for
+// the engine's notifications. A send the receiver's queue cannot take
+// (EAGAIN: Linux queues only net.unix.max_dgram_qlen datagrams, 10 by
+// default, per receiving socket) waits, in order, in the sender's backlog,
+// where notifications to the same peer are packed into shared datagrams,
+// and is retried every loop turn: nothing is dropped while the producer
+// lives. Notifications longer than maxNotifDgram go through the engine.
 
 // maxNotifDgram bounds the message a datagram carries; the kernel's
 // default socket buffers (about 208 KiB) take several.
@@ -81,24 +85,50 @@ func (s *NotifySocket) Close() {
 	}
 }
 
+// dgramMax is the longest datagram a sender builds and a receiver takes.
+const dgramMax = 2 + maxSenderName + 4 + maxNotifDgram
+
 // appendNotifDgram appends the datagram carrying msg from sender to b.
 func appendNotifDgram(b []byte, sender string, msg []byte) []byte {
 	b = binary.LittleEndian.AppendUint16(b, uint16(len(sender)))
 	b = append(b, sender...)
+	return appendNotifMsg(b, msg)
+}
+
+// appendNotifMsg appends one more message to a datagram.
+func appendNotifMsg(b []byte, msg []byte) []byte {
+	b = binary.LittleEndian.AppendUint32(b, uint32(len(msg)))
 	return append(b, msg...)
 }
 
-// decodeNotifDgram splits a datagram into the sender's name and the
-// message, which aliases b.
-func decodeNotifDgram(b []byte) (sender string, msg []byte, err error) {
+// decodeNotifDgram checks a whole datagram and then hands each message,
+// which aliases b, to deliver. It returns how many it delivered.
+func decodeNotifDgram(b []byte, deliver func(sender string, msg []byte)) (int, error) {
 	if len(b) < 2 {
-		return "", nil, errNotifDgram
+		return 0, errNotifDgram
 	}
 	n := int(binary.LittleEndian.Uint16(b))
 	if n == 0 || n > len(b)-2 {
-		return "", nil, errNotifDgram
+		return 0, errNotifDgram
 	}
-	return string(b[2 : 2+n]), b[2+n:], nil
+	body := b[2+n:]
+	count := 0
+	for rest := body; len(rest) > 0; count++ {
+		if len(rest) < 4 || uint64(binary.LittleEndian.Uint32(rest)) > uint64(len(rest)-4) {
+			return 0, errNotifDgram
+		}
+		rest = rest[4+binary.LittleEndian.Uint32(rest):]
+	}
+	if count == 0 {
+		return 0, errNotifDgram
+	}
+	sender := string(b[2 : 2+n])
+	for rest := body; len(rest) > 0; {
+		m := binary.LittleEndian.Uint32(rest)
+		deliver(sender, rest[4:4+m])
+		rest = rest[4+m:]
+	}
+	return count, nil
 }
 
 // notifSock is a reactor's side of the channel. Loop only.
@@ -108,8 +138,12 @@ type notifSock struct {
 	rbuf     []byte
 	sbuf     []byte
 	backlog  []pendingNotif // refused with EAGAIN, oldest first
+	spare    [][]byte       // datagram buffers of sent backlog entries, for reuse
 	lastRecv int64
 }
+
+// maxSpare bounds the buffers kept for the backlog's reuse.
+const maxSpare = 16
 
 type pendingNotif struct {
 	peer  *Peer
@@ -121,7 +155,7 @@ func newNotifSock(rfd int, name string) (*notifSock, error) {
 	if err != nil {
 		return nil, fmt.Errorf("notification socket: %w", err)
 	}
-	return &notifSock{rfd: rfd, sfd: sfd, name: name, rbuf: make([]byte, maxNotifDgram+2+maxSenderName+1)}, nil
+	return &notifSock{rfd: rfd, sfd: sfd, name: name, rbuf: make([]byte, dgramMax)}, nil
 }
 
 // maxSenderName is the longest agent name a datagram carries (names are
@@ -149,16 +183,32 @@ func (ns *notifSock) canSend(p *Peer, msg []byte) bool {
 // to go to.
 func (ns *notifSock) send(p *Peer, msg []byte) error {
 	if len(ns.backlog) > 0 {
-		ns.backlog = append(ns.backlog, pendingNotif{p, appendNotifDgram(nil, ns.name, msg)})
+		ns.queue(p, msg)
 		return nil
 	}
 	ns.sbuf = appendNotifDgram(ns.sbuf[:0], ns.name, msg)
 	err := unix.Sendto(ns.sfd, ns.sbuf, unix.MSG_DONTWAIT, p.direct.notify)
 	if errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.ENOBUFS) {
-		ns.backlog = append(ns.backlog, pendingNotif{p, append([]byte(nil), ns.sbuf...)})
+		ns.queue(p, msg)
 		return nil
 	}
 	return err
+}
+
+// queue appends msg to p to the backlog: into the last datagram when that
+// one goes to p and has room, else into a new one (a reused buffer when
+// there is one).
+func (ns *notifSock) queue(p *Peer, msg []byte) {
+	if k := len(ns.backlog) - 1; k >= 0 && ns.backlog[k].peer == p && len(ns.backlog[k].dgram)+4+len(msg) <= dgramMax {
+		ns.backlog[k].dgram = appendNotifMsg(ns.backlog[k].dgram, msg)
+		return
+	}
+	var b []byte
+	if n := len(ns.spare); n > 0 {
+		b, ns.spare[n-1] = ns.spare[n-1][:0], nil
+		ns.spare = ns.spare[:n-1]
+	}
+	ns.backlog = append(ns.backlog, pendingNotif{p, appendNotifDgram(b, ns.name, msg)})
 }
 
 // flush retries the backlog in order until the first refusal. Entries for
@@ -181,6 +231,11 @@ func (ns *notifSock) flush() (sent bool, failed int) {
 			sent = true
 		}
 	}
+	for _, e := range ns.backlog[:i] {
+		if len(ns.spare) < maxSpare {
+			ns.spare = append(ns.spare, e.dgram)
+		}
+	}
 	clear(ns.backlog[:i])
 	ns.backlog = append(ns.backlog[:0], ns.backlog[i:]...)
 	return sent, failed
@@ -195,23 +250,25 @@ func (ns *notifSock) recv(deliver func(sender string, msg []byte)) (got, bad int
 	for {
 		// MSG_TRUNC: n is the datagram's real length, so one longer than
 		// the buffer (no sender of ours writes one) is seen, not cut.
-		n, _, err := unix.Recvfrom(ns.rfd, ns.rbuf, unix.MSG_DONTWAIT|unix.MSG_TRUNC)
-		if err != nil {
-			if errors.Is(err, unix.EINTR) {
+		// recvfrom without an address: unix.Recvfrom allocates one per call.
+		r, _, errno := unix.Syscall6(unix.SYS_RECVFROM, uintptr(ns.rfd), uintptr(unsafe.Pointer(&ns.rbuf[0])),
+			uintptr(len(ns.rbuf)), unix.MSG_DONTWAIT|unix.MSG_TRUNC, 0, 0)
+		if errno != 0 {
+			if errno == unix.EINTR {
 				continue
 			}
 			return got, bad
 		}
+		n := int(r)
 		if n > len(ns.rbuf) {
 			bad++
 			continue
 		}
-		sender, msg, err := decodeNotifDgram(ns.rbuf[:n])
+		k, err := decodeNotifDgram(ns.rbuf[:n], deliver)
 		if err != nil {
 			bad++
 			continue
 		}
-		got++
-		deliver(sender, msg)
+		got += k
 	}
 }

@@ -16,29 +16,44 @@ func FuzzNotifDgram(f *testing.F) {
 	f.Add([]byte{})
 	f.Add([]byte{0, 0})
 	f.Add([]byte{5, 0, 'a'})
+	f.Add(appendNotifMsg(appendNotifDgram(nil, "c", []byte("one")), []byte("two")))
 	f.Fuzz(func(t *testing.T, b []byte) {
-		sender, msg, err := decodeNotifDgram(b)
+		var re []byte
+		n, err := decodeNotifDgram(b, func(sender string, msg []byte) {
+			if sender == "" {
+				t.Fatal("decoded an empty sender")
+			}
+			if re == nil {
+				re = appendNotifDgram(nil, sender, msg)
+			} else {
+				re = appendNotifMsg(re, msg)
+			}
+		})
 		if err != nil {
+			if re != nil {
+				t.Fatal("a malformed datagram delivered messages")
+			}
 			return
 		}
-		if sender == "" {
-			t.Fatal("decoded an empty sender")
-		}
-		if got := appendNotifDgram(nil, sender, msg); !bytes.Equal(got, b) {
-			t.Fatalf("re-encoding %q gave %q", b, got)
+		if n == 0 || !bytes.Equal(re, b) {
+			t.Fatalf("%d messages; re-encoding %q gave %q", n, b, re)
 		}
 	})
 }
 
 func TestNotifDgramRejects(t *testing.T) {
-	for _, b := range [][]byte{nil, {1}, {0, 0, 'x'}, {3, 0, 'a', 'b'}} {
-		if _, _, err := decodeNotifDgram(b); !errors.Is(err, errNotifDgram) {
+	none := func(string, []byte) { t.Fatal("delivered from a malformed datagram") }
+	good := appendNotifMsg(appendNotifDgram(nil, "c", []byte("one")), []byte("two"))
+	for _, b := range [][]byte{nil, {1}, {0, 0, 'x'}, {3, 0, 'a', 'b'}, {1, 0, 'a'}, good[:len(good)-1],
+		append(append([]byte(nil), good...), 1)} {
+		if _, err := decodeNotifDgram(b, none); !errors.Is(err, errNotifDgram) {
 			t.Errorf("%q: %v", b, err)
 		}
 	}
-	s, m, err := decodeNotifDgram(appendNotifDgram(nil, "c", nil))
-	if err != nil || s != "c" || len(m) != 0 {
-		t.Fatalf("empty message: %q %q %v", s, m, err)
+	var got []string
+	n, err := decodeNotifDgram(appendNotifMsg(good, nil), func(s string, m []byte) { got = append(got, s+"/"+string(m)) })
+	if err != nil || n != 3 || fmt.Sprint(got) != "[c/one c/two c/]" {
+		t.Fatalf("%d %q %v", n, got, err)
 	}
 }
 
@@ -139,6 +154,7 @@ func TestNotifSockTruncated(t *testing.T) {
 	}
 	defer recv.close()
 	recv.rbuf = recv.rbuf[:64]
+	// (a datagram longer than the buffer)
 	fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_DGRAM, 0)
 	if err != nil {
 		t.Fatal(err)
