@@ -13,7 +13,6 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
-	"golang.org/x/sys/unix"
 
 	"github.com/ecxfer/ecxfer/internal/leakcheck"
 	"github.com/ecxfer/ecxfer/internal/pattern"
@@ -22,19 +21,6 @@ import (
 
 // Two-process tests of the direct path: real producer processes (this test
 // binary re-executed), real mappings, bytes verified.
-
-// shmFileRegion creates path (size bytes) and maps it MAP_SHARED.
-func shmFileRegion(path string, size int) ([]byte, error) {
-	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_TRUNC, 0o600)
-	if err != nil {
-		return nil, err
-	}
-	defer f.Close()
-	if err := f.Truncate(int64(size)); err != nil {
-		return nil, err
-	}
-	return unix.Mmap(int(f.Fd()), 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-}
 
 // directRegions are the producer regions of the two-process tests: the
 // engine's (a UCX System V segment), a /dev/shm file, anonymous memory.

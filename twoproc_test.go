@@ -16,6 +16,7 @@ import (
 	"github.com/ecxfer/ecxfer/internal/ctrl"
 	"github.com/ecxfer/ecxfer/internal/leakcheck"
 	"github.com/ecxfer/ecxfer/internal/pattern"
+	"github.com/ecxfer/ecxfer/internal/shmview"
 )
 
 // Two processes: this test binary re-executed as a producer. The producer
@@ -80,7 +81,7 @@ func runTestProducer() int {
 	}
 	if path := os.Getenv("ECX_SHM_PATH"); os.Getenv("ECX_REGION") == "shm" {
 		// A MAP_SHARED mapping of a /dev/shm file, like vLLM's region.
-		region, err := shmFileRegion(path, bs*nb)
+		region, err := shmview.MapNewFile(path, bs*nb)
 		if err != nil {
 			return fail(err)
 		}

@@ -63,6 +63,7 @@ import (
 	"github.com/ecxfer/ecxfer/internal/ctrl"
 	"github.com/ecxfer/ecxfer/internal/leakcheck"
 	"github.com/ecxfer/ecxfer/internal/pattern"
+	"github.com/ecxfer/ecxfer/internal/shmview"
 	"github.com/ecxfer/ecxfer/metrics"
 )
 
@@ -154,7 +155,7 @@ func runProducer() int {
 		}
 		cfg.Region = region
 	case "shm":
-		region, err := shmRegion(os.Getenv("ECX_SHM_PATH"), bs*prodNB)
+		region, err := shmview.MapNewFile(os.Getenv("ECX_SHM_PATH"), bs*prodNB)
 		if err != nil {
 			_ = c.Send(ctrl.Message{Kind: "error", Strs: map[string]string{"error": err.Error()}})
 			return 1
@@ -191,20 +192,6 @@ func runProducer() int {
 		case <-time.After(5 * time.Millisecond):
 		}
 	}
-}
-
-// shmRegion creates a /dev/shm file of size bytes and maps it shared. The
-// consumer removes the file once the producer is gone.
-func shmRegion(path string, size int) ([]byte, error) {
-	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
-	if err != nil {
-		return nil, err
-	}
-	defer f.Close()
-	if err := f.Truncate(int64(size)); err != nil {
-		return nil, err
-	}
-	return unix.Mmap(int(f.Fd()), 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 }
 
 // ---------------------------------------------------------------------------

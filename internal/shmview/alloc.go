@@ -130,3 +130,18 @@ func ProcAdvert(region []byte) (Advert, error) {
 	}
 	return a, a.Validate()
 }
+
+// MapNewFile creates (or truncates) the file at path, sizes it and maps it
+// shared and writable: a region like vLLM's, a MAP_SHARED mapping of a
+// /dev/shm file. Tests and tools make producers with it.
+func MapNewFile(path string, size int) ([]byte, error) {
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_TRUNC, 0o600)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	if err := f.Truncate(int64(size)); err != nil {
+		return nil, err
+	}
+	return unix.Mmap(int(f.Fd()), 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+}
