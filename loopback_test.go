@@ -274,44 +274,60 @@ func TestSteadyStateAllocs(t *testing.T) {
 	if raceEnabled {
 		t.Skip("allocation counts need a build without -race; make test runs this test in one")
 	}
-	for _, backend := range []string{"loopback", "ucx"} {
-		t.Run(backend, func(t *testing.T) {
+	for _, c := range []struct {
+		name, backend string
+		opt           func(*Config)
+	}{
+		{"loopback", "loopback", nil},
+		{"ucx-engine", "ucx", enginePath},
+		{"ucx-direct", "ucx", nil},
+	} {
+		t.Run(c.name, func(t *testing.T) {
 			leakcheck.Check(t)
-			e := env{t: t, backend: backend}
+			const bs, nb = 5120, 2048
+			e := env{t: t, backend: c.backend}
+			if c.opt != nil {
+				e.base = []func(*Config){c.opt}
+			}
 			pname := uniqueName("prod")
-			prod := e.transport(pname, 5120, 64)
-			// Each table slot keeps the index buffers of the largest request
-			// it carried; a small table is warm after a few thousand reads.
-			cons := e.transport(uniqueName("cons"), 5120, 64, func(c *Config) {
+			prod := e.transport(pname, bs, nb)
+			cons := e.transport(uniqueName("cons"), bs, nb, func(c *Config) {
 				c.Reactor = reactor.Options{Idle: reactor.IdleSpin, Handles: 256}
 			})
 			_, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
 			require.NoError(t, err)
-			local, remote := []int{1, 2, 3, 9}, []int{4, 5, 6, 60}
-			read := func() {
-				h, err := cons.PostRead(local, pname, remote, nil)
-				if err != nil {
-					panic(err)
-				}
-				for {
-					st, err := cons.CheckXferState(h)
+			rng := rand.New(rand.NewSource(5))
+			// Four blocks, and an image's 880 scattered ones (more
+			// indices than a handle-table slot keeps).
+			for _, n := range []int{4, 880} {
+				local, remote := rng.Perm(nb)[:n], rng.Perm(nb)[:n]
+				read := func() {
+					h, err := cons.PostRead(local, pname, remote, nil)
 					if err != nil {
 						panic(err)
 					}
-					if st == StateDone {
-						break
+					for {
+						st, err := cons.CheckXferState(h)
+						if err != nil {
+							panic(err)
+						}
+						if st == StateDone {
+							break
+						}
+						runtime.Gosched()
 					}
-					runtime.Gosched()
+					if err := cons.ReleaseXferHandle(h); err != nil {
+						panic(err)
+					}
 				}
-				if err := cons.ReleaseXferHandle(h); err != nil {
-					panic(err)
+				// Warm up: every slot's buffers, engine maps, the pooled
+				// buffers of large READs.
+				for i := 0; i < 300_000/(n+96); i++ {
+					read()
 				}
+				allocs := testing.AllocsPerRun(max(50, 30_000/(n+96)), read)
+				require.Zero(t, allocs, "%d-block PostRead -> DONE -> Release allocates (whole process, both reactors)", n)
 			}
-			for i := 0; i < 3000; i++ { // warm up: every slot's buffers, engine maps
-				read()
-			}
-			allocs := testing.AllocsPerRun(500, read)
-			require.Zero(t, allocs, "PostRead -> DONE -> Release allocates (whole process, both reactors)")
 		})
 	}
 }

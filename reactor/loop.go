@@ -415,13 +415,12 @@ func (r *Reactor) complete(c nixl.Completion) {
 	}
 	// Once finish publishes DONE the caller may release the handle and a
 	// new READ may take the slot: take what is still needed out of it
-	// first. The message buffer is swapped for the spare one, so no READ
-	// allocates.
+	// first. The message buffer leaves the slot and goes back to msgPool
+	// once sent, so no READ allocates.
 	p, bytes, posted, notify := s.peer, s.bytes, s.posted, s.hasNotif
 	var msg []byte
 	if notify {
-		msg, s.notif = s.notif, r.notifSpare[:0]
-		r.notifSpare = nil
+		msg, s.notif = s.notif, nil
 	}
 	if !r.finish(h, s, codeNone) {
 		// Released while the engine finished it: canceled, and the
@@ -432,8 +431,8 @@ func (r *Reactor) complete(c nixl.Completion) {
 		// a READ released or timed out first never notifies.
 		r.readDone(p, bytes, posted, notify, msg)
 	}
-	if notify && cap(msg) <= 8*slotKeep {
-		r.notifSpare = msg
+	if notify {
+		msgPool.put(msg)
 	}
 }
 

@@ -113,11 +113,8 @@ type Reactor struct {
 	comps    []nixl.Completion
 	ctrlBuf  []*ctrlOp
 	notifTmp map[string][][]byte
-	// notifSpare is a message buffer handed to the next slot whose
-	// notification is taken out for sending (see complete).
-	notifSpare []byte
-	lastTime   int64
-	lastWork   bool // the last turn found work (its time counts as busy)
+	lastTime int64
+	lastWork bool // the last turn found work (its time counts as busy)
 }
 
 // Setup prepares the agent's local memory: it registers the block memory
@@ -324,9 +321,9 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 		s.job = r.newJob(h, p, loc.descs, localIdx, remoteIdx, notif)
 	} else {
 		s.job = nil
-		s.notif = append(s.notif[:0], notif...)
-		s.localIdx = append(s.localIdx[:0], localIdx...)
-		s.remoteIdx = append(s.remoteIdx[:0], remoteIdx...)
+		s.notif = fillMsg(s.notif, notif)
+		s.localIdx = fillIdx(s.localIdx, localIdx)
+		s.remoteIdx = fillIdx(s.remoteIdx, remoteIdx)
 	}
 
 	for tries := 0; !r.sub.TryPush(h); tries++ {

@@ -2,6 +2,7 @@ package reactor
 
 import (
 	"math/bits"
+	"sync"
 	"sync/atomic"
 
 	"github.com/cespare/xxhash/v2"
@@ -104,11 +105,110 @@ func (s *slot) trim() {
 // until the READ has ended.
 func (s *slot) trimIdx() {
 	if cap(s.localIdx) > slotKeep {
+		bigIdx.put(s.localIdx)
 		s.localIdx = nil
 	}
 	if cap(s.remoteIdx) > slotKeep {
+		bigIdx.put(s.remoteIdx)
 		s.remoteIdx = nil
 	}
+}
+
+// fillIdx copies src into dst's storage when it fits; a longer list than
+// a slot keeps gets a buffer from bigIdx, so an image READ (880 indices a
+// side) allocates nothing once a few such buffers exist.
+func fillIdx(dst, src []int) []int {
+	if cap(dst) < len(src) && len(src) > slotKeep {
+		dst = bigIdx.get(len(src))
+	}
+	return append(dst[:0], src...)
+}
+
+// fillMsg copies a notification into dst's storage when it fits, else
+// into a buffer from msgPool.
+func fillMsg(dst, src []byte) []byte {
+	if cap(dst) < len(src) && len(src) <= maxPooledMsg {
+		dst = msgPool.get()
+	}
+	return append(dst[:0], src...)
+}
+
+// msgPool keeps notification buffers (up to maxPooledMsg bytes) for any
+// slot: the reactor takes a READ's buffer out of its slot when the READ
+// ends (the slot may be reused at once) and gives it back here once the
+// notification is sent. Without it every slot would allocate its first
+// buffer, and READs land on slots all over the table.
+var msgPool = bufPool{}
+
+const (
+	maxPooledMsg = 8 * slotKeep
+	maxPooled    = 4096
+)
+
+type bufPool struct {
+	mu   sync.Mutex
+	free [][]byte
+}
+
+func (p *bufPool) get() []byte {
+	p.mu.Lock()
+	if n := len(p.free); n > 0 {
+		b := p.free[n-1]
+		p.free[n-1] = nil
+		p.free = p.free[:n-1]
+		p.mu.Unlock()
+		return b[:0]
+	}
+	p.mu.Unlock()
+	return make([]byte, 0, maxPooledMsg)
+}
+
+func (p *bufPool) put(b []byte) {
+	if cap(b) == 0 || cap(b) > maxPooledMsg {
+		return
+	}
+	p.mu.Lock()
+	if len(p.free) < maxPooled {
+		p.free = append(p.free, b[:0])
+	}
+	p.mu.Unlock()
+}
+
+// idxPool keeps index buffers longer than slotKeep for any slot to reuse:
+// slots keep only small ones, and large READs land on slots all over the
+// table. Callers take buffers in Post, the loop returns them.
+type idxPool struct {
+	mu   sync.Mutex
+	free [][]int
+}
+
+var bigIdx idxPool
+
+// maxBigIdx bounds the buffers kept: two per large READ in flight at once.
+const maxBigIdx = 128
+
+func (p *idxPool) get(n int) []int {
+	p.mu.Lock()
+	for i := len(p.free) - 1; i >= 0; i-- {
+		if b := p.free[i]; cap(b) >= n {
+			last := len(p.free) - 1
+			p.free[i] = p.free[last]
+			p.free[last] = nil
+			p.free = p.free[:last]
+			p.mu.Unlock()
+			return b[:0]
+		}
+	}
+	p.mu.Unlock()
+	return make([]int, 0, max(n, 1024))
+}
+
+func (p *idxPool) put(b []int) {
+	p.mu.Lock()
+	if len(p.free) < maxBigIdx {
+		p.free = append(p.free, b[:0])
+	}
+	p.mu.Unlock()
 }
 
 // table is the fixed-capacity handle table.
