@@ -8,23 +8,27 @@ import (
 )
 
 // BenchmarkRead measures one PostRead -> DONE -> Release round trip of a
-// one-block READ through the reactor, with both transports in this
-// process: for loopback that is the reactor's own cost, for ucx the
-// reactor plus UCX over shared memory. allocs/op is the steady-state
-// allocation count of the whole process (both reactors included).
+// one-block READ, with both transports in this process: for loopback that
+// is the reactor's own cost, for ucx-engine the reactor plus UCX over
+// shared memory, for ucx (the default) the direct path's copy inside
+// PostRead. allocs/op is the steady-state allocation count of the whole
+// process (both reactors included).
 func BenchmarkRead(b *testing.B) {
-	for _, backend := range []string{"loopback", "ucx"} {
-		b.Run(backend, func(b *testing.B) { benchRead(b, backend) })
+	for _, c := range []struct {
+		name, backend string
+		direct        DirectMode
+	}{{"loopback", "loopback", DirectAuto}, {"ucx-engine", "ucx", DirectOff}, {"ucx", "ucx", DirectAuto}} {
+		b.Run(c.name, func(b *testing.B) { benchRead(b, c.backend, c.direct) })
 	}
 }
 
-func benchRead(b *testing.B, backend string) {
-	prod, err := New(Config{AgentName: uniqueName("bp"), Backend: backend, BlockSize: 5120, NumBlocks: 64})
+func benchRead(b *testing.B, backend string, direct DirectMode) {
+	prod, err := New(Config{AgentName: uniqueName("bp"), Backend: backend, BlockSize: 5120, NumBlocks: 64, Direct: direct})
 	if err != nil {
 		b.Fatal(err)
 	}
 	defer prod.Deregister()
-	cons, err := New(Config{AgentName: uniqueName("bc"), Backend: backend, BlockSize: 5120, NumBlocks: 64,
+	cons, err := New(Config{AgentName: uniqueName("bc"), Backend: backend, BlockSize: 5120, NumBlocks: 64, Direct: direct,
 		Reactor: reactor.Options{Idle: reactor.IdleSpin, Handles: 256}})
 	if err != nil {
 		b.Fatal(err)
