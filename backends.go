@@ -21,6 +21,9 @@ func newAgent(cfg Config) (nixl.Agent, error) {
 		if err != nil {
 			return nil, fmt.Errorf("%w: ucx: %v", ErrEngine, err)
 		}
+		if cfg.sharedQueueForTest {
+			return sharedQueueAllowed{a}, nil
+		}
 		return a, nil
 	case "loopback":
 		a, err := loopback.New(cfg.AgentName)
@@ -40,3 +43,13 @@ func newAgent(cfg Config) (nixl.Agent, error) {
 	}
 	return nil, fmt.Errorf("%w: unknown backend %q (want ucx, loopback or nixl)", ErrConfig, cfg.Backend)
 }
+
+// sharedQueueAllowed is the ucx agent with the refusal of shared-queue
+// peers lifted (nixl.SharedQueueGetter always false). Only tests set
+// Config.sharedQueueForTest: on one host, the only real UCX gets that stay
+// in flight are the emulated gets of a stopped producer's own memory, and
+// the tests of RemoveRemotePeer, Deregister, timeouts and ErrBusy with
+// engine requests in flight need them. Those tests never kill the producer.
+type sharedQueueAllowed struct{ *ucx.Agent }
+
+func (sharedQueueAllowed) SharedQueueGets(string) bool { return false }

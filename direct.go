@@ -126,7 +126,8 @@ func (t *Transport) enableDirect() error {
 // peer is on this host and the direct path is on, opens its region. A
 // descriptor outside the advertised region is refused. A region that cannot
 // be opened (permissions, the producer already gone) leaves the peer on
-// the engine path.
+// the engine path; the reason comes back as a *directErr, which
+// AddRemotePeer reports only if the engine path refuses the peer.
 func (t *Transport) directPeer(metadata []byte, descs descriptors.List) ([]byte, *reactor.Direct, error) {
 	md, adv, err := shmview.Split(metadata)
 	if err != nil {
@@ -146,10 +147,17 @@ func (t *Transport) directPeer(metadata []byte, descs descriptors.List) ([]byte,
 	}
 	d, err := reactor.OpenDirect(adv)
 	if err != nil {
-		return md, nil, nil
+		// The engine path instead; the reason goes with a refusal.
+		return md, nil, &directErr{err}
 	}
 	return md, d, nil
 }
+
+// directErr is why a same-host peer got no direct view: not an error of
+// AddRemotePeer unless the engine path refuses the peer too.
+type directErr struct{ err error }
+
+func (e *directErr) Error() string { return "no direct view: " + e.err.Error() }
 
 // PeerPath names how READs of a peer travel: "engine", "direct-file" (a
 // mapped /dev/shm or memfd file), "direct-sysv" (a mapped System V

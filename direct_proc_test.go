@@ -238,3 +238,81 @@ func TestDirectTruncatedTwoProcess(t *testing.T) {
 	require.ErrorIs(t, err, ErrRemoteDisconnect)
 	require.NoError(t, directReadVerify(cons, healthy, all[:100], all[100:200], 32, bs, nil))
 }
+
+// TestEngineRefusesSharedQueuePeer: with the direct path off, a same-host
+// producer whose region is its own memory (a /dev/shm file, anonymous
+// memory) would be read with gets it answers through this process's
+// shared-memory receive queue, which a producer killed mid-answer leaves
+// stuck for every peer. AddRemotePeer refuses it with ErrConfig; an
+// engine-allocated region is read as before, and with the direct path on
+// the same producers are read directly.
+func TestEngineRefusesSharedQueuePeer(t *testing.T) {
+	leakcheck.Check(t)
+	const bs, nb = 4096, 64
+	all := make([]int, nb)
+	for i := range all {
+		all[i] = i
+	}
+	kinds := []string{"shm", "mmap", "alloc"}
+	prods := map[string]*roleProc{}
+	names := map[string]string{}
+	for i, k := range kinds {
+		names[k] = uniqueName("sq-" + k)
+		prods[k], _ = startDirectProducer(t, names[k], k, bs, nb, uint64(60+i))
+	}
+	off := ucxEnv(t).transport(uniqueName("sq-off"), bs, nb)
+	for _, k := range []string{"shm", "mmap"} {
+		_, err := off.AddRemotePeer(prods[k].hello.Metadata, prods[k].hello.MemDesc)
+		require.ErrorIs(t, err, ErrConfig, k)
+		require.ErrorContains(t, err, "shared-memory receive queue", k)
+		_, err = off.PostRead([]int{0}, names[k], []int{0}, nil)
+		require.ErrorIs(t, err, ErrUnknownPeer, "a refused peer is not loaded")
+	}
+	require.Zero(t, off.Stats().Peers)
+	_, err := off.AddRemotePeer(prods["alloc"].hello.Metadata, prods["alloc"].hello.MemDesc)
+	require.NoError(t, err)
+	require.Equal(t, "engine", off.PeerPath(names["alloc"]))
+	require.NoError(t, directReadVerify(off, names["alloc"], all, all, 62, bs, nil))
+
+	on := ucxEnv(t).transport(uniqueName("sq-on"), bs, nb, direct)
+	for i, k := range kinds {
+		_, err := on.AddRemotePeer(prods[k].hello.Metadata, prods[k].hello.MemDesc)
+		require.NoError(t, err, k)
+		require.NotEqual(t, "engine", on.PeerPath(names[k]), k)
+		require.NoError(t, directReadVerify(on, names[k], all, all, uint64(60+i), bs, nil), k)
+	}
+}
+
+// TestEngineTruncatedOverTCP: over tcp alone there is no shared receive
+// queue, so the engine reads a same-host producer's own memory. One that
+// dies of SIGBUS while answering (its region file was truncated) fails the
+// READ, and a second producer's READs keep completing, round after round.
+func TestEngineTruncatedOverTCP(t *testing.T) {
+	leakcheck.Check(t)
+	tcp := withTLS(t, "tcp")
+	const bs, nb = 32768, 128
+	all := make([]int, nb)
+	for i := range all {
+		all[i] = i
+	}
+	healthy := uniqueName("tt-ok")
+	ph := startTestProducer(t, nil, healthy, bs, nb, 72, "mmap", tcp...)
+	cons := ucxEnv(t).transport(uniqueName("tt-cons"), bs, nb)
+	_, err := cons.AddRemotePeer(ph.hello.Metadata, ph.hello.MemDesc)
+	require.NoError(t, err)
+	for round := range 3 {
+		victim := uniqueName("tt-victim")
+		path := filepath.Join("/dev/shm", fmt.Sprintf("ecxfer_test_%d_%s.mmap", os.Getpid(), victim))
+		t.Cleanup(func() { _ = os.Remove(path) })
+		pv := startTestProducer(t, nil, victim, bs, nb, 71, "shm", append(tcp, "ECX_SHM_PATH="+path)...)
+		_, err := cons.AddRemotePeer(pv.hello.Metadata, pv.hello.MemDesc)
+		require.NoError(t, err)
+		require.Equal(t, "engine", cons.PeerPath(victim))
+		require.NoError(t, directReadVerify(cons, victim, all, all, 71, bs, nil))
+		require.NoError(t, os.Truncate(path, 4096))
+		err = directReadVerify(cons, victim, all, all, 71, bs, nil)
+		require.ErrorIs(t, err, ErrRemoteDisconnect, "round %d", round)
+		require.NoError(t, directReadVerify(cons, healthy, all[:64], all[64:], 72, bs, nil), "round %d: the healthy producer", round)
+		require.NoError(t, cons.RemoveRemotePeer(victim))
+	}
+}

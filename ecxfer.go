@@ -44,8 +44,9 @@ var (
 	ErrTimeout          = reactor.ErrTimeout
 	ErrCanceled         = reactor.ErrCanceled
 	ErrEngine           = reactor.ErrEngine
-	// ErrConfig reports a Config that New cannot use.
-	ErrConfig = errors.New("ecxfer: bad config")
+	// ErrConfig reports a Config that New cannot use, and a peer that
+	// AddRemotePeer will not read under this Config (see Config.Direct).
+	ErrConfig = reactor.ErrConfig
 )
 
 // DataTransport is vLLM's EC data-plane transport.
@@ -114,6 +115,10 @@ type Config struct {
 	// the reactor: with BindNUMA to the node's CPUs, with PinCPU to the
 	// other allowed CPUs.
 	CopyWorkers int
+
+	// sharedQueueForTest lifts AddRemotePeer's refusal of shared-queue
+	// peers (see DirectOff); for tests only.
+	sharedQueueForTest bool
 }
 
 // DirectMode says whether READs of same-host peers bypass the engine.
@@ -130,7 +135,14 @@ const (
 	// backend cannot carry the advertisement and ignores it.
 	DirectOn
 	// DirectOff neither advertises nor reads directly: every READ goes
-	// through the engine.
+	// through the engine. On the ucx engine that limits same-host peers
+	// to engine-allocated regions (their Config.Region nil): UCX 1.13
+	// serves gets of a region the peer registered itself with messages
+	// through this process's shared-memory receive queue, which a peer
+	// killed mid-answer can leave stuck for every peer, so AddRemotePeer
+	// refuses such a peer with ErrConfig (unless UCX_TLS leaves shared
+	// memory out). The same holds under DirectAuto and DirectOn for such a
+	// peer that does not advertise its region or cannot be mapped.
 	DirectOff
 )
 
@@ -350,10 +362,15 @@ func (t *Transport) AddRemotePeer(metadata, memDescriptor []byte) (string, error
 		return "", fmt.Errorf("%w: empty", ErrBadMetadata)
 	}
 	md, d, err := t.directPeer(metadata, descs)
-	if err != nil {
+	var why *directErr
+	if err != nil && !errors.As(err, &why) {
 		return "", err
 	}
-	return t.r.AddPeerDirect(md, descs, d)
+	name, err := t.r.AddPeerDirect(md, descs, d)
+	if why != nil && errors.Is(err, ErrConfig) {
+		err = fmt.Errorf("%w (%v)", err, why)
+	}
+	return name, err
 }
 
 // maxDevID bounds a descriptor's device id: vLLM's are small device

@@ -190,7 +190,7 @@ func TestTimedOutReadsDoNotNotify(t *testing.T) {
 	leakcheck.Check(t)
 	prod := uniqueName("prod")
 	pp := startTestProducer(t, nil, prod, relBS, relNB, 51, "mmap")
-	cons := ucxEnv(t).transport(uniqueName("cons"), relBS, relNB, func(c *Config) { c.XferTimeout = 300 * time.Millisecond })
+	cons := ucxEnv(t).transport(uniqueName("cons"), relBS, relNB, sharedQueue, func(c *Config) { c.XferTimeout = 300 * time.Millisecond })
 	_, err := cons.AddRemotePeer(pp.hello.Metadata, pp.hello.MemDesc)
 	require.NoError(t, err)
 	readVerify(t, cons, prod, 16, 51, rand.New(rand.NewSource(1)))

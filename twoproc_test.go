@@ -170,7 +170,8 @@ func startProducer(t *testing.T, name string, bs, nb int, seed uint64, region st
 
 // TestTwoProcessRead: a consumer reads 880 random blocks of a producer
 // process and verifies every byte and the notification, on UCX (the engine
-// path over shared memory and over tcp) and on the direct path the ucx
+// path over shared memory for an engine-allocated region, over tcp for
+// both kinds of region) and on the direct path the ucx
 // backend takes by default for same-host peers.
 func TestTwoProcessRead(t *testing.T) {
 	for _, c := range []struct {
@@ -178,7 +179,7 @@ func TestTwoProcessRead(t *testing.T) {
 		path              string
 	}{
 		{"alloc", "alloc", "", "engine"},
-		{"mmap", "mmap", "", "engine"},
+		{"mmap-tcp", "mmap", "tcp", "engine"}, // over shared memory refused (TestEngineRefusesSharedQueuePeer)
 		{"tcp", "alloc", "tcp", "engine"},
 		{"direct-alloc", "alloc", "", "direct-sysv"},
 		{"direct-mmap", "mmap", "", "direct-proc"},

@@ -12,3 +12,16 @@ package nixl
 type NotifDropper interface {
 	DroppedNotifs() uint64
 }
+
+// SharedQueueGetter is implemented by engines that can tell, for a loaded
+// peer, whether its gets are served by the peer writing into a receive
+// queue in shared memory that this process shares with all its same-host
+// peers. UCX 1.13 does that for memory the peer registered itself (not
+// memory the engine allocated): the peer answers each get with messages.
+// A peer that dies in the middle of such a reply (SIGKILL, or SIGBUS from
+// its own truncated file) can leave the queue stuck, and then transfers
+// from every other peer stop too. Callers that have another way to read
+// such a peer use it, and refuse the peer otherwise.
+type SharedQueueGetter interface {
+	SharedQueueGets(peerName string) bool
+}

@@ -23,6 +23,7 @@ var (
 	ErrTimeout           = errors.New("ecxfer: transfer timed out")
 	ErrCanceled          = errors.New("ecxfer: transfer canceled")
 	ErrEngine            = errors.New("ecxfer: transfer engine error")
+	ErrConfig            = errors.New("ecxfer: bad config")
 	errUnsupportedOption = errors.New("reactor: unsupported option")
 )
 

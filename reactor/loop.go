@@ -611,6 +611,16 @@ func (r *Reactor) addPeer(md []byte, descs descriptors.List, d *Direct) (_ strin
 	if old != nil && slices.Equal(descs, old.Descs) {
 		return name, nil
 	}
+	if sq, ok := r.agent.(nixl.SharedQueueGetter); ok && (d == nil || r.dir == nil) && sq.SharedQueueGets(name) {
+		if old == nil {
+			_ = r.agent.InvalidateRemoteMetadata(name)
+		}
+		return "", wrapf(ErrConfig, "peer %q: its blocks are memory it registered itself on this host, "+
+			"which the engine reads with gets the peer answers through this process's shared-memory receive queue; "+
+			"a peer that dies mid-answer stops transfers from every peer. "+
+			"Read it directly (Config.Direct auto or on), give the producer an engine-allocated region, "+
+			"or set UCX_TLS without shared memory", name)
+	}
 	dl, err := r.agent.PrepDlist(name, descs, nixl.DRAM)
 	if err != nil {
 		if old == nil {

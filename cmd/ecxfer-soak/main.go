@@ -19,6 +19,8 @@
 // (engine-allocated), "mmap" (anonymous caller memory) or "shm" (caller
 // memory, a MAP_SHARED mapping of a /dev/shm file, as vLLM's). --direct
 // chooses the consumer's path to them (auto, on or off: the engine path).
+// The engine path refuses caller memory over shared memory (ecxfer.DirectOff
+// says why): with --direct off use --regions alloc, or UCX_TLS=tcp.
 //
 // At the end: every accepted READ is accounted for (done + failed +
 // released in flight == accepted), no READ is stuck and no verified block

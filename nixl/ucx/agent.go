@@ -103,8 +103,11 @@ type peer struct {
 	regions  []peerRegion // sorted by addr
 	spans    nixl.SpanIndex
 	peerMode bool
-	pidfd    int
-	inflight map[nixl.XferID]*xfer
+	// sharedGets: gets from this peer's caller memory are emulated with
+	// messages over a shared-memory transport (nixl.SharedQueueGetter).
+	sharedGets bool
+	pidfd      int
+	inflight   map[nixl.XferID]*xfer
 }
 
 type dlist struct {

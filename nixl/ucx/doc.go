@@ -50,6 +50,12 @@
 // from UCX-allocated memory over shared memory are truly one-sided (the
 // producer need not progress), while gets from caller memory are emulated
 // with active messages and only complete while the owner progresses.
+// A same-host peer's emulated gets travel through this worker's
+// shared-memory receive queue, shared by all its same-host peers; a peer
+// that dies in the middle of an answer can leave that queue stuck for all
+// of them. SharedQueueGets (nixl.SharedQueueGetter) reports such peers
+// (ucp_ep_print_info shows a sysv or posix lane) so that the caller can
+// refuse them or read them some other way.
 // Emulated gets are not bounds-checked by the target, so PrepDlist checks
 // every remote descriptor against the regions the peer advertised, and each
 // range is split where it would cross from one region (rkey) into the next.

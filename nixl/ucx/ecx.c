@@ -6,6 +6,7 @@
  */
 #include "ecx.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -609,6 +610,24 @@ void ecx_version(uint32_t *major, uint32_t *minor)
     ucp_get_version(&ma, &mi, &rel);
     *major = ma;
     *minor = mi;
+}
+
+int ecx_ep_shm_lanes(ucp_ep_h ep)
+{
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&buf, &len);
+    if (f == NULL) {
+        return -1;
+    }
+    ucp_ep_print_info(ep, f);
+    if (fclose(f) != 0 || buf == NULL) {
+        free(buf);
+        return -1;
+    }
+    int shm = strstr(buf, "sysv/") != NULL || strstr(buf, "posix/") != NULL;
+    free(buf);
+    return shm;
 }
 
 int ecx_rkey_unpack(ucp_ep_h ep, const void *buf, ucp_rkey_h *out)

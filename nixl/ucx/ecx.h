@@ -118,6 +118,9 @@ void ecx_ep_close(ecx_ctx_t *c, ucp_ep_h ep, ecx_ep_arg_t *arg, int force);
 void ecx_ep_close_rkeys(ecx_ctx_t *c, ucp_ep_h ep, ecx_ep_arg_t *arg, int force,
                         ucp_rkey_h *rkeys, uint32_t n);
 void ecx_version(uint32_t *major, uint32_t *minor);
+/* 1 if one of ep's lanes runs over a shared-memory transport (sysv or
+ * posix), 0 if none does, -1 if it cannot tell. Reads ucp_ep_print_info. */
+int ecx_ep_shm_lanes(ucp_ep_h ep);
 int ecx_rkey_unpack(ucp_ep_h ep, const void *buf, ucp_rkey_h *out);
 void ecx_rkey_destroy(ucp_rkey_h rkey);
 /* Destroys the n rkeys of rkeys and frees arg, leaving the endpoint to

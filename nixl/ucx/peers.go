@@ -82,6 +82,15 @@ func (a *Agent) LoadRemoteMetadata(md []byte) (string, error) {
 	return p.name, nil
 }
 
+// SharedQueueGets implements nixl.SharedQueueGetter: true for a same-host
+// peer in error mode NONE whose regions include caller memory, when the
+// endpoint runs over shared memory (sysv or posix). Over tcp alone each
+// peer has its own stream, which a dead peer cannot block for the others.
+func (a *Agent) SharedQueueGets(peerName string) bool {
+	p := a.peers[peerName]
+	return p != nil && p.sharedGets
+}
+
 // checkCompatible refuses a peer whose UCX this build cannot talk to.
 func (a *Agent) checkCompatible(m *metadata) error {
 	if m.UCX>>16 != a.ucxVer>>16 {
@@ -170,6 +179,12 @@ func (a *Agent) connect(p *peer, m *metadata) error {
 				a.closeEp(p, n)
 				return err
 			}
+		}
+		if p.deferred != nil && !p.peerMode {
+			// Caller memory in error mode NONE: its gets are emulated, over
+			// shared memory unless UCX_TLS left it out (-1, cannot tell,
+			// counts as shared).
+			p.sharedGets = C.ecx_ep_shm_lanes(p.ep) != 0
 		}
 	}
 	if p.pidfd >= 0 {

@@ -324,3 +324,27 @@ func TestCloseIdempotentAndLeaks(t *testing.T) {
 	require.Equal(t, fds, fdCount(t), "fds after Close")
 	require.LessOrEqual(t, runtime.NumGoroutine(), goroutines, "goroutines after Close")
 }
+
+// TestSharedQueueGets: a same-host peer's registered memory is read with
+// gets it answers through the shared-memory receive queue; its allocated
+// memory is read one-sided, and over tcp alone there is no shared queue.
+func TestSharedQueueGets(t *testing.T) {
+	for _, c := range []struct {
+		name, tls   string
+		alloc, want bool
+	}{
+		{"registered", "", false, true},
+		{"allocated", "", true, false},
+		{"registered-tcp", "tcp", false, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			if c.tls != "" {
+				t.Setenv("UCX_TLS", c.tls)
+			}
+			p := newPair(t, c.alloc)
+			require.Equal(t, c.want, p.cons.SharedQueueGets(p.peer))
+			require.False(t, p.cons.SharedQueueGets("nobody"))
+			var _ nixl.SharedQueueGetter = p.cons
+		})
+	}
+}

@@ -12,9 +12,11 @@ adds it as a peer, posts a READ of one encoding's blocks with the
 notification "{session}:{mm_hash}", checks the READ once per step until
 DONE and releases it; the producer drains its notifications once per step
 and learns it may reuse those blocks. Both sides are on this host, so the
-consumer reads the producer's file directly (the default); options (for
-example ECXFER_OPTIONS='{"direct": "off"}' for the UCX engine) apply to both
-sides.
+consumer reads the producer's file directly (the default). Options in
+ECXFER_OPTIONS apply to both sides; with '{"direct": "off"}' the UCX engine
+refuses the producer's own /dev/shm region over shared memory (a producer
+dying mid-answer could stall every peer), so add UCX_TLS=tcp to go through
+the engine over TCP.
 """
 
 import base64

@@ -18,12 +18,16 @@ NB, BS, SEED = 1024, 5120, 77
     "options", ['{"direct": "off"}', None, '{"direct": "on", "inline_bytes": -1}', '{"backend": "nixl"}']
 )
 def test_producer_consumer_processes(peers, options):
-    """Through the UCX engine (direct off); with the defaults, the consumer
-    copying from the producer's mapped /dev/shm file itself, inline in
-    post_read or (no inline bytes) on its copy workers; and through the
-    NIXL engine (NIXL's own agent and metadata underneath, make nixl builds
-    it)."""
-    env = child_env({"ECXFER_OPTIONS": options} if options else None)
+    """Through the UCX engine (direct off, over TCP: over shared memory the
+    engine refuses the producer's own region, test_engine_refuses_shm_region);
+    with the defaults, the consumer copying from the producer's mapped
+    /dev/shm file itself, inline in post_read or (no inline bytes) on its
+    copy workers; and through the NIXL engine (NIXL's own agent and
+    metadata underneath, make nixl builds it)."""
+    extra = {"ECXFER_OPTIONS": options} if options else {}
+    if options and '"off"' in options:
+        extra["UCX_TLS"] = "tcp"
+    env = child_env(extra)
     prod = peers([sys.executable, PEER, "producer", "encoder-0", shm_path("p"), str(NB), str(BS), str(SEED)], env)
     cons = peers([sys.executable, PEER, "consumer", "prefill-0", shm_path("c"), str(NB), str(BS)], env)
     pm = prod.recv()
@@ -101,3 +105,40 @@ def test_example_runs():
     assert r.returncode == 0, r.stdout + r.stderr
     assert "DONE" in r.stdout and "bytes verified" in r.stdout, r.stdout
     assert "'session-1:mm-hash-abc'" in r.stdout, r.stdout
+
+
+def test_engine_refuses_shm_region(peers, monkeypatch):
+    """With direct off, over shared memory, a producer's own /dev/shm region
+    is refused at add_remote_peer with a ConfigError (a ValueError) that
+    says why and what to do; nothing is loaded. With the defaults the same
+    producer is read directly."""
+    import base64
+
+    from conftest import ShmRegion
+
+    from ecxfer import ConfigError, EcxferDataTransport, UnknownPeerError
+
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    prod = peers([sys.executable, PEER, "producer", "encoder-r", shm_path("r"), "64", "4096", "5"])
+    pm = prod.recv()
+    md, desc = base64.b64decode(pm["md"]), base64.b64decode(pm["desc"])
+    reg = ShmRegion(64 * 4096)
+    kw = dict(base_ptr=reg.addr, num_blocks=64, block_size_bytes=4096, total_size_bytes=64 * 4096)
+    off = EcxferDataTransport(agent_name="prefill-r-off", direct="off", **kw)
+    on = None
+    try:
+        with pytest.raises(ConfigError, match="shared-memory receive queue") as ei:
+            off.add_remote_peer(md, desc)
+        assert isinstance(ei.value, ValueError)
+        with pytest.raises(UnknownPeerError):
+            off.post_read([0], "encoder-r", [0], b"")
+        on = EcxferDataTransport(agent_name="prefill-r-on", **kw)
+        peer = on.add_remote_peer(md, desc)
+        h = on.post_read(list(range(64)), peer, list(range(64)), b"")
+        assert on.wait(h, 10) == "DONE"
+        on.release_xfer_handle(h)
+    finally:
+        off.deregister()
+        if on is not None:
+            on.deregister()
+        reg.close()
