@@ -7,10 +7,12 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
@@ -369,4 +371,79 @@ func TestDirectInlineNotifNoBusy(t *testing.T) {
 	rest := notifsUntil(prod, reads-got, 20*time.Second)
 	require.Equal(t, reads, got+len(rest[cons.cfg.AgentName]))
 	require.Equal(t, int64(0), cons.Stats().LiveHandles)
+}
+
+// TestNotifsDrainedByCaller: NewNotifs reads the notification socket
+// itself, while the producer's reactor reads it too. Two consumers send
+// numbered notifications; a goroutine on the producer polls NewNotifs
+// without pause: every notification arrives exactly once, each sender's in
+// the order its READs completed. A malformed datagram a caller's drain
+// finds is counted as an engine error, like one the reactor finds.
+func TestNotifsDrainedByCaller(t *testing.T) {
+	leakcheck.Check(t)
+	e := env{t: t, backend: "ucx"}
+	const bs, nb, reads = 4096, 64, 5000
+	pname := uniqueName("dprod")
+	prod := e.transport(pname, bs, nb, direct)
+	var conss []*Transport
+	for range 2 {
+		c := e.transport(uniqueName("dcons"), bs, nb, direct)
+		_, err := c.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+		require.NoError(t, err)
+		conss = append(conss, c)
+	}
+	collected := make(chan map[string][]string)
+	go func() {
+		got := map[string][]string{}
+		deadline := time.Now().Add(30 * time.Second)
+		for n := 0; n < 2*reads && time.Now().Before(deadline); {
+			m := prod.NewNotifs()
+			if len(m) == 0 {
+				runtime.Gosched()
+			}
+			for who, msgs := range m {
+				for _, msg := range msgs {
+					got[who] = append(got[who], string(msg))
+					n++
+				}
+			}
+		}
+		collected <- got
+	}()
+	var wg sync.WaitGroup
+	for _, c := range conss {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range reads {
+				h, err := c.PostRead([]int{i % nb}, pname, []int{(i * 3) % nb}, []byte(strconv.Itoa(i)))
+				if !assert.NoError(t, err) {
+					return
+				}
+				assert.NoError(t, c.ReleaseXferHandle(h))
+			}
+		}()
+	}
+	wg.Wait()
+	got := <-collected
+	for _, c := range conss {
+		msgs := got[c.cfg.AgentName]
+		require.Len(t, msgs, reads, "notifications from %s", c.cfg.AgentName)
+		for i, m := range msgs {
+			require.Equal(t, strconv.Itoa(i), m, "notification %d from %s", i, c.cfg.AgentName)
+		}
+	}
+
+	// A malformed datagram on the producer's socket.
+	_, adv, err := shmview.Split(prod.AgentMetadata())
+	require.NoError(t, err)
+	require.NotNil(t, adv)
+	fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_DGRAM, 0)
+	require.NoError(t, err)
+	defer unix.Close(fd)
+	errs0 := prod.Stats().EngineErrors
+	to := &unix.SockaddrUnix{Name: shmview.NotifyAddr(uint32(unix.Getpid()), adv.Notify)}
+	require.NoError(t, unix.Sendto(fd, []byte{9, 0, 'x'}, 0, to))
+	require.Eventually(t, func() bool { return len(prod.NewNotifs()) == 0 && prod.Stats().EngineErrors > errs0 },
+		5*time.Second, time.Millisecond, "a malformed datagram was not counted")
 }

@@ -416,7 +416,10 @@ func (t *Transport) PostRead(localIndices []int, agentName string, remoteIndices
 }
 
 // NewNotifs returns the notifications received since the last call, keyed
-// by the sender's agent name. Each is handed out once. Never nil.
+// by the sender's agent name. Each is handed out once. Never nil. With the
+// direct path on it also reads this transport's notification socket itself
+// (one non-blocking recvfrom), so a notification from a directly reading
+// peer is seen as soon as it arrives, not when the reactor next wakes.
 func (t *Transport) NewNotifs() map[string][][]byte {
 	return t.r.Notifs()
 }

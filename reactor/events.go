@@ -3,6 +3,7 @@ package reactor
 import (
 	"context"
 	"log/slog"
+	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -58,7 +59,10 @@ type events struct {
 	errPending uint64
 	// oversized holds the senders whose oversized notification was
 	// logged; bounded so that a stream of invented names cannot grow it.
-	oversized map[string]struct{}
+	// Under oversizedMu: a caller draining the notification socket
+	// (Reactor.Notifs) logs too.
+	oversizedMu sync.Mutex
+	oversized   map[string]struct{}
 }
 
 // maxOversizedSenders bounds events.oversized.
@@ -69,13 +73,20 @@ func (r *Reactor) logOversized(sender string, n int) {
 	if r.ev.log == nil {
 		return
 	}
-	if _, ok := r.ev.oversized[sender]; ok || len(r.ev.oversized) >= maxOversizedSenders {
+	r.ev.oversizedMu.Lock()
+	_, seen := r.ev.oversized[sender]
+	if !seen && len(r.ev.oversized) < maxOversizedSenders {
+		if r.ev.oversized == nil {
+			r.ev.oversized = map[string]struct{}{}
+		}
+		r.ev.oversized[sender] = struct{}{}
+	} else {
+		seen = true
+	}
+	r.ev.oversizedMu.Unlock()
+	if seen {
 		return
 	}
-	if r.ev.oversized == nil {
-		r.ev.oversized = map[string]struct{}{}
-	}
-	r.ev.oversized[sender] = struct{}{}
 	r.logEvent(slog.LevelWarn, EventNotifOversized,
 		slog.String("peer", sender), slog.Int("bytes", n), slog.Int("limit", r.opts.MaxNotif))
 }

@@ -5,6 +5,8 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"sync"
+	"sync/atomic"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -28,7 +30,9 @@ import (
 // The producer binds an abstract address (shmview.NotifyAddr: its pid and
 // a random token it advertises) and the socket sits in its reactor's epoll
 // set, so a parked reactor wakes for a notification; a spinning one reads
-// the socket every notifRecvEvery. A datagram is the sender's agent name
+// the socket every notifRecvEvery, and so does every call of
+// Reactor.Notifs (a caller polling for notifications sees one as soon as
+// it has arrived, without waiting for the reactor to wake up). A datagram is the sender's agent name
 // (a uint16 length, then the name) and one or more messages (each a
 // uint32 length, then the bytes). The receiver applies its MaxNotif as for
 // the engine's notifications. A send the receiver's queue cannot take
@@ -131,15 +135,22 @@ func decodeNotifDgram(b []byte, deliver func(sender string, msg []byte)) (int, e
 	return count, nil
 }
 
-// notifSock is a reactor's side of the channel. Loop only.
+// notifSock is a reactor's side of the channel. Loop only, but for the
+// receiving side, which callers of Reactor.Notifs drain too: rfd, rbuf and
+// delivery are under recvMu, so notifications from one sender are handed
+// out in the order they were sent whoever reads them.
 type notifSock struct {
+	recvMu   sync.Mutex
 	rfd, sfd int    // receiving (bound; -1: none) and sending sockets
 	name     string // this agent's name, the sender of every datagram
 	rbuf     []byte
-	sbuf     []byte
-	backlog  []pendingNotif // refused with EAGAIN, oldest first
-	spare    [][]byte       // datagram buffers of sent backlog entries, for reuse
-	lastRecv int64
+	// badByCaller counts malformed datagrams a caller's drain found, for
+	// the loop to report as an engine error.
+	badByCaller atomic.Int64
+	sbuf        []byte
+	backlog     []pendingNotif // refused with EAGAIN, oldest first
+	spare       [][]byte       // datagram buffers of sent backlog entries, for reuse
+	lastRecv    int64
 }
 
 // maxSpare bounds the buffers kept for the backlog's reuse.
@@ -163,10 +174,12 @@ func newNotifSock(rfd int, name string) (*notifSock, error) {
 const maxSenderName = 1 << 10
 
 func (ns *notifSock) close() {
+	ns.recvMu.Lock()
 	if ns.rfd >= 0 {
 		_ = unix.Close(ns.rfd)
 		ns.rfd = -1
 	}
+	ns.recvMu.Unlock()
 	if ns.sfd >= 0 {
 		_ = unix.Close(ns.sfd)
 		ns.sfd = -1
@@ -242,7 +255,7 @@ func (ns *notifSock) flush() (sent bool, failed int) {
 }
 
 // recv reads every datagram waiting and hands each to deliver; malformed
-// ones are counted in bad.
+// ones are counted in bad. The caller holds recvMu.
 func (ns *notifSock) recv(deliver func(sender string, msg []byte)) (got, bad int) {
 	if ns.rfd < 0 {
 		return 0, 0

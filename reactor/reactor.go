@@ -550,6 +550,7 @@ func (r *Reactor) Wait(ctx context.Context, h uint64) error {
 // Notifs hands out the notifications received since the last call. The map
 // is never nil.
 func (r *Reactor) Notifs() map[string][][]byte {
+	r.drainNotifSocket()
 	r.notifMu.Lock()
 	defer r.notifMu.Unlock()
 	if len(r.notifs) == 0 {
