@@ -325,6 +325,7 @@ func stats(id uint64) ([]byte, error) {
 		"direct_peers":    s.DirectPeers,
 		"direct_reads":    s.DirectReads,
 		"inline_reads":    s.InlineReads,
+		"copy_workers":    s.CopyWorkers,
 	})
 }
 

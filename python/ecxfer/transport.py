@@ -13,6 +13,7 @@ from . import _lib
 from .errors import (
     BadHandleError,
     ClosedError,
+    ConfigError,
     EcxferError,
     IndexMismatchError,
     IndexRangeError,
@@ -123,8 +124,11 @@ class EcxferDataTransport(_Base):
     The constructor takes what vLLM's NixlDataTransport takes. base_ptr is
     the address of the block region (for vLLM, a MAP_SHARED mapping of a
     /dev/shm file), which must stay mapped until deregister(); 0 lets the
-    transport allocate its own. num_threads is accepted for vLLM's sake
-    and ignored: one reactor thread owns the engine.
+    transport allocate its own. num_threads is what NIXL gets for its
+    transfer threads; here the threads that move bytes are the copy
+    workers of the direct path, so a num_threads above 1 sets copy_workers
+    (unless that option is given). 1, vLLM's default, keeps ecxfer's
+    default. The engine itself always has one reactor thread.
 
     options reach the Go Config: backend ("ucx", the default, or "nixl"),
     xfer_timeout_s, pin_cpu, numa_node, idle ("hybrid", "spin", "yield",
@@ -151,6 +155,10 @@ class EcxferDataTransport(_Base):
     ) -> None:
         opts = _options_from_env()
         opts.update({k: v for k, v in options.items() if v is not None})
+        if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
+            raise ConfigError(f"ecxfer: bad config: num_threads {num_threads!r} (want an int >= 1)")
+        if num_threads > 1:
+            opts.setdefault("copy_workers", num_threads)
         opts.update(agent_name=agent_name, block_size=int(block_size_bytes), num_blocks=int(num_blocks))
         raw = json.dumps(opts).encode()
         region = int(base_ptr or 0)

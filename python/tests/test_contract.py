@@ -267,3 +267,26 @@ def test_decode_notifs_hostile():
                 b"\x01\x00\x00\x00\x01\x00\x00\x00a\x01\x00\x00\x00\xff\xff\xff\xff"):
         with pytest.raises(ValueError):
             decode_notifs(bad)
+
+
+def test_num_threads_sets_copy_workers(region):
+    """vLLM's num_threads (NIXL's transfer threads) becomes the number of
+    copy workers when above 1; 1, vLLM's default, keeps ecxfer's default;
+    an explicit copy_workers wins; anything but an int >= 1 is refused."""
+    n, bs = 4, 4096
+    r = region(n * bs)
+    kw = dict(base_ptr=r.addr, num_blocks=n, block_size_bytes=bs, total_size_bytes=n * bs)
+    for name, extra, want in (
+        ("nt1", {}, 2),
+        ("nt2", {"num_threads": 1}, 2),
+        ("nt3", {"num_threads": 3}, 3),
+        ("nt4", {"num_threads": 4, "copy_workers": 1}, 1),
+    ):
+        t = EcxferDataTransport(agent_name=name, **extra, **kw)
+        try:
+            assert t.stats()["copy_workers"] == want, (name, extra)
+        finally:
+            t.deregister()
+    for bad in (0, -1, 2.5, "2", True):
+        with pytest.raises(ecxfer.ConfigError, match="num_threads"):
+            EcxferDataTransport(agent_name="ntbad", num_threads=bad, **kw)
