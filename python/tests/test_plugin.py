@@ -127,3 +127,36 @@ def test_wheel_installs_and_vllm_loader_finds_it(wheel, tmp_path):
     assert out["is_datatransport"] and out["state"] == "DONE" and out["copied"]
     out = run(py, "entrypoints", {"ECXFER_VLLM": "0"}, [STUB])
     assert out["loaded"] == ["ecxfer"] and out["error"] == "NIXL is not available"
+
+
+def _python(version):
+    """A python<version> that runs: on PATH, or installed by pyenv; else None."""
+    import shutil
+
+    want = str(tuple(map(int, version.split("."))))
+    root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
+    for exe in [shutil.which(f"python{version}")] + sorted(map(str, root.glob(f"versions/{version}.*/bin/python{version}"))):
+        if exe is None:
+            continue
+        r = subprocess.run([exe, "-c", "import sys, venv; print(sys.version_info[:2])"], capture_output=True, text=True)
+        if r.returncode == 0 and r.stdout.strip() == want:
+            return exe
+    return None
+
+
+@pytest.mark.parametrize("version", ["3.10", "3.12", "3.13"])
+def test_wheel_on_other_pythons(wheel, tmp_path, version):
+    """The same wheel installs into, and works from, the other Pythons it
+    claims (Requires-Python >= 3.10) when this machine has them."""
+    exe = _python(version)
+    if exe is None:
+        pytest.skip(f"no working python{version} on PATH or under pyenv")
+    env_dir = tmp_path / "venv"
+    subprocess.run([exe, "-m", "venv", str(env_dir)], check=True, timeout=300)
+    py = str(env_dir / "bin" / "python")
+    subprocess.run([py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", str(wheel)], check=True, timeout=300)
+    out = run(py, "entrypoints", {"ECXFER_VLLM": "1"}, [STUB])
+    assert out["loaded"] == ["ecxfer"]
+    assert out["ecxfer_file"].startswith(str(env_dir))
+    assert out["is_datatransport"] and out["state"] == "DONE" and out["copied"]
+    assert out["notifs"] == {"plug-0": ["s:h"]}
