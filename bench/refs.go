@@ -27,7 +27,9 @@ const memcpySpan = 256 << 20
 // by block into scattered places, as a scattered READ does. Both are
 // measured with one thread and, when workers > 1, with workers threads
 // that each copy their share of every round (as the direct path's copy
-// workers do). Their p50 is one block's copy, timed one by one.
+// workers do). Their p50 is one block's copy, timed one by one, from a
+// cold source block into the next of the LocalBlocks destination blocks,
+// as the one-block cells' READs land.
 func memcpyRefs(bs int, d time.Duration, workers int) ([]Reference, error) {
 	src, err := unix.Mmap(-1, 0, memcpySpan, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
 	if err != nil {
@@ -76,12 +78,16 @@ func memcpyRefs(bs int, d time.Duration, workers int) ([]Reference, error) {
 		return float64(bytes) / time.Since(start).Seconds() / 1e9
 	}
 	whole, scattered := measure(true, 1), measure(false, 1)
+	// One-block copies as the one-block cells make them: a cold source
+	// block, and the destination rotating through the local region
+	// (READ k lands in local block k mod LocalBlocks).
 	nblk := memcpySpan / bs
 	lat := make([]time.Duration, 0, 20000)
 	for i := 0; i < cap(lat); i++ {
 		off := ((i * 7919) % nblk) * bs
+		to := (i % LocalBlocks) * bs
 		t0 := time.Now()
-		copy(dst[:bs], src[off:off+bs])
+		copy(dst[to:to+bs], src[off:off+bs])
 		lat = append(lat, time.Since(t0))
 	}
 	var r Result
