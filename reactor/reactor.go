@@ -322,8 +322,8 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 	} else {
 		s.job = nil
 		s.notif = fillMsg(s.notif, notif)
-		s.localIdx = fillIdx(s.localIdx, localIdx)
-		s.remoteIdx = fillIdx(s.remoteIdx, remoteIdx)
+		setIdx(&s.localIdx, &s.homeLocal, localIdx)
+		setIdx(&s.remoteIdx, &s.homeRemote, remoteIdx)
 	}
 
 	for tries := 0; !r.sub.TryPush(h); tries++ {

@@ -66,8 +66,11 @@ type slot struct {
 	peer      *Peer
 	localIdx  []int
 	remoteIdx []int
-	notif     []byte
-	hasNotif  bool
+	// homeLocal and homeRemote are the slot's own index buffers, which
+	// localIdx and remoteIdx use when the list fits (see setIdx).
+	homeLocal, homeRemote []int
+	notif                 []byte
+	hasNotif              bool
 
 	// run is the copy of a direct READ while the pool runs it, for callers
 	// that check the READ to help with (State). Written by the loop.
@@ -101,8 +104,8 @@ func (s *slot) trim() {
 	}
 }
 
-// trimIdx drops index buffers larger than slotKeep; the notification stays
-// until the READ has ended.
+// trimIdx gives index buffers larger than slotKeep back to bigIdx; the
+// notification stays until the READ has ended.
 func (s *slot) trimIdx() {
 	if cap(s.localIdx) > slotKeep {
 		bigIdx.put(s.localIdx)
@@ -114,14 +117,28 @@ func (s *slot) trimIdx() {
 	}
 }
 
-// fillIdx copies src into dst's storage when it fits; a longer list than
-// a slot keeps gets a buffer from bigIdx, so an image READ (880 indices a
-// side) allocates nothing once a few such buffers exist.
-func fillIdx(dst, src []int) []int {
-	if cap(dst) < len(src) && len(src) > slotKeep {
-		dst = bigIdx.get(len(src))
+// slotIdxPrealloc is the capacity of the index buffers every slot starts
+// with (per side), cut from one slab when the table is made: READs of up
+// to that many blocks (one block, vLLM's fan-in of a few) allocate nothing
+// from the first, wherever the hash puts them. 256 bytes a slot.
+const slotIdxPrealloc = 16
+
+// setIdx makes *cur a copy of src: in the slot's own buffer *home when src
+// fits (a list of up to slotKeep that does not grows *home to slotKeep,
+// once), else in a buffer from bigIdx, so an image READ (880 indices a
+// side) allocates nothing once a few such buffers exist, and the slot's
+// own buffer survives it.
+func setIdx(cur, home *[]int, src []int) {
+	switch {
+	case len(src) <= cap(*home):
+	case len(src) <= slotKeep:
+		*home = make([]int, 0, slotKeep)
+	default:
+		*cur = append(bigIdx.get(len(src))[:0], src...)
+		return
 	}
-	return append(dst[:0], src...)
+	*home = append((*home)[:0], src...)
+	*cur = *home
 }
 
 // fillMsg copies a notification into dst's storage when it fits, else
@@ -226,7 +243,15 @@ func newTable(capacity int) *table {
 	}
 	b := uint(bits.Len(uint(capacity - 1)))
 	n := 1 << b
-	return &table{slots: make([]slot, n), slotBits: b, mask: uint64(n - 1)}
+	t := &table{slots: make([]slot, n), slotBits: b, mask: uint64(n - 1)}
+	const k = slotIdxPrealloc
+	slab := make([]int, 2*k*n)
+	for i := range t.slots {
+		s := &t.slots[i]
+		s.homeLocal = slab[2*k*i : 2*k*i : 2*k*i+k]
+		s.homeRemote = slab[2*k*i+k : 2*k*i+k : 2*k*(i+1)]
+	}
+	return t
 }
 
 func (t *table) genMask() uint64 { return ^t.mask }
