@@ -21,6 +21,8 @@
 /* Bytes of gets or puts posted per ecx_progress round, new posts and
  * continued ones together; a post always posts at least one range. */
 #define ECX_TURN_BUDGET (4u << 20)
+/* UCX tcp transport's TX_SEG_SIZE unless UCX_TCP_TX_SEG_SIZE is set. */
+#define ECX_TCP_TX_SEG "64k"
 
 /* Active-message id of notifications. */
 #define ECX_AM_NOTIF 0xEC
