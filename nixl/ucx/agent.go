@@ -50,8 +50,9 @@ func (m ErrMode) String() string {
 	return fmt.Sprintf("ErrMode(%d)", int(m))
 }
 
-// Config configures New. UCX itself is tuned only through its own
-// environment variables (UCX_TLS, UCX_NET_DEVICES, ...), read by UCX.
+// Config configures New. UCX itself is tuned through its own environment
+// variables (UCX_TLS, UCX_NET_DEVICES, ...), read by UCX; the one default
+// this package changes is in the package documentation.
 type Config struct {
 	// Name is the agent's name as peers know it (1..256 bytes of UTF-8).
 	Name string

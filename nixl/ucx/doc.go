@@ -6,9 +6,12 @@
 // # Shape
 //
 // One UCP context (RMA, AM, WAKEUP), one worker in single-thread mode: the
-// Agent is driven by one goroutine. UCX is tuned only through its own
+// Agent is driven by one goroutine. UCX is tuned through its own
 // environment variables (UCX_TLS, UCX_NET_DEVICES, ...), which this package
-// never sets.
+// never sets, with one default of its own in the context's configuration:
+// the tcp transport's send segment is 64 KiB (UCX's is 8 KiB), unless
+// UCX_TCP_TX_SEG_SIZE is set, so that a get of a block of up to 64 KiB,
+// which UCX emulates over tcp, is answered with one send (see ecx_create).
 //
 // PostXfer posts the gets (or puts) of a request with one cgo call, from a
 // C array of merged ranges built by MakeXfer, cut into pieces of at most
