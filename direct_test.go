@@ -310,7 +310,7 @@ func TestDirectAllocs(t *testing.T) {
 	if raceEnabled {
 		t.Skip("the race detector allocates")
 	}
-	const bs, nb = 5120, 1024
+	const bs, nb = 4096, 4096
 	prod, err := New(Config{AgentName: uniqueName("ap"), BlockSize: bs, NumBlocks: nb, Direct: DirectOn})
 	require.NoError(t, err)
 	defer prod.Deregister()
@@ -319,7 +319,7 @@ func TestDirectAllocs(t *testing.T) {
 	defer cons.Deregister()
 	pname, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
 	require.NoError(t, err)
-	for _, n := range []int{1, 12, 880, 1024} {
+	for _, n := range []int{1, 12, 880, 1024, 4096} {
 		idx := rand.New(rand.NewSource(int64(n))).Perm(nb)[:n]
 		read := func() {
 			h, err := cons.PostRead(idx, pname, idx, nil)
@@ -339,8 +339,20 @@ func TestDirectAllocs(t *testing.T) {
 		for range 20 {
 			read()
 		}
-		allocs := testing.AllocsPerRun(50, read)
-		require.Zero(t, allocs, "%d-block direct READ: %.2f allocations per READ", n, allocs)
+		// Counted exactly (testing.AllocsPerRun rounds down). Not quite
+		// zero for READs on the copy workers: a READ posted before the
+		// reactor has recycled the previous READ's copy job builds a new
+		// one (dirJob.build), which on a loaded machine happened for
+		// about one READ in a hundred (0.012 per READ at 880 blocks,
+		// while another test run held both cores). The bound catches an
+		// allocation per READ, or per slot, not that.
+		runs := 2000
+		if n > 1024 {
+			runs = 1000
+		}
+		per := allocsPerRead(runs, read)
+		t.Logf("%d blocks: %.4f allocations per READ over %d READs", n, per, runs)
+		require.Less(t, per, 0.05, "%d-block direct READ: %.3f allocations per READ", n, per)
 	}
 }
 

@@ -340,12 +340,14 @@ func TestSteadyStateAllocs(t *testing.T) {
 					read()
 				}
 				// Enough READs that the runtime's own few allocations
-				// meanwhile (timers, the scheduler) stay far below 0.01
-				// per READ, where one per slot or per READ would not.
+				// meanwhile (timers, the scheduler), and the direct
+				// path's rare copy job built while the last one is not
+				// recycled yet (see TestDirectAllocs), stay far below
+				// 0.05 per READ, where one per slot or per READ would not.
 				runs := 2000
 				per := allocsPerRead(runs, read)
 				t.Logf("%s: %.4f allocations per READ over %d READs", c.name, per, runs)
-				require.Less(t, per, 0.01, "%s: PostRead -> DONE -> Release allocates %.3f times per READ (whole process, both reactors)", c.name, per)
+				require.Less(t, per, 0.05, "%s: PostRead -> DONE -> Release allocates %.3f times per READ (whole process, both reactors)", c.name, per)
 			}
 		})
 	}
