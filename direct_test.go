@@ -340,11 +340,10 @@ func TestDirectAllocs(t *testing.T) {
 			read()
 		}
 		// Counted exactly (testing.AllocsPerRun rounds down). Not quite
-		// zero for READs on the copy workers: a READ posted before the
-		// reactor has recycled the previous READ's copy job builds a new
-		// one (dirJob.build), which on a loaded machine happened for
-		// about one READ in a hundred (0.012 per READ at 880 blocks,
-		// while another test run held both cores). The bound catches an
+		// zero for READs on the copy workers: 0.002-0.012 per READ here
+		// (the higher figure while another test run held both cores); an
+		// allocation profile shows copy jobs built anew when the pool was
+		// empty (dirJob.build) and the runtime's own. The bound catches an
 		// allocation per READ, or per slot, not that.
 		runs := 2000
 		if n > 1024 {
