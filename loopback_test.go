@@ -340,9 +340,8 @@ func TestSteadyStateAllocs(t *testing.T) {
 					read()
 				}
 				// Enough READs that the runtime's own few allocations
-				// meanwhile (timers, the scheduler), and the direct
-				// path's rare copy job built while the last one is not
-				// recycled yet (see TestDirectAllocs), stay far below
+				// meanwhile (timers, the scheduler), and the copy
+				// workers' rare ones (see TestDirectAllocs), stay far below
 				// 0.05 per READ, where one per slot or per READ would not.
 				runs := 2000
 				per := allocsPerRead(runs, read)
