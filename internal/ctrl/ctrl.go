@@ -86,6 +86,9 @@ func (c *Conn) Recv() (Message, error) {
 
 // Decode parses one message body.
 func Decode(body []byte) (Message, error) {
+	if err := checkShape(body); err != nil {
+		return Message{}, fmt.Errorf("%w: %v", ErrFrame, err)
+	}
 	var m Message
 	if err := msgpack.Unmarshal(body, &m); err != nil {
 		return Message{}, fmt.Errorf("%w: %v", ErrFrame, err)

@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"runtime"
 	"runtime/debug"
 	"testing"
 
@@ -115,4 +116,35 @@ func TestStartPipedFailures(t *testing.T) {
 	_, _, err = StartPiped(cmd)
 	require.Error(t, err)
 	require.Equal(t, before, leakcheck.FDCount(), "descriptors after a refused stdout pipe")
+}
+
+// TestDecodeBoundsAllocation: frames that declare more than they carry are
+// refused before the decoder allocates for them. The first made the
+// decoder allocate over 100 MiB (found by FuzzDecode, whose workers then
+// ran out of memory).
+func TestDecodeBoundsAllocation(t *testing.T) {
+	for _, b := range [][]byte{
+		[]byte("\x84\xa10\xdf0000\xdf0K00\xdf0\x00\x00\x01\x000\xe3\xc9\xfd\b\xff\xff\xff\xff000"),
+		{0x81, 0xa1, 'i', 0xdf, 0xff, 0xff, 0xff, 0xff},
+		{0x81, 0xa1, 's', 0xde, 0xff, 0xff},
+		{0x81, 0xa1, 'b', 0xc6, 0xff, 0xff, 0xff, 0xff},
+		{0x81, 0xa1, 'x', 0xdd, 0x00, 0x01, 0x00, 0x00},
+		{0xdf, 0xff, 0xff, 0xff, 0xff},
+		append(bytes.Repeat([]byte{0x91}, 100), 0x01), // nested 100 deep
+		{0x81, 0xa1, 'k', 0xa1, 'x', 0x00},            // a trailing byte
+		{0xc1},
+	} {
+		var m0, m1 runtime.MemStats
+		runtime.ReadMemStats(&m0)
+		_, err := Decode(b)
+		runtime.ReadMemStats(&m1)
+		require.ErrorIs(t, err, ErrFrame, "%x", b)
+		require.Less(t, m1.TotalAlloc-m0.TotalAlloc, uint64(64<<10), "%x: decoding allocated %d bytes", b, m1.TotalAlloc-m0.TotalAlloc)
+	}
+	// Every kind of value the shape check walks, in a message that decodes.
+	m, err := Decode([]byte("\x83\xa1k\xa2ok\xa1i\x84\xa1a\xcc\x01\xa1b\xd1\xff\x00\xa1c\xcf\x00\x00\x00\x00\x00\x00\x00\x02\xa1d\xd3\x00\x00\x00\x00\x00\x00\x00\x03\xa1m\xc4\x02\x01\x02"))
+	require.NoError(t, err)
+	require.Equal(t, "ok", m.Kind)
+	require.Equal(t, map[string]int64{"a": 1, "b": -256, "c": 2, "d": 3}, m.Ints)
+	require.Equal(t, []byte{1, 2}, m.Metadata)
 }
