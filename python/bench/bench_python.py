@@ -67,8 +67,15 @@ class Region:
         os.ftruncate(fd, size)
         self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED)
         os.close(fd)
-        os.unlink(self.path)  # the mapping stays; nothing is left behind
+        # The file stays until leave(), as vLLM's region file stays while
+        # its engine runs: a same-host consumer maps it by its path. (An
+        # unlinked file can only be read through the kernel,
+        # process_vm_readv, which is another, slower path.)
+        _REGIONS.append(self.path)
         self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
+
+
+_REGIONS: list[str] = []
 
 
 def say(**msg):
@@ -77,6 +84,11 @@ def say(**msg):
 
 
 def leave(code=0):
+    for path in _REGIONS:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # NIXL 1.5.1's wheel crashes in its destructors at exit

@@ -19,6 +19,7 @@ dying mid-answer could stall every peer), so add UCX_TLS=tcp to go through
 the engine over TCP.
 """
 
+import atexit
 import base64
 import ctypes
 import json
@@ -43,7 +44,10 @@ def region(engine_id: str):
     os.ftruncate(fd, NUM_BLOCKS * BLOCK_SIZE)
     mm = mmap.mmap(fd, NUM_BLOCKS * BLOCK_SIZE, mmap.MAP_SHARED)
     os.close(fd)
-    os.unlink(path)  # the mapping stays; nothing is left in /dev/shm
+    # The file stays while this process runs, as vLLM's region file does: a
+    # consumer on this host maps the producer's file by its path. (Once
+    # unlinked, it could read it only through the kernel, more slowly.)
+    atexit.register(os.unlink, path)
     return mm, ctypes.addressof(ctypes.c_char.from_buffer(mm))
 
 
