@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strconv"
 	"sync"
 	"testing"
@@ -179,6 +180,51 @@ func TestDirectOutOfRange(t *testing.T) {
 		require.ErrorIs(t, err, ErrBadDescriptor, "descriptor %+v", bad)
 	}
 	require.Equal(t, 0, cons.Stats().Peers)
+}
+
+// A peer whose block list is not laid out end to end (here: in reverse)
+// is read through its descriptors, inline and on the copy workers; a
+// grid-shaped list is read by arithmetic on the index (descriptors.Grid).
+func TestDirectNonGridPeer(t *testing.T) {
+	for _, inline := range []int{0, -1} { // in PostRead, on the copy workers
+		t.Run(fmt.Sprintf("inline=%d", inline), func(t *testing.T) {
+			leakcheck.Check(t)
+			e := env{t: t, backend: "ucx"}
+			const bs, nb, seed = 4096, 64, 5
+			pname := uniqueName("ngprod")
+			prod := e.transport(pname, bs, nb, direct)
+			pattern.FillRegion(prod.Region(), seed, bs)
+			cons := e.transport(uniqueName("ngcons"), bs, nb, direct, func(c *Config) { c.InlineBytes = inline })
+			descs, err := descriptors.Decode(prod.MemDescriptor())
+			require.NoError(t, err)
+			slices.Reverse(descs)
+			_, isGrid := descriptors.GridOf(descs)
+			require.False(t, isGrid)
+			md, err := descriptors.Encode(descs)
+			require.NoError(t, err)
+			_, err = cons.AddRemotePeer(prod.AgentMetadata(), md)
+			require.NoError(t, err)
+			require.Equal(t, "direct-sysv", cons.PeerPath(pname))
+			for _, n := range []int{1, 2, 40, nb} {
+				local, remote := make([]int, n), make([]int, n)
+				for i := range n {
+					local[i], remote[i] = i, i // remote i is the producer's block nb-1-i
+				}
+				clear(cons.Region())
+				h, err := cons.PostRead(local, pname, remote, nil)
+				require.NoError(t, err)
+				_, err = wait(t, cons, h)
+				require.NoError(t, err)
+				for i := range n {
+					ok, at := pattern.Check(block(cons, bs, i), seed, nb-1-i)
+					require.True(t, ok, "%d blocks: block %d differs at %d", n, i, at)
+				}
+				require.NoError(t, cons.ReleaseXferHandle(h))
+			}
+			_, err = cons.PostRead([]int{0}, pname, []int{nb}, nil)
+			require.ErrorIs(t, err, ErrIndexRange)
+		})
+	}
 }
 
 // A producer that truncates its region file: the READ that faults ends in

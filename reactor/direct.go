@@ -10,7 +10,6 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/ecxfer/ecxfer/descriptors"
 	"github.com/ecxfer/ecxfer/internal/copypool"
 	"github.com/ecxfer/ecxfer/internal/procmem"
 	"github.com/ecxfer/ecxfer/internal/shmview"
@@ -387,10 +386,10 @@ func (r *Reactor) copyInline(p *Peer, localIdx, remoteIdx []int) error {
 	loc := r.loc.Load()
 	var run seg
 	for i := range localIdx {
-		l, rm := loc.descs[localIdx[i]], p.Descs[remoteIdx[i]]
-		dst, src := l.Addr-d.base, rm.Addr-pd.adv.Base
+		la, ra, n := loc.pair(p, localIdx[i], remoteIdx[i])
+		dst, src := la-d.base, ra-pd.adv.Base
 		if run.n > 0 && run.dst+run.n == dst && run.src+run.n == src {
-			run.n += l.Len
+			run.n += n
 			continue
 		}
 		if run.n > 0 {
@@ -398,7 +397,7 @@ func (r *Reactor) copyInline(p *Peer, localIdx, remoteIdx []int) error {
 				return err
 			}
 		}
-		run = seg{dst: dst, src: src, n: l.Len}
+		run = seg{dst: dst, src: src, n: n}
 	}
 	if run.n > 0 {
 		if err := pd.copySeg(d.local, run, 0, run.n, rd); err != nil {
@@ -417,7 +416,7 @@ var errPeerClosed = errors.New("reactor: peer closed")
 // Caller side, before the handle is published. Jobs are reused through the
 // reactor's free list (not a sync.Pool, which a GC empties: a fresh job
 // grows its runs again), so a READ allocates nothing.
-func (r *Reactor) newJob(h uint64, p *Peer, loc descriptors.List, localIdx, remoteIdx []int, notif []byte) *dirJob {
+func (r *Reactor) newJob(h uint64, p *Peer, loc *local, localIdx, remoteIdx []int, notif []byte) *dirJob {
 	d := r.dir
 	var j *dirJob
 	d.jobMu.Lock()
@@ -434,7 +433,7 @@ func (r *Reactor) newJob(h uint64, p *Peer, loc descriptors.List, localIdx, remo
 	}
 	j.h, j.peer, j.err = h, p, nil
 	j.notif = append(j.notif[:0], notif...)
-	j.build(loc, p.Descs, localIdx, remoteIdx, d.base, p.direct.adv.Base)
+	j.build(loc, p, localIdx, remoteIdx, d.base, p.direct.adv.Base)
 	return j
 }
 
@@ -490,18 +489,18 @@ func (r *Reactor) submitDirect(h uint64, s *slot, p *Peer) {
 }
 
 // build turns the index lists into merged runs.
-func (j *dirJob) build(loc, rem descriptors.List, li, ri []int, base, rbase uint64) {
+func (j *dirJob) build(loc *local, p *Peer, li, ri []int, base, rbase uint64) {
 	j.segs = j.segs[:0]
 	var at uint64
 	for i := range li {
-		l, rm := loc[li[i]], rem[ri[i]]
-		dst, src := l.Addr-base, rm.Addr-rbase
+		la, ra, n := loc.pair(p, li[i], ri[i])
+		dst, src := la-base, ra-rbase
 		if k := len(j.segs) - 1; k >= 0 && j.segs[k].dst+j.segs[k].n == dst && j.segs[k].src+j.segs[k].n == src {
-			j.segs[k].n += l.Len
+			j.segs[k].n += n
 		} else {
-			j.segs = append(j.segs, seg{dst: dst, src: src, n: l.Len, at: at})
+			j.segs = append(j.segs, seg{dst: dst, src: src, n: n, at: at})
 		}
-		at += l.Len
+		at += n
 	}
 	j.total = at
 }

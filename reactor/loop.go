@@ -32,7 +32,8 @@ func (r *Reactor) run(ready chan<- error, setup Setup) {
 			ready <- err
 			return
 		}
-		r.loc.Store(&local{descs: descs, dlist: dl})
+		g, ok := descriptors.GridOf(descs)
+		r.loc.Store(&local{descs: descs, dlist: dl, grid: g, isGrid: ok})
 	}
 	ready <- nil
 	r.logStart()
@@ -629,6 +630,7 @@ func (r *Reactor) addPeer(md []byte, descs descriptors.List, d *Direct) (_ strin
 		return "", fmt.Errorf("%w: %v", ErrBadDescriptor, err)
 	}
 	p := &Peer{Name: name, Descs: descs, dlist: dl}
+	p.grid, p.isGrid = descriptors.GridOf(descs)
 	if d != nil && r.dir != nil {
 		p.direct = d
 	}

@@ -34,6 +34,9 @@ type Peer struct {
 	Name  string
 	Descs descriptors.List
 
+	grid   descriptors.Grid // Descs as a grid, when isGrid
+	isGrid bool
+
 	dlist nixl.DlistID
 	gone  atomic.Uint64 // 0 while usable; else the error code its reads end with
 
@@ -44,8 +47,20 @@ type Peer struct {
 }
 
 type local struct {
-	descs descriptors.List
-	dlist nixl.DlistID
+	descs  descriptors.List
+	dlist  nixl.DlistID
+	grid   descriptors.Grid // descs as a grid, when isGrid
+	isGrid bool
+}
+
+// pair returns the local and remote addresses of a READ's pair (li, ri)
+// and its length; the indices were validated. With both lists grids it is
+// arithmetic: no block list is read.
+func (loc *local) pair(p *Peer, li, ri int) (la, ra, n uint64) {
+	if loc.isGrid && p.isGrid {
+		return loc.grid.Addr(li), p.grid.Addr(ri), loc.grid.Len
+	}
+	return loc.descs[li].Addr, p.Descs[ri].Addr, loc.descs[li].Len
 }
 
 type ctrlOp struct {
@@ -318,7 +333,7 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 		// The copy's runs and the notification go with the job (jobs are
 		// few and reused; slots are many); the reactor hands it to the
 		// copy workers.
-		s.job = r.newJob(h, p, loc.descs, localIdx, remoteIdx, notif)
+		s.job = r.newJob(h, p, loc, localIdx, remoteIdx, notif)
 	} else {
 		s.job = nil
 		s.notif = fillMsg(s.notif, notif)
@@ -373,7 +388,13 @@ func (r *Reactor) checkPost(peer string, localIdx, remoteIdx []int, notif []byte
 	if len(localIdx) == 0 && len(remoteIdx) == 0 {
 		return nil, nil, wrapf(ErrIndexRange, "empty index lists")
 	}
-	if err := descriptors.ValidateIndices(loc.descs, p.Descs, localIdx, remoteIdx); err != nil {
+	var err error
+	if loc.isGrid && p.isGrid {
+		err = descriptors.ValidateGrid(loc.grid, p.grid, localIdx, remoteIdx)
+	} else {
+		err = descriptors.ValidateIndices(loc.descs, p.Descs, localIdx, remoteIdx)
+	}
+	if err != nil {
 		switch {
 		case errors.Is(err, descriptors.ErrIndexMismatch):
 			return nil, nil, fmt.Errorf("%w: %v", ErrIndexMismatch, err)
