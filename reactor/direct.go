@@ -133,9 +133,10 @@ func (d *Direct) Close() {
 }
 
 // exited reports whether the producer has exited: its pidfd is readable.
-// One poll(2), about 0.2 µs here, on the caller of every direct READ: a
-// READ posted after the producer died is never copied from the memory it
-// left behind. The caller holds a reference.
+// One poll(2) (0.2-2 µs here), after the copy of every direct READ and
+// before it is published: a READ is DONE only if its producer was alive
+// when its copy ended, so no READ reports what a dead producer left
+// behind as data. The caller holds a reference.
 func (d *Direct) exited() bool {
 	if d.dead.Load() {
 		return true
@@ -405,12 +406,23 @@ func (r *Reactor) copyInline(p *Peer, localIdx, remoteIdx []int) error {
 		}
 	}
 	if rd != nil {
-		return rd.Read()
+		if err := rd.Read(); err != nil {
+			return err
+		}
+	}
+	if pd.exited() {
+		return errPeerExited
 	}
 	return nil
 }
 
-var errPeerClosed = errors.New("reactor: peer closed")
+var (
+	errPeerClosed = errors.New("reactor: peer closed")
+	// errPeerExited ends a direct READ whose producer was found dead when
+	// its copy ended: what was copied may be what a dying producer left
+	// half written, so the READ is not reported DONE.
+	errPeerExited = errors.New("process exited")
+)
 
 // newJob builds the copy of a READ of a direct peer, with its runs merged.
 // Caller side, before the handle is published. Jobs are reused through the
@@ -593,6 +605,12 @@ func (r *Reactor) endJob(j *dirJob) {
 		r.inflight.Add(-1)
 	}
 	p := j.peer
+	if j.err == nil && p.direct.exited() {
+		// Checked after the copy, not when it was posted: a READ is DONE
+		// only if its producer outlived the whole copy. (The caller's
+		// Post does not pay the poll; the reactor does, once per job.)
+		j.err = errPeerExited
+	}
 	p.direct.release()
 	h := j.h
 	// A slot still PROC or CANCELING under h is the READ's own (nobody

@@ -63,6 +63,19 @@ func (loc *local) pair(p *Peer, li, ri int) (la, ra, n uint64) {
 	return loc.descs[li].Addr, p.Descs[ri].Addr, loc.descs[li].Len
 }
 
+// bytes returns the length of a READ into the local blocks localIdx
+// (validated).
+func (loc *local) bytes(localIdx []int) uint64 {
+	if loc.isGrid {
+		return uint64(len(localIdx)) * loc.grid.Len
+	}
+	var n uint64
+	for _, i := range localIdx {
+		n += loc.descs[i].Len
+	}
+	return n
+}
+
 type ctrlOp struct {
 	fn   func() error
 	done chan error
@@ -311,21 +324,11 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 	claimed := r.tab.claimedWord(h)
 	s.peer = p
 	s.hasNotif = len(notif) > 0
-	var bytes uint64
-	for _, i := range localIdx {
-		bytes += loc.descs[i].Len
-	}
+	bytes := loc.bytes(localIdx)
 	s.bytes = bytes
 	if p.direct != nil && r.dir != nil {
-		if p.gone.Load() == 0 && p.direct.acquire() {
-			// The reactor polls the pidfds every millisecond; a READ
-			// posted in between must not be copied from what a dead
-			// producer left behind either.
-			if p.direct.exited() {
-				p.gone.CompareAndSwap(0, codeRemoteDisconnect)
-			}
-			p.direct.release()
-		}
+		// Whether the producer still lives is checked when the copy ends
+		// (copyInline, endJob), not here.
 		if bytes <= r.dir.inline {
 			// Copied here and now: the index lists are not kept.
 			return r.postInline(h, s, p, localIdx, remoteIdx, notif)
