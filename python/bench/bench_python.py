@@ -26,6 +26,7 @@ without NIXL its rows say they were skipped and why.
 
 import argparse
 import array
+import atexit
 import base64
 import ctypes
 import json
@@ -78,17 +79,24 @@ class Region:
 _REGIONS: list[str] = []
 
 
+def _unlink_regions():
+    for path in _REGIONS:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+atexit.register(_unlink_regions)  # a run that fails; leave() on success
+
+
 def say(**msg):
     sys.stdout.write("@@ " + json.dumps(msg) + "\n")
     sys.stdout.flush()
 
 
 def leave(code=0):
-    for path in _REGIONS:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+    _unlink_regions()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # NIXL 1.5.1's wheel crashes in its destructors at exit
