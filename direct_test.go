@@ -1,6 +1,7 @@
 package ecxfer
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"math/rand"
@@ -224,6 +225,56 @@ func TestDirectNonGridPeer(t *testing.T) {
 			_, err = cons.PostRead([]int{0}, pname, []int{nb}, nil)
 			require.ErrorIs(t, err, ErrIndexRange)
 		})
+	}
+}
+
+// The copy workers cut a READ into chunks at byte offsets that need not
+// fall between blocks; a READ between two block grids (every ecxfer
+// region) is copied from its index lists, so a chunk may start and end
+// inside a block. Every byte must land once, in its place.
+func TestDirectGridChunks(t *testing.T) {
+	leakcheck.Check(t)
+	e := env{t: t, backend: "ucx"}
+	const bs, nb, seed = 5000, 1024, 9 // 5,000: no chunk boundary is a block boundary
+	pname := uniqueName("gcprod")
+	prod := e.transport(pname, bs, nb, direct)
+	pattern.FillRegion(prod.Region(), seed, bs)
+	cons := e.transport(uniqueName("gccons"), bs, nb, direct, func(c *Config) { c.InlineBytes = -1 })
+	_, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+	require.NoError(t, err)
+	rng := rand.New(rand.NewSource(seed))
+	for _, n := range []int{1, 7, 333, 1000} {
+		for _, scattered := range []bool{false, true} {
+			local, remote := make([]int, n), make([]int, n)
+			if scattered {
+				local, remote = rng.Perm(nb)[:n], rng.Perm(nb)[:n]
+			} else {
+				s, d := rng.Intn(nb-n+1), rng.Intn(nb-n+1)
+				for i := range n {
+					remote[i], local[i] = s+i, d+i
+				}
+			}
+			region := cons.Region()
+			for i := range region {
+				region[i] = 0xee
+			}
+			h, err := cons.PostRead(local, pname, remote, nil)
+			require.NoError(t, err)
+			_, err = wait(t, cons, h)
+			require.NoError(t, err)
+			read := make([]bool, nb)
+			for i := range n {
+				read[local[i]] = true
+				ok, at := pattern.Check(block(cons, bs, local[i]), seed, remote[i])
+				require.True(t, ok, "%d blocks (scattered %v): block %d differs at %d", n, scattered, local[i], at)
+			}
+			for b := range nb { // nothing written outside the READ's blocks
+				if !read[b] {
+					require.Equal(t, bs, bytes.Count(block(cons, bs, b), []byte{0xee}), "block %d was not read but changed", b)
+				}
+			}
+			require.NoError(t, cons.ReleaseXferHandle(h))
+		}
 	}
 }
 

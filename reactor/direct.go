@@ -217,15 +217,21 @@ type direct struct {
 // dirJob is one READ handed to the copy pool.
 type dirJob struct {
 	copypool.Job
-	r     *Reactor
-	h     uint64
-	peer  *Peer
-	segs  []seg
-	notif []byte
-	total uint64
-	err   error
-	idx   int  // position in active
-	live  bool // counted in InFlight: the READ has not ended yet
+	r    *Reactor
+	h    uint64
+	peer *Peer
+	segs []seg
+	// A READ between two block grids keeps copies of its index lists
+	// instead of runs: its pair k is bytes [k*blk, (k+1)*blk) of the READ,
+	// so a chunk finds its pairs by division and merges them as it copies.
+	li, ri     []int
+	blk        uint64 // the grids' block size; 0: the READ has runs (segs)
+	ldst, rsrc uint64 // offsets of block 0 of each grid in its region
+	notif      []byte
+	total      uint64
+	err        error
+	idx        int  // position in active
+	live       bool // counted in InFlight: the READ has not ended yet
 	// running: handed to the pool, not yet ended (loop only).
 	running bool
 }
@@ -468,6 +474,10 @@ func (j *dirJob) recycle() {
 	if cap(j.segs) > 1<<14 {
 		j.segs = nil
 	}
+	j.li, j.ri = j.li[:0], j.ri[:0]
+	if cap(j.li) > 1<<14 || cap(j.ri) > 1<<14 {
+		j.li, j.ri = nil, nil
+	}
 	if cap(j.notif) > 8*slotKeep {
 		j.notif = nil
 	}
@@ -503,6 +513,17 @@ func (r *Reactor) submitDirect(h uint64, s *slot, p *Peer) {
 // build turns the index lists into merged runs.
 func (j *dirJob) build(loc *local, p *Peer, li, ri []int, base, rbase uint64) {
 	j.segs = j.segs[:0]
+	if loc.isGrid && p.isGrid {
+		// Two copies of the index lists, not a run per pair: after a large
+		// READ the runs' memory is out of the cache, and writing 880 runs
+		// cost the caller more than the rest of PostRead.
+		j.li, j.ri = append(j.li[:0], li...), append(j.ri[:0], ri...)
+		j.blk = loc.grid.Len
+		j.ldst, j.rsrc = loc.grid.Base-base, p.grid.Base-rbase
+		j.total = uint64(len(li)) * j.blk
+		return
+	}
+	j.li, j.ri, j.blk = j.li[:0], j.ri[:0], 0
 	var at uint64
 	for i := range li {
 		la, ra, n := loc.pair(p, li[i], ri[i])
@@ -536,6 +557,11 @@ func (j *dirJob) run(lo, hi int) error {
 		rd.Reset(int(pd.adv.PID))
 		defer readers.Put(rd)
 	}
+	if j.blk != 0 {
+		if err := j.copyGrid(pd, d.local, a, b, rd); err != nil {
+			return err
+		}
+	}
 	for ; i < len(j.segs) && j.segs[i].at < b; i++ {
 		g := j.segs[i]
 		from, to := max(a, g.at)-g.at, min(b, g.at+g.n)-g.at
@@ -545,6 +571,32 @@ func (j *dirJob) run(lo, hi int) error {
 	}
 	if rd != nil {
 		return rd.Read()
+	}
+	return nil
+}
+
+// copyGrid copies bytes [a, b) of a grid READ, one copy per run of pairs
+// contiguous on both sides.
+func (j *dirJob) copyGrid(pd *Direct, local []byte, a, b uint64, rd *procmem.Reader) error {
+	L := j.blk
+	var run seg
+	for k := a / L; k < uint64(len(j.li)) && k*L < b; k++ {
+		from, to := max(a, k*L)-k*L, min(b, (k+1)*L)-k*L
+		dst := j.ldst + uint64(j.li[k])*L + from
+		src := j.rsrc + uint64(j.ri[k])*L + from
+		if run.n > 0 && run.dst+run.n == dst && run.src+run.n == src {
+			run.n += to - from
+			continue
+		}
+		if run.n > 0 {
+			if err := pd.copySeg(local, run, 0, run.n, rd); err != nil {
+				return err
+			}
+		}
+		run = seg{dst: dst, src: src, n: to - from}
+	}
+	if run.n > 0 {
+		return pd.copySeg(local, run, 0, run.n, rd)
 	}
 	return nil
 }
