@@ -27,8 +27,10 @@
 // process_vm_readv) is read without the engine. A READ of at most
 // InlineBytes is copied by the caller inside Post and published DONE
 // before Post returns; a larger one goes through the submission ring like
-// any READ, and the reactor hands its runs to the copy workers instead of
-// the engine. The reactor keeps what must stay serialized: it sends every
+// any READ, and the reactor hands its runs (or, between two block grids,
+// its index lists) to the copy workers instead of the engine. A READ is
+// published DONE only if the producer's pidfd shows it alive after its
+// copy ended. The reactor keeps what must stay serialized: it sends every
 // notification, once, after the READ is published DONE; it ends READs on
 // cancel, removal, replacement and close; and it watches each direct
 // peer's pidfd. Mappings are reference counted, so nothing is unmapped
