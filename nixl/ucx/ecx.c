@@ -818,6 +818,13 @@ uint32_t ecx_progress(ecx_ctx_t *c)
             break;
         }
         events += k;
+        if (c->notif_head != NULL) {
+            /* Hand the notification to the reactor now. Over tcp one
+             * progress call of a producer that serves gets can move
+             * megabytes (every get is a reply it sends); 63 more of them
+             * kept notifications from their readers for tens of ms. */
+            break;
+        }
     }
     /* advance may put a post back in flight (its notification), whose
      * callback lands on the ready list during a later progress call. */
