@@ -7,19 +7,25 @@
 # after, as the limit; then one producer against 1, 4 and 16 consumer
 # processes across the same link (ecxfer-fleet consumers).
 #
-# Both reactors use the park idle strategy here (HOSTS_IDLE): across TCP a
-# reactor waits tens of microseconds for every answer, and on a busy
-# machine a thread that yields instead of sleeping waits for a whole
-# scheduler round (milliseconds) where a sleeping one is woken at once;
-# see README, "Operating it".
+# The harness's consumer reactor runs with ecxfer's default idle strategy
+# (CONSUMER_IDLE, hybrid), as a consumer does unless it is tuned; the
+# producer's reactor, and every reactor of the fleet run, park
+# (HOSTS_IDLE), as README's Tuning advises for producers across hosts:
+# across TCP every get needs the producer's engine, and on a busy machine
+# a thread that yields instead of sleeping waits for a whole scheduler
+# round (milliseconds) where a sleeping one is woken at once; see README,
+# "Operating it". (Sixteen consumer processes on two cores park too: a
+# spinning reactor each would measure the machine, not the link.)
 #
 # Needs root and iproute2. Environment: GO (go), HOSTS_IDLE (park),
-# BENCH_FLAGS (extra flags for ecxfer-bench run, after the defaults),
-# FLEET_FLAGS (extra flags for ecxfer-fleet consumers).
+# CONSUMER_IDLE (hybrid), BENCH_FLAGS (extra flags for ecxfer-bench run,
+# after the defaults), FLEET_FLAGS (extra flags for ecxfer-fleet
+# consumers).
 set -eu
 
 GO=${GO:-go}
 HOSTS_IDLE=${HOSTS_IDLE:-park}
+CONSUMER_IDLE=${CONSUMER_IDLE:-hybrid}
 ID=$$
 NSA=ecxh-p$ID
 NSB=ecxh-c$ID
@@ -85,7 +91,7 @@ PIDS="$PIDS $!"
 sleep 0.5
 # shellcheck disable=SC2086
 ip netns exec "$NSB" env UCX_TLS=tcp UCX_NET_DEVICES="$DEVB" "$TMP/ecxfer-bench" run --connect "$IPA:7100" --no-refs \
-	--idle "$HOSTS_IDLE" --producer-idle "$HOSTS_IDLE" ${BENCH_FLAGS:-}
+	--idle "$CONSUMER_IDLE" --producer-idle "$HOSTS_IDLE" ${BENCH_FLAGS:-}
 
 echo "bench-hosts: one producer in $NSA, consumer processes in $NSB"
 # shellcheck disable=SC2086
