@@ -264,9 +264,14 @@ func (r *Reactor) broadcast() {
 	if r.waiters.Load() == 0 {
 		return
 	}
-	ch := make(chan struct{})
-	old := r.waitCh.Swap(&ch)
-	close(*old)
+	r.waitMu.Lock()
+	for _, w := range r.waitList {
+		select {
+		case w.ch <- struct{}{}:
+		default: // signaled already and not yet awake
+		}
+	}
+	r.waitMu.Unlock()
 }
 
 // submit posts one drained submission.

@@ -120,8 +120,12 @@ type Reactor struct {
 	notifMu sync.Mutex
 	notifs  map[string][][]byte
 
-	waitCh  atomic.Pointer[chan struct{}]
-	waiters atomic.Int32
+	// Callers blocked in Wait and WaitNotifs: each parks on a channel of
+	// its own, reused through waiterPool, and broadcast signals every
+	// registered one, so waking them allocates nothing.
+	waitMu   sync.Mutex
+	waitList []*waiter
+	waiters  atomic.Int32
 
 	st  counters
 	ev  events
@@ -185,8 +189,6 @@ func Start(agent nixl.Agent, opts Options, setup Setup) (*Reactor, error) {
 	// ring with a place per slot is never full.
 	r.cancel = ring.NewMPSC[uint64](len(r.tab.slots))
 	r.postings = make([]posting, len(r.tab.slots))
-	ch := make(chan struct{})
-	r.waitCh.Store(&ch)
 	empty := map[string]*Peer{}
 	r.peers.Store(&empty)
 	if err := r.openFDs(); err != nil {
@@ -550,25 +552,60 @@ func (r *Reactor) Wait(ctx context.Context, h uint64) error {
 		runtime.Gosched()
 	}
 	r.st.waitBlocks.Add(1)
+	w := r.addWaiter()
+	defer r.dropWaiter(w)
 	for {
-		ch := *r.waitCh.Load()
-		r.waiters.Add(1)
 		st, err := r.State(h)
 		if st != StateProc {
-			r.waiters.Add(-1)
 			return err
 		}
 		select {
-		case <-ch:
-			r.waiters.Add(-1)
+		case <-w.ch:
 		case <-ctx.Done():
-			r.waiters.Add(-1)
 			return ctx.Err()
 		case <-r.done:
-			r.waiters.Add(-1)
 			return ErrClosed
 		}
 	}
+}
+
+// waiter is one blocked caller's wake-up channel (one place).
+type waiter struct{ ch chan struct{} }
+
+var waiterPool = sync.Pool{New: func() any { return &waiter{ch: make(chan struct{}, 1)} }}
+
+// addWaiter registers a blocked caller. It must check its condition after
+// this and before it blocks: a change published before broadcast ran is
+// then seen by the check, one published after it by broadcast.
+func (r *Reactor) addWaiter() *waiter {
+	w := waiterPool.Get().(*waiter)
+	r.waiters.Add(1)
+	r.waitMu.Lock()
+	r.waitList = append(r.waitList, w)
+	r.waitMu.Unlock()
+	return w
+}
+
+// dropWaiter unregisters w and returns it to the pool with its channel
+// empty: no broadcast can signal it once it is off the list.
+func (r *Reactor) dropWaiter(w *waiter) {
+	r.waitMu.Lock()
+	for i, x := range r.waitList {
+		if x == w {
+			last := len(r.waitList) - 1
+			r.waitList[i] = r.waitList[last]
+			r.waitList[last] = nil
+			r.waitList = r.waitList[:last]
+			break
+		}
+	}
+	r.waitMu.Unlock()
+	r.waiters.Add(-1)
+	select {
+	case <-w.ch:
+	default:
+	}
+	waiterPool.Put(w)
 }
 
 // Notifs hands out the notifications received since the last call. The map
@@ -604,21 +641,17 @@ func ValidName(name string) bool {
 // nil; it is empty when ctx ended (ctx's error) or the reactor closed
 // (ErrClosed) first.
 func (r *Reactor) WaitNotifs(ctx context.Context) (map[string][][]byte, error) {
+	w := r.addWaiter()
+	defer r.dropWaiter(w)
 	for {
-		ch := *r.waitCh.Load()
-		r.waiters.Add(1)
 		if m := r.Notifs(); len(m) > 0 {
-			r.waiters.Add(-1)
 			return m, nil
 		}
 		select {
-		case <-ch:
-			r.waiters.Add(-1)
+		case <-w.ch:
 		case <-ctx.Done():
-			r.waiters.Add(-1)
 			return map[string][][]byte{}, ctx.Err()
 		case <-r.done:
-			r.waiters.Add(-1)
 			return map[string][][]byte{}, ErrClosed
 		}
 	}
