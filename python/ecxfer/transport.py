@@ -47,8 +47,10 @@ def _indices(x: Any):
     """Return (keepalive, pointer, count) for an index list without
     building a Python int per element when x is already a buffer of
     int64: array('q'), a C-contiguous int64 numpy array, or any writable
-    buffer of int64. Lists, tuples and ranges become one array('q'), which
-    reads their ints in C."""
+    buffer of int64. Lists and tuples of ints are packed into one bytes
+    object by struct.pack, which reads their ints in C; ranges, and lists
+    struct cannot pack, go through one array('q'), which says what is
+    wrong with them."""
     if type(x) is array.array and x.typecode in _I64_CODES:
         addr, n = x.buffer_info()
         return x, addr, n
