@@ -17,7 +17,11 @@ import (
 var _ [unsafe.Sizeof(int(0)) - 8]struct{}
 
 // abiVersion changes whenever a function's signature or meaning changes.
-const abiVersion = 1
+const abiVersion = 2
+
+// ecxNameCap is the name buffer ecx_add_peer needs: the longest agent name
+// (256 bytes) and its NUL.
+const ecxNameCap = 257
 
 // maxLen bounds every length the caller passes (1 TiB): a larger one is a
 // bad argument, not a slice the runtime should try to build.
@@ -82,8 +86,10 @@ func ecx_abi_version() C.int { return abiVersion }
 
 // ecx_new creates a transport from opts, a JSON object of options (see
 // options), over the caller's region of regionLen bytes (NULL: the
-// transport allocates its own). The region must stay mapped until
-// ecx_deregister returns. It stores the transport's id at *out.
+// transport allocates its own; a region of length 0 is refused, not
+// replaced by one of the transport's). The region must stay mapped until
+// every ecx_deregister of the transport has returned. It stores the
+// transport's id at *out.
 //
 //export ecx_new
 func ecx_new(opts unsafe.Pointer, optsLen C.int64_t, region unsafe.Pointer, regionLen C.int64_t, out *C.uint64_t) C.int {
@@ -93,6 +99,9 @@ func ecx_new(opts unsafe.Pointer, optsLen C.int64_t, region unsafe.Pointer, regi
 	}
 	var reg []byte
 	if region != nil {
+		if regionLen == 0 {
+			return C.int(fail(fmt.Errorf("%w: a region at %p of 0 bytes", errBadArg, region)))
+		}
 		if reg, err = bytesArg(region, regionLen); err != nil {
 			return C.int(fail(err))
 		}
@@ -109,7 +118,8 @@ func ecx_new(opts unsafe.Pointer, optsLen C.int64_t, region unsafe.Pointer, regi
 }
 
 // ecx_deregister tears the transport down (blocking until its thread has
-// stopped) and forgets its id. A second call is a no-op returning 0.
+// stopped) and forgets its id. A call made while another is tearing the
+// same transport down waits for it; a call after that returns 0 at once.
 //
 //export ecx_deregister
 func ecx_deregister(t C.uint64_t) C.int {
@@ -129,8 +139,10 @@ func ecx_blob(t C.uint64_t, which C.int, out *unsafe.Pointer) C.int64_t {
 }
 
 // ecx_add_peer adds a peer from its metadata and descriptor list. It
-// writes the peer's name, NUL-terminated, into name (nameCap bytes; 257
-// always suffice) and its id at *peer.
+// writes the peer's name, NUL-terminated, into name and its id at *peer.
+// name must have room for the longest name, nameCap >= ecxNameCap (257):
+// the call is refused before it adds anything otherwise, so a peer is
+// never added whose name the caller could not learn.
 //
 //export ecx_add_peer
 func ecx_add_peer(t C.uint64_t, md unsafe.Pointer, mdLen C.int64_t, desc unsafe.Pointer, descLen C.int64_t,
@@ -143,15 +155,15 @@ func ecx_add_peer(t C.uint64_t, md unsafe.Pointer, mdLen C.int64_t, desc unsafe.
 	if err != nil {
 		return C.int(fail(err))
 	}
-	if name == nil || peer == nil || nameCap <= 0 {
+	if name == nil || peer == nil {
 		return C.int(fail(fmt.Errorf("%w: null name or peer", errBadArg)))
+	}
+	if nameCap < ecxNameCap {
+		return C.int(fail(fmt.Errorf("%w: name buffer of %d bytes, need %d", errBadArg, int64(nameCap), ecxNameCap)))
 	}
 	n, pid, err := addPeer(uint64(t), m, d)
 	if err != nil {
 		return C.int(fail(err))
-	}
-	if int64(len(n)) >= int64(nameCap) {
-		return C.int(fail(fmt.Errorf("%w: name buffer of %d bytes, need %d", errBadArg, int64(nameCap), len(n)+1)))
 	}
 	dst := unsafe.Slice((*byte)(unsafe.Pointer(name)), int(nameCap))
 	dst[copy(dst, n)] = 0

@@ -32,7 +32,9 @@ const (
 )
 
 // errBadArg reports a malformed call: a null pointer with a non-zero
-// length, a negative length, an unknown transport or peer id.
+// length, a negative length, a region of 0 bytes, a name buffer too small,
+// an unknown blob kind. (An unknown transport id is errUnknownTransport,
+// an unknown peer ecxfer.ErrUnknownPeer.)
 var errBadArg = errors.New("ecxfer: bad argument")
 
 // errUnknownTransport reports a transport id that is not (or no longer)

@@ -73,17 +73,26 @@ func newTransport(opts []byte, region []byte) (uint64, error) {
 	return id, nil
 }
 
-// deregister tears the transport down and forgets its id. An unknown id is
-// not an error: deregistering twice is allowed.
+// deregister tears the transport down and then forgets its id. An unknown
+// id is not an error: deregistering twice is allowed. The id stays known
+// until the teardown has ended, so a second deregister meanwhile finds it
+// and waits in Transport.Deregister for the first: neither returns while
+// the transport may still touch the caller's region. Other calls meanwhile
+// get ErrClosed from the transport.
 func deregister(id uint64) error {
-	registry.mu.Lock()
+	registry.mu.RLock()
 	e := registry.m[id]
-	delete(registry.m, id)
-	registry.mu.Unlock()
+	registry.mu.RUnlock()
 	if e == nil {
 		return nil
 	}
-	return e.t.Deregister()
+	err := e.t.Deregister()
+	registry.mu.Lock()
+	if registry.m[id] == e {
+		delete(registry.m, id)
+	}
+	registry.mu.Unlock()
+	return err
 }
 
 // blob kinds for ecx_blob.

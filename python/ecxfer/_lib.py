@@ -2,13 +2,21 @@
 
 ctypes releases the GIL for the duration of every call into a CDLL, so a
 thread blocked in ecx_wait or ecx_notifs does not hold up the others.
+
+The library is loaded on first use (get(), or the attribute lib), not on
+import: loading it starts Go's runtime and its threads, and a process that
+forks afterwards leaves those threads behind, so Go cannot run in the
+child. vLLM imports its plugins in processes that fork later. A process
+forked after the library was loaded gets a stand-in whose every call
+raises ForkedError instead of hanging in Go.
 """
 
 import ctypes
 import os
+import threading
 from pathlib import Path
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 # Error codes, as cmd/libecxfer/codes.go numbers them.
 CONFIG = -1
@@ -81,14 +89,71 @@ def load() -> ctypes.CDLL:
     return lib
 
 
-lib = load()
+_load_lock = threading.Lock()
+_after_fork = []  # callables run in a child forked after the library was loaded
+
+
+def get():
+    """The library, loaded on the first call (the stand-in in a process
+    forked after that)."""
+    lib = globals().get("lib")
+    if lib is not None:
+        return lib
+    with _load_lock:
+        lib = globals().get("lib")
+        if lib is None:
+            lib = load()
+            globals()["lib"] = lib
+    return lib
+
+
+def loaded() -> bool:
+    """Whether this process has loaded the library (or inherited it)."""
+    return "lib" in globals()
+
+
+def __getattr__(name):
+    # PEP 562: the first read of _lib.lib loads the library; later reads
+    # find the module attribute get() set.
+    if name == "lib":
+        return get()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class _Forked:
+    """The library in a process forked after it was loaded: every function
+    raises ForkedError. Go's runtime lost its threads in the fork; a call
+    could wait forever on a lock one of them held."""
+
+    def __getattr__(self, name):
+        def refuse(*args):
+            from .errors import ForkedError
+
+            raise ForkedError(
+                f"ecxfer: this process was forked after it loaded {library_path()}; Go's runtime does "
+                "not survive a fork, so ecxfer cannot be used here (create transports only in the "
+                "process that uses them, or start it with the spawn method)"
+            )
+
+        return refuse
+
+
+def _forked_child() -> None:
+    if not loaded():
+        return  # nothing inherited: the child loads its own copy on first use
+    globals()["lib"] = _Forked()
+    for f in _after_fork:
+        f()
+
+
+os.register_at_fork(after_in_child=_forked_child)
 
 
 def last_error() -> str:
     """The calling thread's last error message (and forget it); a message
     longer than 4 KiB comes back cut."""
     buf = ctypes.create_string_buffer(4096)
-    lib.ecx_last_error(buf, len(buf))
+    get().ecx_last_error(buf, len(buf))
     return buf.value.decode("utf-8", "replace")
 
 
@@ -99,4 +164,4 @@ def take_bytes(ptr: ctypes.c_void_p, n: int) -> bytes:
     try:
         return ctypes.string_at(ptr.value, n)
     finally:
-        lib.ecx_free(ptr)
+        get().ecx_free(ptr)

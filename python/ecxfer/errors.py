@@ -51,6 +51,12 @@ class ClosedError(EcxferError, RuntimeError):
     code = _lib.CLOSED
 
 
+class ForkedError(ClosedError):
+    """This process was forked after it loaded the library: ecxfer cannot
+    run here (Go's runtime does not survive a fork). Transports inherited
+    from the parent are closed in the child; new ones cannot be made."""
+
+
 class BusyError(EcxferError, RuntimeError):
     code = _lib.BUSY
 

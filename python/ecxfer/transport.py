@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import struct
+import threading
 import weakref
 from typing import Any
 
@@ -23,9 +24,29 @@ from .errors import (
 
 logger = logging.getLogger("ecxfer")
 
-_lib_ = _lib.lib
-_post = _lib_.ecx_post_read
-_check = _lib_.ecx_check
+# The library's functions, bound by _bind() when the first transport is
+# made (loading the library then, not at import; see _lib). In a process
+# forked after that they are the stand-in's, which raise ForkedError.
+_lib_: Any = None
+_post: Any = None
+_check: Any = None
+
+
+def _bind() -> None:
+    global _lib_, _post, _check
+    lib = _lib.get()
+    if lib is not _lib_:
+        _lib_, _post, _check = lib, lib.ecx_post_read, lib.ecx_check
+
+
+_lib._after_fork.append(_bind)
+
+
+def _finalize(t: int, pid: int) -> None:
+    """Deregister a dropped transport, but never from a forked child: the
+    transport belongs to the process that made it."""
+    if os.getpid() == pid:
+        _lib_.ecx_deregister(t)
 
 try:  # subclass vLLM's DataTransport when vLLM is there
     from vllm.distributed.ec_transfer.ec_connector.cpu.data.base import DataTransport as _Base
@@ -142,7 +163,11 @@ class EcxferDataTransport(_Base):
     options reach a transport vLLM builds); keyword arguments win.
 
     Every method is safe to call from any thread. Calls into the library
-    release the GIL.
+    release the GIL. The library is loaded when the first transport is
+    made. A transport belongs to the process that made it: in a process
+    forked after the library was loaded, every call raises ForkedError
+    (deregister() only forgets the transport); fork before, or use the
+    spawn start method.
     """
 
     def __init__(
@@ -167,6 +192,7 @@ class EcxferDataTransport(_Base):
         size = int(total_size_bytes or 0)
         if region == 0:
             size = 0
+        _bind()
         tid = ctypes.c_uint64()
         rc = _lib_.ecx_new(raw, len(raw), region or None, size, ctypes.byref(tid))
         if rc != 0:
@@ -176,9 +202,13 @@ class EcxferDataTransport(_Base):
         self.num_blocks = int(num_blocks)
         self.block_size_bytes = int(block_size_bytes)
         self._peers: dict[str, int] = {}
+        self._pid = os.getpid()
+        # deregister() holds it while it tears down: a second call waits
+        # for the first, so neither returns while the region is in use.
+        self._closing = threading.Lock()
         # Tear the transport down if the object is dropped without
         # deregister(), at the latest when the interpreter exits.
-        self._finalizer = weakref.finalize(self, _lib_.ecx_deregister, self._t)
+        self._finalizer = weakref.finalize(self, _finalize, self._t, self._pid)
 
     # -- vLLM's DataTransport -------------------------------------------
 
@@ -236,6 +266,8 @@ class EcxferDataTransport(_Base):
             raise UnknownPeerError(f"ecxfer: unknown agent {agent_name!r}")
         keep_l, la, ln = _indices(local_indices)
         keep_r, ra, rn = _indices(remote_indices)
+        if ln != rn:  # a 2-D array has a len() other than its count
+            raise IndexMismatchError(f"EC: local/remote block count mismatch ({ln} vs {rn})")
         if type(notif_msg) is not bytes:
             notif_msg = notif_msg.encode() if isinstance(notif_msg, str) else bytes(notif_msg or b"")
         h = _post(self._t, la, ln, pid, ra, rn, notif_msg, len(notif_msg))
@@ -274,18 +306,23 @@ class EcxferDataTransport(_Base):
 
     def deregister(self) -> None:
         """Tear everything down: handles, peers, memory registration, the
-        engine and the reactor thread. Never raises; a second call does
-        nothing. Afterwards post_read and add_remote_peer raise
+        engine and the reactor thread. Never raises. A second call waits
+        for a first one still tearing down, then does nothing; in a
+        process forked from the one that made the transport it only
+        forgets it. Afterwards post_read and add_remote_peer raise
         ClosedError, check_xfer_state returns "ERR" and get_new_notifs {}."""
         try:
-            t, self._t = self._t, 0
-            self._peers.clear()
-            if t == 0:
-                return
-            self._finalizer.detach()
-            rc = _lib_.ecx_deregister(t)
-            if rc != 0:
-                raise from_code(rc)
+            with self._closing:
+                t, self._t = self._t, 0
+                self._peers.clear()
+                if t == 0:
+                    return
+                self._finalizer.detach()
+                if self._pid != os.getpid():
+                    return  # inherited by a forked child: the parent's to tear down
+                rc = _lib_.ecx_deregister(t)
+                if rc != 0:
+                    raise from_code(rc)
         except Exception:
             logger.warning("ecxfer: deregister failed", exc_info=True)
 

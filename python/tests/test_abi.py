@@ -34,6 +34,10 @@ def test_new_hostile():
     buf = ctypes.create_string_buffer(64)
     assert lib.ecx_new(opts, len(opts), buf, -5, ctypes.byref(out)) == _lib.BAD_ARG
     assert lib.ecx_new(opts, len(opts), buf, 64, ctypes.byref(out)) == _lib.CONFIG  # region too small
+    # A region without a length is refused, not silently replaced by a
+    # region of the transport's own (READs would land where nobody looks).
+    assert lib.ecx_new(opts, len(opts), buf, 0, ctypes.byref(out)) == _lib.BAD_ARG
+    assert "0 bytes" in _lib.last_error()
     assert out.value == 0
 
 
@@ -89,14 +93,27 @@ def test_add_peer_buffers(tid):
         assert lib.ecx_add_peer(tid, md, n_md, desc, n_desc, big, 257, None) == _lib.BAD_ARG
         assert lib.ecx_add_peer(tid, md, n_md, desc, n_desc, small, 3, ctypes.byref(pid)) == _lib.BAD_ARG
         assert "name buffer" in _lib.last_error()
+        # Too small for the longest name: refused before anything is added,
+        # even though this peer's name (5 bytes) would fit.
+        assert lib.ecx_add_peer(tid, md, n_md, desc, n_desc, big, 256, ctypes.byref(pid)) == _lib.BAD_ARG
+        assert "need 257" in _lib.last_error()
+        assert _stats(tid)["peers"] == 0
         assert lib.ecx_add_peer(tid, None, 4, desc, n_desc, big, 257, ctypes.byref(pid)) == _lib.BAD_ARG
         assert lib.ecx_add_peer(tid, md, n_md, None, 0, big, 257, ctypes.byref(pid)) == _lib.BAD_DESCRIPTOR
         assert lib.ecx_add_peer(tid, md, n_md, desc, n_desc, big, 257, ctypes.byref(pid)) == 0
         assert big.value == b"abi-0" and pid.value > 0
+        assert _stats(tid)["peers"] == 1
     finally:
         lib.ecx_free(md)
         lib.ecx_free(desc)
     _lib.last_error()
+
+
+def _stats(tid):
+    p = P()
+    n = lib.ecx_stats(tid, ctypes.byref(p))
+    assert n > 0
+    return json.loads(_lib.take_bytes(p, n))
 
 
 def test_last_error_is_cut_to_the_buffer():

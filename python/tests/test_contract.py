@@ -3,12 +3,16 @@ vLLM's own tests do not check."""
 
 import array
 import collections
+import ctypes
+import json
 import logging
+import threading
+import uuid
 
 import pytest
 
 import ecxfer
-from ecxfer import EcxferDataTransport
+from ecxfer import EcxferDataTransport, _lib
 from ecxfer.transport import decode_notifs
 
 
@@ -58,6 +62,42 @@ def test_mismatch_is_value_error(pair):
     with pytest.raises(ecxfer.IndexMismatchError):
         cons.post_read(array.array("q", [1]), peer, array.array("q", []), b"x")
     assert cons.stats()["reads_posted"] == 0
+
+
+def test_mismatch_counts_blocks_not_rows(pair):
+    """A 2-D index array has a len() other than its number of indices: the
+    check compares the counts that go to the library, and still says
+    "mismatch"."""
+    np = pytest.importorskip("numpy")
+    _, _, cons, _, peer, _ = pair
+    with pytest.raises(ValueError, match="mismatch"):
+        cons.post_read(np.arange(4, dtype=np.int64).reshape(2, 2), peer, [0, 1], b"x")
+    assert cons.stats()["reads_posted"] == 0
+
+
+def test_concurrent_deregister_waits_for_the_first(region):
+    """A second deregister() while the first is tearing down returns only
+    after the teardown: vLLM may unmap the region once its call returns."""
+    n, bs = 16, 4096
+    for _ in range(5):
+        before = _live_transports()
+        r = region(n * bs)
+        t = ecxfer.EcxferDataTransport(f"dereg-{uuid.uuid4().hex[:6]}", r.addr, n, bs, n * bs)
+        t.add_remote_peer(t.get_agent_metadata(), t.get_mem_descriptor())
+        a = threading.Thread(target=t.deregister)
+        a.start()
+        while t._t != 0 and a.is_alive():
+            pass  # until the first call has taken the transport
+        t.deregister()
+        assert _live_transports() == before  # torn down, not still going
+        a.join()
+
+
+def _live_transports():
+    p = ctypes.c_void_p()
+    n = _lib.lib.ecx_runtime(ctypes.byref(p))
+    assert n > 0
+    return json.loads(_lib.take_bytes(p, n))["transports"]
 
 
 def test_unknown_agent_is_key_error(pair):
