@@ -3,6 +3,7 @@ package ecxfer
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"math/rand"
 	"os"
@@ -554,4 +555,166 @@ func TestNotifsDrainedByCaller(t *testing.T) {
 	require.NoError(t, unix.Sendto(fd, []byte{9, 0, 'x'}, 0, to))
 	require.Eventually(t, func() bool { return len(prod.NewNotifs()) == 0 && prod.Stats().EngineErrors > errs0 },
 		5*time.Second, time.Millisecond, "a malformed datagram was not counted")
+}
+
+// A READ on the copy workers that its peer's removal ends is published
+// ERR only once its copy no longer writes its local blocks: the caller
+// may release it and use the blocks for other data at once.
+func TestDirectRemovedReadStopsWriting(t *testing.T) {
+	leakcheck.Check(t)
+	e := env{t: t, backend: "ucx"}
+	const bs, nb, seed = 32768, 880, 5
+	cons := e.transport(uniqueName("rcons"), bs, nb, direct)
+	local := cons.Region()
+	idx := make([]int, nb)
+	for i := range idx {
+		idx[i] = i
+	}
+	var sentinel [8]byte
+	for i := range sentinel {
+		sentinel[i] = 0xA5
+	}
+	ended, skipped := 0, 0
+	for round := range 12 {
+		pname := uniqueName("rprod")
+		prod := e.transport(pname, bs, nb, direct)
+		pattern.FillRegion(prod.Region(), seed, bs)
+		_, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+		require.NoError(t, err)
+		for i := range local {
+			local[i] = 0xA5
+		}
+		h, err := cons.PostRead(idx, pname, idx, nil)
+		require.NoError(t, err)
+		// Remove the peer once the copy has begun (its first bytes landed),
+		// with most of it still to go.
+		deadline := time.Now().Add(10 * time.Second)
+		for bytes.Equal(local[:8], sentinel[:]) && time.Now().Before(deadline) {
+			runtime.Gosched()
+		}
+		require.NoError(t, cons.RemoveRemotePeer(pname))
+		st, err := wait(t, cons, h)
+		require.NoError(t, cons.ReleaseXferHandle(h))
+		if st == StateDone {
+			require.NoError(t, prod.Deregister())
+			continue // the copy won the race
+		}
+		require.ErrorIs(t, err, ErrCanceled)
+		ended++
+		// The blocks are the caller's again: nothing may land in them now.
+		// (Blocks are counted as written when their first or last bytes
+		// are no longer the sentinel.)
+		written := func() int {
+			n := 0
+			for b := range nb {
+				blk := local[b*bs : (b+1)*bs]
+				if !bytes.Equal(blk[:8], sentinel[:]) || !bytes.Equal(blk[bs-8:], sentinel[:]) {
+					n++
+				}
+			}
+			return n
+		}
+		atEnd := written()
+		time.Sleep(20 * time.Millisecond) // far longer than a copy chunk
+		later := written()
+		require.Equal(t, atEnd, later, "round %d: blocks written after the READ ended", round)
+		if atEnd < nb {
+			skipped++
+		}
+		require.NoError(t, prod.Deregister())
+	}
+	require.Positive(t, ended, "no READ was ended by the removal while copying")
+	t.Logf("%d of 12 READs ended by the removal, %d of them with chunks left uncopied", ended, skipped)
+}
+
+// A Wait blocked on a READ that another goroutine releases while its copy
+// runs returns when the release is taken, not when something else ends.
+func TestDirectReleaseWakesWait(t *testing.T) {
+	leakcheck.Check(t)
+	e := env{t: t, backend: "ucx"}
+	const bs, nb = 32768, 880
+	opts := []func(*Config){direct, func(c *Config) { c.Reactor.WaitSpin = time.Microsecond }}
+	prod := e.transport(uniqueName("wprod"), bs, nb, opts...)
+	cons := e.transport(uniqueName("wcons"), bs, nb, opts...)
+	pname, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+	require.NoError(t, err)
+	idx := make([]int, nb)
+	for i := range idx {
+		idx[i] = i
+	}
+	released := 0
+	for range 20 {
+		h, err := cons.PostRead(idx, pname, idx, nil)
+		require.NoError(t, err)
+		before := cons.Stats().WaitBlocks
+		res := make(chan error, 1)
+		go func() {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			res <- cons.Wait(ctx, h)
+		}()
+		blocked := false
+		for !blocked {
+			if st, _ := cons.CheckXferState(h); st != StateProc {
+				break // the copy ended first
+			}
+			blocked = cons.Stats().WaitBlocks > before
+			runtime.Gosched()
+		}
+		rerr := cons.ReleaseXferHandle(h)
+		werr := <-res
+		require.NotErrorIs(t, werr, context.DeadlineExceeded, "Wait was not woken by the release")
+		if blocked && rerr == nil && werr != nil {
+			released++
+		}
+	}
+	require.Positive(t, released, "no READ was released while its Wait was blocked")
+}
+
+// PostRead racing Deregister: a READ copied inline writes the local
+// region, which goes with the engine, so Deregister waits for such copies
+// and a Post after it has begun copies nothing. (A race test: without the
+// wait it crashes or reports a fault only when the timing hits.)
+func TestDirectInlinePostVsDeregister(t *testing.T) {
+	leakcheck.Check(t)
+	const bs, nb = 5120, 64
+	for round := range 20 {
+		prod, err := New(Config{AgentName: uniqueName("iprod"), BlockSize: bs, NumBlocks: nb, Direct: DirectOn})
+		require.NoError(t, err)
+		cons, err := New(Config{AgentName: uniqueName("icons"), BlockSize: bs, NumBlocks: nb, Direct: DirectOn})
+		require.NoError(t, err)
+		pname, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+		require.NoError(t, err)
+		var wg sync.WaitGroup
+		bad := make(chan string, 4)
+		for w := range 4 {
+			wg.Go(func() {
+				for i := 0; ; i++ {
+					b := (w*16 + i) % nb
+					h, err := cons.PostRead([]int{b, (b + 1) % nb}, pname, []int{b, (b + 1) % nb}, []byte("n"))
+					if errors.Is(err, ErrClosed) || errors.Is(err, ErrUnknownPeer) {
+						return
+					}
+					if err != nil {
+						bad <- err.Error()
+						return
+					}
+					st, err := cons.CheckXferState(h)
+					if st == StateErr && !errors.Is(err, ErrClosed) {
+						bad <- fmt.Sprintf("state %v: %v", st, err)
+						return
+					}
+					_ = cons.ReleaseXferHandle(h)
+				}
+			})
+		}
+		time.Sleep(time.Duration(round%5) * 100 * time.Microsecond)
+		require.NoError(t, cons.Deregister())
+		wg.Wait()
+		close(bad)
+		for msg := range bad {
+			t.Fatalf("round %d: %s", round, msg)
+		}
+		require.NoError(t, prod.Deregister())
+	}
 }

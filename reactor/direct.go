@@ -212,6 +212,9 @@ type direct struct {
 	notifBuf []*notifRec
 
 	reads, inlineReads atomic.Uint64
+	// inlining counts the Posts copying inline right now: they write the
+	// local region, so teardown waits for them before the region goes.
+	inlining atomic.Int64
 }
 
 // dirJob is one READ handed to the copy pool.
@@ -234,6 +237,12 @@ type dirJob struct {
 	live       bool // counted in InFlight: the READ has not ended yet
 	// running: handed to the pool, not yet ended (loop only).
 	running bool
+	// endCode: the READ was ended while its copy ran (its peer removed,
+	// replaced or closed); it is published with this code once no chunk
+	// of the copy can write the local region any more (loop only). stop
+	// makes the chunks not yet started return at once.
+	endCode uint64
+	stop    atomic.Bool
 }
 
 // SetDirect enables the direct path. It must be called before the first
@@ -314,10 +323,22 @@ type notifRec struct {
 // goroutine. The slot is published DONE (or ERR) before it returns; a
 // notification is queued for the reactor to send. If the reactor falls
 // that far behind, the caller waits for room in the queue: notifications
-// are never dropped.
+// are dropped only when the transport closes meanwhile. A Post that finds
+// the transport closing copies nothing and returns ErrClosed.
 func (r *Reactor) postInline(h uint64, s *slot, p *Peer, localIdx, remoteIdx []int, notif []byte) (uint64, error) {
 	d := r.dir
 	w := s.word.Load()
+	// Counted before closing is looked at, and teardown raises closing
+	// before it waits for the count to drop: either this Post sees closing
+	// and copies nothing, or teardown waits for its copy.
+	d.inlining.Add(1)
+	if r.closing.Load() {
+		d.inlining.Add(-1)
+		<-r.done // the slot is this Post's to free, once the loop is gone
+		r.tab.free(s, w)
+		return 0, ErrClosed
+	}
+	defer d.inlining.Add(-1)
 	code := p.gone.Load()
 	if code == 0 {
 		if err := r.copyInline(p, localIdx, remoteIdx); err != nil {
@@ -342,6 +363,12 @@ func (r *Reactor) postInline(h uint64, s *slot, p *Peer, localIdx, remoteIdx []i
 		rec.peer = p
 		rec.msg = append(rec.msg[:0], notif...)
 		for !d.notifQ.TryPush(rec) {
+			if r.closing.Load() {
+				// Teardown waits for this Post and no longer drains the
+				// queue: the notification goes with the transport.
+				d.putRec(rec)
+				return h, nil
+			}
 			r.writeWake()
 			runtime.Gosched()
 		}
@@ -424,6 +451,9 @@ func (r *Reactor) copyInline(p *Peer, localIdx, remoteIdx []int) error {
 
 var (
 	errPeerClosed = errors.New("reactor: peer closed")
+	// errCopyStopped is what the skipped chunks of a copy whose READ was
+	// ended (failDirectReads) return.
+	errCopyStopped = errors.New("reactor: copy stopped")
 	// errPeerExited ends a direct READ whose producer was found dead when
 	// its copy ended: what was copied may be what a dying producer left
 	// half written, so the READ is not reported DONE.
@@ -449,7 +479,8 @@ func (r *Reactor) newJob(h uint64, p *Peer, loc *local, localIdx, remoteIdx []in
 		j.Run = j.run
 		j.Done = j.done
 	}
-	j.h, j.peer, j.err = h, p, nil
+	j.h, j.peer, j.err, j.endCode = h, p, nil, 0
+	j.stop.Store(false)
 	j.notif = append(j.notif[:0], notif...)
 	j.build(loc, p, localIdx, remoteIdx, d.base, p.direct.adv.Base)
 	return j
@@ -539,6 +570,9 @@ func (j *dirJob) build(loc *local, p *Peer, li, ri []int, base, rbase uint64) {
 }
 
 func (j *dirJob) run(lo, hi int) error {
+	if j.stop.Load() {
+		return errCopyStopped
+	}
 	d, pd := j.r.dir, j.peer.direct
 	a, b := uint64(lo), uint64(hi)
 	// The first run that ends after a.
@@ -657,7 +691,7 @@ func (r *Reactor) endJob(j *dirJob) {
 		r.inflight.Add(-1)
 	}
 	p := j.peer
-	if j.err == nil && p.direct.exited() {
+	if j.err == nil && j.endCode == 0 && p.direct.exited() {
 		// Checked after the copy, not when it was posted: a READ is DONE
 		// only if its producer outlived the whole copy. (The caller's
 		// Post does not pay the poll; the reactor does, once per job.)
@@ -682,9 +716,20 @@ func (r *Reactor) endJob(j *dirJob) {
 			if s.cancelDrained {
 				s.cancelDrained = false
 				r.tab.free(s, w)
+				r.ended = true // a Wait blocked on the handle must see it gone
 			}
 		case stProc:
-			if j.err != nil {
+			if code := j.endCode; code != 0 {
+				// Ended by failDirectReads; published only now that the
+				// copy no longer writes the READ's local blocks.
+				if code == codeCanceled {
+					r.st.canceled.Add(1)
+				} else {
+					r.countFailed(p, code)
+				}
+				s.trim()
+				r.finish(h, s, code)
+			} else if j.err != nil {
 				p.direct.dead.Store(true)
 				p.gone.CompareAndSwap(0, codeRemoteDisconnect)
 				r.peerDead(p, j.err.Error())
@@ -710,29 +755,26 @@ func (r *Reactor) endJob(j *dirJob) {
 	j.recycle()
 }
 
-// failDirectReads ends p's READs still copying with code; the copies run
-// on from the still-mapped region and are then discarded. Loop only.
+// failDirectReads ends p's READs still copying with code, and returns how
+// many. A copy cannot be stopped mid-chunk, and until its last chunk
+// returns it writes the READ's local blocks: were the READ published ERR
+// now, its caller could release it and read other data into those blocks,
+// which the old copy would then overwrite. So the chunks not yet started
+// are skipped, and endJob publishes the READ with code when the copy has
+// stopped: after the chunks already running, each at most an eighth of
+// the READ with two copy workers (see copypool.Pool.Chunks). Loop only.
 func (r *Reactor) failDirectReads(p *Peer, code uint64) int {
 	if r.dir == nil {
 		return 0
 	}
 	n := 0
 	for _, j := range r.dir.active {
-		if j.peer != p {
+		if j.peer != p || j.endCode != 0 {
 			continue
 		}
 		if s, w := r.tab.lookup(j.h); s != nil && wordState(w) == stProc && s.job == j {
-			s.job = nil
-			s.run.Store(nil)
-			j.live = false
-			r.inflight.Add(-1)
-			if code == codeCanceled {
-				r.st.canceled.Add(1)
-			} else {
-				r.countFailed(p, code)
-			}
-			s.trim()
-			r.finish(j.h, s, code)
+			j.endCode = code
+			j.stop.Store(true)
 			n++
 		}
 	}
@@ -803,6 +845,9 @@ func (r *Reactor) pollPeers() bool {
 func (r *Reactor) waitDirect() {
 	if r.dir == nil {
 		return
+	}
+	for r.dir.inlining.Load() > 0 {
+		time.Sleep(20 * time.Microsecond)
 	}
 	for len(r.dir.active) > 0 {
 		if n := r.dir.finished.Drain(r.dir.jobBuf); n > 0 {

@@ -504,8 +504,10 @@ func (r *Reactor) onCancel(h uint64) {
 	if s.job != nil {
 		if s.job.running {
 			// endJob frees the slot when the copy ends; this entry is
-			// drained, so the slot may be claimed again then.
+			// drained, so the slot may be claimed again then. A Wait
+			// blocked on the handle sees it released now.
 			s.cancelDrained = true
+			r.ended = true
 			return
 		}
 		r.dropJob(s)
