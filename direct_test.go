@@ -718,3 +718,33 @@ func TestDirectInlinePostVsDeregister(t *testing.T) {
 		require.NoError(t, prod.Deregister())
 	}
 }
+
+// READs copied inline are DONE when PostRead returns; their producer is
+// told even when the consumer removes it right after, before the reactor
+// has sent the notifications (they go over the producer's own socket).
+func TestDirectInlineNotifsSurviveRemoval(t *testing.T) {
+	leakcheck.Check(t)
+	e := env{t: t, backend: "ucx"}
+	const bs, nb, n = 5120, 64, 300
+	for round := range 5 {
+		pname := uniqueName("nprod")
+		prod := e.transport(pname, bs, nb, direct)
+		cons := e.transport(uniqueName("ncons"), bs, nb, direct)
+		_, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+		require.NoError(t, err)
+		for i := range n {
+			h, err := cons.PostRead([]int{i % nb}, pname, []int{(i + 1) % nb}, fmt.Appendf(nil, "r%d-%d", round, i))
+			require.NoError(t, err)
+			st, err := cons.CheckXferState(h)
+			require.NoError(t, err)
+			require.Equal(t, StateDone, st)
+			require.NoError(t, cons.ReleaseXferHandle(h))
+		}
+		require.NoError(t, cons.RemoveRemotePeer(pname))
+		got := notifsUntil(prod, n, 10*time.Second)[cons.cfg.AgentName]
+		require.Equal(t, n, len(got), "round %d: notifications of DONE READs lost with the removal", round)
+		for i, m := range got {
+			require.Equal(t, fmt.Sprintf("r%d-%d", round, i), string(m))
+		}
+	}
+}

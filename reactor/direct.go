@@ -954,12 +954,21 @@ func (r *Reactor) sendInlineNotifs() bool {
 		}
 		work = true
 		for i, rec := range d.notifBuf[:n] {
-			// A peer removed or replaced meanwhile is not told: its
-			// name may already stand for a new incarnation.
-			if rec.peer.gone.Load() == 0 {
-				if err := r.notify(rec.peer, rec.msg); err != nil {
+			// The READ was DONE: its producer is told even if the peer was
+			// removed or replaced since, as long as the message goes over
+			// the socket, whose address names that very process. Through
+			// the engine it would go by name, which may already stand for
+			// a new incarnation; and a producer that exited has nobody to
+			// tell.
+			p := rec.peer
+			switch {
+			case p.gone.Load() == 0:
+				if err := r.notify(p, rec.msg); err != nil {
 					r.engineError("notify", err)
 				}
+			case d.ns.canSend(p, rec.msg) && !p.direct.dead.Load():
+				// Removed since: its process may have exited meanwhile.
+				_ = d.ns.send(p, rec.msg)
 			}
 			d.putRec(rec)
 			d.notifBuf[i] = nil
@@ -968,8 +977,8 @@ func (r *Reactor) sendInlineNotifs() bool {
 }
 
 // flushNotifs sends the queued notifications of inline READs and retries
-// the socket's backlog until it is empty, the peers left in it are gone,
-// or limit has passed. Loop only (teardown).
+// the socket's backlog until it is empty (entries of producers that
+// exited are dropped) or limit has passed. Loop only (teardown).
 func (r *Reactor) flushNotifs(limit time.Duration) {
 	if r.dir == nil {
 		return

@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"unsafe"
@@ -40,7 +41,9 @@ import (
 // default, per receiving socket) waits, in order, in the sender's backlog,
 // where notifications to the same peer are packed into shared datagrams,
 // and is retried every loop turn: nothing is dropped while the producer
-// lives. Notifications longer than maxNotifDgram go through the engine.
+// lives. Order is kept per peer: a producer that does not read its socket
+// holds back its own notifications, not those of other producers.
+// Notifications longer than maxNotifDgram go through the engine.
 
 // maxNotifDgram bounds the message a datagram carries; the kernel's
 // default socket buffers (about 208 KiB) take several.
@@ -149,6 +152,7 @@ type notifSock struct {
 	badByCaller atomic.Int64
 	sbuf        []byte
 	backlog     []pendingNotif // refused with EAGAIN, oldest first
+	blocked     []*Peer        // flush's scratch: peers that refused an entry
 	spare       [][]byte       // datagram buffers of sent backlog entries, for reuse
 	lastRecv    int64
 }
@@ -191,11 +195,11 @@ func (ns *notifSock) canSend(p *Peer, msg []byte) bool {
 	return p.direct != nil && p.direct.notify != nil && len(msg) <= maxNotifDgram
 }
 
-// send sends msg to p, or queues it behind the backlog. An error means the
-// peer's socket is gone (the producer exited): the notification has nobody
-// to go to.
+// send sends msg to p, or queues it behind p's entries in the backlog. An
+// error means the peer's socket is gone (the producer exited): the
+// notification has nobody to go to.
 func (ns *notifSock) send(p *Peer, msg []byte) error {
-	if len(ns.backlog) > 0 {
+	if p.backlogged > 0 {
 		ns.queue(p, msg)
 		return nil
 	}
@@ -222,35 +226,45 @@ func (ns *notifSock) queue(p *Peer, msg []byte) {
 		ns.spare = ns.spare[:n-1]
 	}
 	ns.backlog = append(ns.backlog, pendingNotif{p, appendNotifDgram(b, ns.name, msg)})
+	p.backlogged++
 }
 
-// flush retries the backlog in order until the first refusal. Entries for
-// peers that are gone are dropped. It reports whether it sent anything and
-// the number of sends that failed for good.
+// flush retries the backlog in order. A peer whose socket refuses an entry
+// keeps that entry and its later ones; other peers' entries go on. Entries
+// for producers known to have exited are dropped. It reports whether it
+// sent anything and the number of sends that failed for good.
 func (ns *notifSock) flush() (sent bool, failed int) {
-	i := 0
-	for ; i < len(ns.backlog); i++ {
-		e := ns.backlog[i]
-		if e.peer.gone.Load() != 0 {
+	blocked := ns.blocked[:0]
+	kept := ns.backlog[:0]
+	for _, e := range ns.backlog {
+		switch {
+		case e.peer.direct.dead.Load():
+			// The producer exited: nobody to tell.
+		case slices.Contains(blocked, e.peer):
+			kept = append(kept, e)
 			continue
+		default:
+			err := unix.Sendto(ns.sfd, e.dgram, unix.MSG_DONTWAIT, e.peer.direct.notify)
+			if errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.ENOBUFS) {
+				blocked = append(blocked, e.peer)
+				kept = append(kept, e)
+				continue
+			}
+			if err != nil {
+				failed++
+			} else {
+				sent = true
+			}
 		}
-		err := unix.Sendto(ns.sfd, e.dgram, unix.MSG_DONTWAIT, e.peer.direct.notify)
-		if errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.ENOBUFS) {
-			break
-		}
-		if err != nil {
-			failed++
-		} else {
-			sent = true
-		}
-	}
-	for _, e := range ns.backlog[:i] {
+		e.peer.backlogged--
 		if len(ns.spare) < maxSpare {
 			ns.spare = append(ns.spare, e.dgram)
 		}
 	}
-	clear(ns.backlog[:i])
-	ns.backlog = append(ns.backlog[:0], ns.backlog[i:]...)
+	clear(ns.backlog[len(kept):])
+	ns.backlog = kept
+	clear(blocked)
+	ns.blocked = blocked[:0]
 	return sent, failed
 }
 

@@ -173,3 +173,92 @@ func TestNotifSockTruncated(t *testing.T) {
 		t.Fatalf("bad %d, delivered %q", bad, got)
 	}
 }
+
+// One producer that stops reading its socket holds back its own
+// notifications only: another producer gets each of its notifications at
+// the first send, while the stalled one's wait in order, and arrive, in
+// order, once it reads again. An exited producer's are dropped.
+func TestNotifSockStalledPeerBlocksOnlyItself(t *testing.T) {
+	listen := func() (*notifSock, *Peer) {
+		rx, err := ListenNotify()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := unix.SetsockoptInt(rx.fd, unix.SOL_SOCKET, unix.SO_RCVBUF, 4096); err != nil {
+			t.Fatal(err)
+		}
+		p := socketPeer(t, rx)
+		ns, err := newNotifSock(rx.fd, "producer")
+		if err != nil {
+			t.Fatal(err)
+		}
+		rx.fd = -1
+		return ns, p
+	}
+	stalled, ps := listen()
+	live, pl := listen()
+	defer live.close()
+	send, err := newNotifSock(-1, "consumer-1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer send.close()
+
+	const n = 500
+	var got []string
+	collect := func(ns *notifSock) {
+		if _, bad := ns.recv(func(_ string, msg []byte) { got = append(got, string(msg)) }); bad != 0 {
+			t.Fatalf("%d malformed datagrams", bad)
+		}
+	}
+	for i := range n {
+		if err := send.send(ps, fmt.Appendf(nil, "stalled-%d", i)); err != nil {
+			t.Fatal(err)
+		}
+		if err := send.send(pl, fmt.Appendf(nil, "live-%d", i)); err != nil {
+			t.Fatal(err)
+		}
+		if _, failed := send.flush(); failed != 0 {
+			t.Fatalf("%d sends failed", failed)
+		}
+		got = got[:0]
+		collect(live)
+		if len(got) != 1 || got[0] != fmt.Sprintf("live-%d", i) {
+			t.Fatalf("send %d: the live producer got %q at once (backlog %d entries, %d of the stalled producer's)",
+				i, got, len(send.backlog), ps.backlogged)
+		}
+	}
+	if ps.backlogged == 0 || pl.backlogged != 0 {
+		t.Fatalf("backlogged: stalled %d, live %d", ps.backlogged, pl.backlogged)
+	}
+	got = got[:0]
+	for rounds := 0; len(got) < n; rounds++ {
+		if rounds > 100000 {
+			t.Fatalf("%d of %d delivered", len(got), n)
+		}
+		collect(stalled)
+		send.flush()
+	}
+	for i, m := range got {
+		if want := fmt.Sprintf("stalled-%d", i); m != want {
+			t.Fatalf("notification %d is %q, want %q", i, m, want)
+		}
+	}
+	if len(send.backlog) != 0 || ps.backlogged != 0 {
+		t.Fatalf("%d entries left in the backlog (%d counted)", len(send.backlog), ps.backlogged)
+	}
+
+	// Stalled again, then exited: its entries are dropped, not retried.
+	for i := range n {
+		_ = send.send(ps, fmt.Appendf(nil, "late-%d", i))
+	}
+	if ps.backlogged == 0 {
+		t.Fatal("nothing backlogged for the stalled producer")
+	}
+	stalled.close()
+	ps.direct.dead.Store(true)
+	send.flush()
+	if len(send.backlog) != 0 || ps.backlogged != 0 {
+		t.Fatalf("an exited producer's entries kept: %d (%d counted)", len(send.backlog), ps.backlogged)
+	}
+}

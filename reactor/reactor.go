@@ -43,6 +43,9 @@ type Peer struct {
 	direct *Direct // set when READs bypass the engine (same host)
 
 	deadLogged bool // loop only: EventPeerDead was logged
+	// backlogged: loop only, this peer's entries in the notification
+	// socket's backlog; while there are any, its new ones queue behind.
+	backlogged int
 	pc         peerCounters
 }
 
