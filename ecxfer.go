@@ -394,6 +394,10 @@ func (t *Transport) checkPeerDescs(descs descriptors.List) error {
 
 // RemoveRemotePeer cancels the peer's in-flight reads (they end in
 // ErrCanceled), releases its prepared list and endpoint, and forgets it.
+// A direct READ whose copy is running ends when the chunks already being
+// copied have landed (the rest are skipped), so that once it reads ERR
+// nothing more is written into its local blocks. Notifications of READs
+// already DONE still reach a direct peer's process over its socket.
 func (t *Transport) RemoveRemotePeer(agentName string) error {
 	if t.closed.Load() {
 		return ErrClosed
