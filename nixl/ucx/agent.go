@@ -67,8 +67,9 @@ type Config struct {
 	// on a peer's death.
 	LivenessPoll time.Duration
 
-	noPidfd    bool // tests: rely on UCX alone for same-host peers
-	rndvNotifs bool // tests: send notifications by rendezvous (peers drop them)
+	noPidfd        bool // tests: rely on UCX alone for same-host peers
+	rndvNotifs     bool // tests: send notifications by rendezvous (peers drop them)
+	oversizeNotifs bool // tests: send notifications longer than MaxNotif (peers drop them)
 }
 
 // kit prefixes this engine's errors.

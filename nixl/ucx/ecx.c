@@ -230,7 +230,7 @@ static ucs_status_t am_cb(void *arg, const void *header, size_t header_length,
         c->notif_dropped++;
         return UCS_OK;
     }
-    if (header_length > UINT32_MAX || length > UINT32_MAX) {
+    if (header_length > ECX_NOTIF_MAX_NAME || length > ECX_NOTIF_MAX_PAYLOAD) {
         c->notif_dropped++;
         return UCS_OK;
     }

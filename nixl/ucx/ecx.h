@@ -26,6 +26,12 @@
 
 /* Active-message id of notifications. */
 #define ECX_AM_NOTIF 0xEC
+/* The largest notification the handler accepts (enginekit.MaxNotifLimit:
+ * no engine may be configured for more), and the longest sender name
+ * (an agent name is at most 256 bytes). Larger ones are counted as dropped
+ * and never copied: a peer declares the lengths. */
+#define ECX_NOTIF_MAX_PAYLOAD (1u << 20)
+#define ECX_NOTIF_MAX_NAME 256u
 
 /* One merged piece of a transfer. */
 typedef struct ecx_range {

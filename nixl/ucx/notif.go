@@ -15,6 +15,12 @@ import (
 
 // ----------------------------------------------------------- notifications
 
+// The C handler's limit is MaxNotif's (both differences must be >= 0).
+var (
+	_ [C.ECX_NOTIF_MAX_PAYLOAD - enginekit.MaxNotifLimit]struct{}
+	_ [enginekit.MaxNotifLimit - C.ECX_NOTIF_MAX_PAYLOAD]struct{}
+)
+
 // SendNotif implements nixl.Agent.
 func (a *Agent) SendNotif(peerName string, msg []byte) error {
 	if a.closed {
@@ -24,8 +30,10 @@ func (a *Agent) SendNotif(peerName string, msg []byte) error {
 	if err != nil {
 		return err
 	}
-	if err := kit.CheckNotif(len(msg), a.cfg.MaxNotif); err != nil {
-		return err
+	if !a.cfg.oversizeNotifs {
+		if err := kit.CheckNotif(len(msg), a.cfg.MaxNotif); err != nil {
+			return err
+		}
 	}
 	var buf unsafe.Pointer
 	if len(msg) > 0 {
@@ -58,8 +66,9 @@ func (a *Agent) GetNotifs(dst map[string][][]byte) int {
 // this worker and were not queued for GetNotifs. The handler drops a
 // message that arrives by rendezvous (this package's senders force eager;
 // such a message comes from another sender or exceeded what the transport
-// sends eagerly), one whose header or payload exceeds 4 GiB, and one it
-// could not allocate memory for.
+// sends eagerly), one whose payload exceeds 1 MiB (MaxNotif's limit) or
+// whose sender name exceeds 256 bytes, and one it could not allocate
+// memory for.
 func (a *Agent) DroppedNotifs() uint64 {
 	if a.c == nil {
 		return a.dropped

@@ -7,6 +7,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/ecxfer/ecxfer/nixl"
+	"github.com/ecxfer/ecxfer/nixl/internal/enginekit"
 )
 
 // A notification that arrives by rendezvous is dropped by the receiver's
@@ -49,4 +50,37 @@ func TestDroppedNotifs(t *testing.T) {
 
 	require.NoError(t, recv.Close())
 	require.Equal(t, uint64(sent), recv.DroppedNotifs(), "kept after Close")
+}
+
+// The receiving handler refuses a notification longer than any engine may
+// be configured for (1 MiB), whatever the sender declares: it is counted
+// as dropped and never copied (lengths near 4 GiB used to reach GoBytes as
+// negative ints and panic on the reactor thread). One at the limit gets
+// through.
+func TestOversizedNotifsDropped(t *testing.T) {
+	recv := newTestAgent(t, Config{Name: "receiver", MaxNotif: enginekit.MaxNotifLimit})
+	big := newTestAgent(t, Config{Name: "big-sender", MaxNotif: enginekit.MaxNotifLimit, oversizeNotifs: true})
+	md, err := recv.LocalMetadata()
+	require.NoError(t, err)
+	_, err = big.LoadRemoteMetadata(md)
+	require.NoError(t, err)
+
+	require.NoError(t, big.SendNotif("receiver", make([]byte, enginekit.MaxNotifLimit+1)))
+	got := map[string][][]byte{}
+	deadline := time.Now().Add(10 * time.Second)
+	for recv.DroppedNotifs() < 1 && time.Now().Before(deadline) {
+		_, err := big.Progress()
+		require.NoError(t, err)
+		_, err = recv.Progress()
+		require.NoError(t, err)
+		recv.GetNotifs(got)
+	}
+	require.Equal(t, uint64(1), recv.DroppedNotifs())
+	require.Empty(t, got)
+
+	require.NoError(t, big.SendNotif("receiver", make([]byte, enginekit.MaxNotifLimit)))
+	n := collectNotifs(t, recv, 1, 10*time.Second, big)
+	require.Len(t, n["big-sender"], 1)
+	require.Len(t, n["big-sender"][0], enginekit.MaxNotifLimit)
+	require.Equal(t, uint64(1), recv.DroppedNotifs())
 }
