@@ -341,14 +341,25 @@ func (r *Reactor) postInline(h uint64, s *slot, p *Peer, localIdx, remoteIdx []i
 	defer d.inlining.Add(-1)
 	code := p.gone.Load()
 	if code == 0 {
-		if err := r.copyInline(p, localIdx, remoteIdx); err != nil {
+		if err := r.copyInline(p, localIdx, remoteIdx); errors.Is(err, errPeerClosed) {
+			// Removed or replaced since the check above (which set gone
+			// before closing the view): the READ ends as the removal
+			// says, and the producer is not taken for dead.
+			if code = p.gone.Load(); code == 0 {
+				code = codeCanceled
+			}
+		} else if err != nil {
 			code = codeRemoteDisconnect
 			p.direct.dead.Store(true)
 			p.gone.CompareAndSwap(0, codeRemoteDisconnect)
 		}
 	}
 	if code != 0 {
-		r.countFailed(p, code) // atomics only: safe off the loop
+		if code == codeCanceled {
+			r.st.canceled.Add(1)
+		} else {
+			r.countFailed(p, code) // atomics only: safe off the loop
+		}
 		s.word.Store(w&^stateMask | code<<errShift | stErr)
 		return h, nil
 	}
