@@ -2,6 +2,7 @@ package reactor
 
 import (
 	"math/bits"
+	"math/rand/v2"
 	"sync"
 	"sync/atomic"
 
@@ -244,6 +245,12 @@ func newTable(capacity int) *table {
 	b := uint(bits.Len(uint(capacity - 1)))
 	n := 1 << b
 	t := &table{slots: make([]slot, n), slotBits: b, mask: uint64(n - 1)}
+	// Each table starts its generations at a random point, so two
+	// transports in one process (the C ABI serves several) do not hand out
+	// the same handles: one's handle given to the other is unknown there,
+	// not another READ. The counter still runs through every generation
+	// before one repeats.
+	t.gen.Store(rand.Uint64())
 	const k = slotIdxPrealloc
 	slab := make([]int, 2*k*n)
 	for i := range t.slots {
@@ -254,7 +261,10 @@ func newTable(capacity int) *table {
 	return t
 }
 
-func (t *table) genMask() uint64 { return ^t.mask }
+// genMask covers a handle's generation: the bits above the slot index,
+// but not bit 63. Handles are positive int64s (the C ABI returns them so),
+// whatever generation the counter is at.
+func (t *table) genMask() uint64 { return ^t.mask &^ (1 << 63) }
 
 // claim finds a free slot, probing forward from the generation's hash, and
 // takes it in state PROC. It returns the handle and the slot, or 0 and nil
@@ -263,7 +273,7 @@ func (t *table) genMask() uint64 { return ^t.mask }
 func (t *table) claim() (uint64, *slot) {
 	g := t.gen.Add(1)
 	// The generation must be non-zero once shifted, so 0 is never a
-	// handle; the counter would need 2^(64-slotBits) claims to wrap.
+	// handle; the shifted generation repeats every 2^(63-slotBits) claims.
 	gbits := (g << t.slotBits) & t.genMask()
 	if gbits == 0 {
 		g = t.gen.Add(1)
@@ -295,7 +305,7 @@ func (t *table) claimedWord(h uint64) uint64 { return h&t.genMask() | stProc }
 // lookup returns the slot a handle names and the slot's current word, or
 // nil when the handle is malformed or no longer owns the slot.
 func (t *table) lookup(h uint64) (*slot, uint64) {
-	if h == 0 {
+	if h == 0 || h>>63 != 0 {
 		return nil, 0
 	}
 	s := &t.slots[h&t.mask]

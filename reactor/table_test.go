@@ -176,3 +176,40 @@ func TestTableClaimFindsTheLastFreeSlot(t *testing.T) {
 		require.Equal(t, int64(n), tab.live.Load())
 	}
 }
+
+// Two tables hand out different handles: one's handle is unknown to the
+// other (the C ABI serves several transports in one process). Generations
+// start at a random point and wrap without ever making handle 0.
+func TestTablesDoNotShareHandles(t *testing.T) {
+	a, b := newTable(256), newTable(256)
+	ha, sa := a.claim()
+	hb, sb := b.claim()
+	require.NotNil(t, sa)
+	require.NotNil(t, sb)
+	require.NotEqual(t, ha, hb)
+	s, _ := b.lookup(ha)
+	require.Nil(t, s, "a handle of one table names a READ of another")
+	s, _ = a.lookup(hb)
+	require.Nil(t, s)
+
+	// Across the counter's wrap and the generation's own (bit 63 is never
+	// part of a handle): no handle 0, none negative as an int64, none twice.
+	for _, start := range []uint64{^uint64(0) - 3, 1<<(63-8) - 3} {
+		w := newTable(256)
+		w.gen.Store(start)
+		seen := map[uint64]bool{}
+		for range 10 {
+			h, s := w.claim()
+			require.NotNil(t, s)
+			require.NotZero(t, h)
+			require.Less(t, h, uint64(1)<<63, "handle %x does not fit an int64", h)
+			require.False(t, seen[h], "handle %x handed out twice across the wrap", h)
+			seen[h] = true
+			got, word := w.lookup(h)
+			require.Equal(t, s, got)
+			bad, _ := w.lookup(h | 1<<63)
+			require.Nil(t, bad, "a handle with bit 63 set names a READ")
+			require.True(t, w.free(s, word))
+		}
+	}
+}

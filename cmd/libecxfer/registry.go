@@ -189,8 +189,8 @@ func postRead(id uint64, local []int, pid uint64, remote []int, notif []byte) (i
 		return 0, err
 	}
 	if uint64(h) > math.MaxInt64 {
-		// The ABI returns handles as positive int64s. The handle table's
-		// generations would have to pass 2^51 for this to happen.
+		// The ABI returns handles as positive int64s, and the handle
+		// table never sets bit 63; kept as a guard.
 		_ = e.t.ReleaseXferHandle(h)
 		return 0, fmt.Errorf("%w: handle %#x does not fit the ABI", ecxfer.ErrEngine, uint64(h))
 	}
