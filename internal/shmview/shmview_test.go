@@ -10,6 +10,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -299,6 +300,36 @@ func TestOpenRefuses(t *testing.T) {
 			v.Close()
 			t.Errorf("%s: opened", name)
 		}
+	}
+
+	// A FIFO advertised with its own identity: refused as not a regular
+	// file, without blocking (a read-only open of a FIFO waits for a
+	// writer).
+	fifo := filepath.Join(t.TempDir(), "fifo")
+	if err := unix.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	var st unix.Stat_t
+	if err := unix.Stat(fifo, &st); err != nil {
+		t.Fatal(err)
+	}
+	b := a
+	b.Path, b.Dev, b.Ino = fifo, st.Dev, st.Ino
+	res := make(chan error, 1)
+	go func() {
+		v, err := Open(&b)
+		if err == nil {
+			v.Close()
+		}
+		res <- err
+	}()
+	select {
+	case err := <-res:
+		if !errors.Is(err, ErrIdentity) {
+			t.Errorf("fifo: %v, want ErrIdentity", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Open blocked on a FIFO")
 	}
 }
 

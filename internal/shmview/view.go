@@ -47,13 +47,17 @@ func Open(a *Advert) (*View, error) {
 	default:
 		return nil, fmt.Errorf("%w: %s advertisement has no file", ErrNoFile, a.Kind)
 	}
-	fd, err := unix.Open(a.Path, unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NOCTTY, 0)
+	// The path is the peer's word: look at what it names through an
+	// O_PATH descriptor, which opens nothing (a FIFO would block a plain
+	// open, a device could act on it), and open the file for reading only
+	// once it is known to be the advertised regular file.
+	pfd, err := unix.Open(a.Path, unix.O_PATH|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return nil, fmt.Errorf("shmview: open %s: %w", a.Path, err)
 	}
-	defer unix.Close(fd)
+	defer unix.Close(pfd)
 	var st unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil {
+	if err := unix.Fstat(pfd, &st); err != nil {
 		return nil, fmt.Errorf("shmview: fstat %s: %w", a.Path, err)
 	}
 	switch {
@@ -64,6 +68,13 @@ func Open(a *Advert) (*View, error) {
 	case st.Size < 0 || uint64(st.Size) < a.Offset+a.Size:
 		return nil, fmt.Errorf("%w: %s has %d bytes, window ends at %d", ErrIdentity, a.Path, st.Size, a.Offset+a.Size)
 	}
+	// Reopened through the O_PATH descriptor: the same inode, whatever
+	// the path names by now.
+	fd, err := unix.Open(fmt.Sprintf("/proc/self/fd/%d", pfd), unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NOCTTY, 0)
+	if err != nil {
+		return nil, fmt.Errorf("shmview: open %s: %w", a.Path, err)
+	}
+	defer unix.Close(fd)
 	page := uint64(os.Getpagesize())
 	skew := a.Offset % page
 	mem, err := unix.Mmap(fd, int64(a.Offset-skew), int(a.Size+skew), unix.PROT_READ, unix.MAP_SHARED)
