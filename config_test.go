@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
+	"github.com/ecxfer/ecxfer/descriptors"
 	"github.com/ecxfer/ecxfer/internal/leakcheck"
 	"github.com/ecxfer/ecxfer/reactor"
 )
@@ -125,4 +126,12 @@ func TestNewRefusesGoHeapRegion(t *testing.T) {
 			require.NoError(t, prod.Deregister())
 		})
 	}
+}
+
+// A Config whose block list no peer would accept is refused by New, not
+// found out when a peer refuses its MemDescriptor.
+func TestNewRefusesTooManyBlocks(t *testing.T) {
+	_, err := New(Config{AgentName: uniqueName("many"), Backend: "loopback", BlockSize: 1, NumBlocks: descriptors.DefaultMaxDescs + 1})
+	require.ErrorIs(t, err, ErrConfig)
+	require.ErrorContains(t, err, "longest block list")
 }

@@ -73,7 +73,8 @@ type Config struct {
 	// engine implements, not an engine; see its documentation.
 	Backend string
 	// BlockSize is the size of one block in bytes; NumBlocks how many
-	// blocks the region holds. Both required.
+	// blocks the region holds, at most descriptors.DefaultMaxDescs (the
+	// longest block list a peer decodes). Both required.
 	BlockSize int
 	NumBlocks int
 	// Region is optional caller memory of at least BlockSize*NumBlocks
@@ -251,6 +252,11 @@ func checkConfig(cfg *Config) error {
 		return fmt.Errorf("%w: BlockSize %d must be positive", ErrConfig, cfg.BlockSize)
 	case cfg.NumBlocks <= 0:
 		return fmt.Errorf("%w: NumBlocks %d must be positive", ErrConfig, cfg.NumBlocks)
+	case cfg.NumBlocks > descriptors.DefaultMaxDescs:
+		// Peers refuse a longer block list: such a transport could be made
+		// but never read from.
+		return fmt.Errorf("%w: NumBlocks %d exceeds %d, the longest block list a peer accepts",
+			ErrConfig, cfg.NumBlocks, descriptors.DefaultMaxDescs)
 	case uint64(cfg.BlockSize) > maxRegion/uint64(cfg.NumBlocks):
 		return fmt.Errorf("%w: BlockSize*NumBlocks exceeds %d bytes", ErrConfig, uint64(maxRegion))
 	case cfg.Region != nil && len(cfg.Region) < cfg.BlockSize*cfg.NumBlocks:
