@@ -8,6 +8,7 @@ import (
 	"github.com/ecxfer/ecxfer/internal/affinity"
 	"github.com/ecxfer/ecxfer/internal/copypool"
 	"github.com/ecxfer/ecxfer/internal/shmview"
+	"github.com/ecxfer/ecxfer/nixl"
 	"github.com/ecxfer/ecxfer/reactor"
 )
 
@@ -140,6 +141,16 @@ func (t *Transport) directPeer(metadata []byte, descs descriptors.List) ([]byte,
 		if !adv.Contains(d.Addr, d.Len) {
 			return nil, nil, fmt.Errorf("%w: block %d [%#x, +%d) is outside the advertised region [%#x, +%d)",
 				ErrBadDescriptor, i, d.Addr, d.Len, adv.Base, adv.Size)
+		}
+	}
+	if pn, ok := t.agent.(nixl.ProcessNamer); ok {
+		// The advertisement says which process's memory the direct path
+		// would read; the engine's metadata, which the engine checks, says
+		// which process the peer is. They must agree, or a peer could point
+		// direct READs (and our notifications) at another process.
+		if pid, start, ok := pn.MetadataProcess(md); ok && (pid != uint64(adv.PID) || start != adv.Start) {
+			return nil, nil, fmt.Errorf("%w: its region is advertised as process %d (start %d), its engine metadata is process %d (start %d)",
+				ErrBadMetadata, adv.PID, adv.Start, pid, start)
 		}
 	}
 	if !t.direct || !adv.Host.SameHost(t.host) {

@@ -22,6 +22,7 @@ import (
 	"github.com/ecxfer/ecxfer/descriptors"
 	"github.com/ecxfer/ecxfer/internal/leakcheck"
 	"github.com/ecxfer/ecxfer/internal/pattern"
+	"github.com/ecxfer/ecxfer/internal/procinfo"
 	"github.com/ecxfer/ecxfer/internal/shmview"
 )
 
@@ -747,4 +748,32 @@ func TestDirectInlineNotifsSurviveRemoval(t *testing.T) {
 			require.Equal(t, fmt.Sprintf("r%d-%d", round, i), string(m))
 		}
 	}
+}
+
+// An advertisement naming another process than the engine metadata does
+// (here init, alive and with its real start time) is refused: the direct
+// path would read that process's memory, and notifications would go to
+// its socket.
+func TestDirectAdvertMustNameTheMetadataProcess(t *testing.T) {
+	leakcheck.Check(t)
+	e := env{t: t, backend: "ucx"}
+	const bs, nb = 4096, 16
+	mem, _ := shmRegion(t, bs*nb)
+	prod := e.transport(uniqueName("aprod"), bs, nb, direct, func(c *Config) { c.Region = mem })
+	cons := e.transport(uniqueName("acons"), bs, nb, direct)
+	md, adv, err := shmview.Split(prod.AgentMetadata())
+	require.NoError(t, err)
+	require.NotNil(t, adv)
+	start, err := procinfo.StartTime(1)
+	require.NoError(t, err)
+	forged := *adv
+	forged.PID, forged.Start = 1, start
+	_, err = cons.AddRemotePeer(shmview.Wrap(md, &forged), prod.MemDescriptor())
+	require.ErrorIs(t, err, ErrBadMetadata)
+	require.ErrorContains(t, err, "advertised as process 1")
+	require.Zero(t, cons.Stats().Peers)
+	// The producer's own advertisement is accepted, and read directly.
+	name, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+	require.NoError(t, err)
+	require.Equal(t, "direct-file", cons.PeerPath(name))
 }

@@ -25,3 +25,14 @@ type NotifDropper interface {
 type SharedQueueGetter interface {
 	SharedQueueGets(peerName string) bool
 }
+
+// ProcessNamer is implemented by engines whose metadata names the process
+// that made it. MetadataProcess decodes only (it touches no state of the
+// agent, so any goroutine may call it) and reports the process id and
+// start time (clock ticks after boot) the metadata carries; ok is false
+// when the metadata does not decode or names none. A caller that learns
+// of the same process another way (an advertisement of its region) checks
+// that both name the same one.
+type ProcessNamer interface {
+	MetadataProcess(md []byte) (pid, start uint64, ok bool)
+}

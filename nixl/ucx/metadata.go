@@ -290,3 +290,15 @@ func decodeRegions(b mdReader) ([]region, error) {
 	}
 	return regions, nil
 }
+
+// MetadataProcess implements nixl.ProcessNamer: the pid and start time in
+// md. It only decodes.
+func (a *Agent) MetadataProcess(md []byte) (pid, start uint64, ok bool) {
+	m, err := decodeMetadata(md)
+	if err != nil {
+		return 0, 0, false
+	}
+	return m.Pid, m.Start, true
+}
+
+var _ nixl.ProcessNamer = (*Agent)(nil)
