@@ -156,7 +156,7 @@ func (t *Transport) directPeer(metadata []byte, descs descriptors.List) ([]byte,
 	if !t.direct || !adv.Host.SameHost(t.host) {
 		return md, nil, nil
 	}
-	d, err := reactor.OpenDirect(adv)
+	d, err := reactor.OpenDirect(adv, descs)
 	if err != nil {
 		// The engine path instead; the reason goes with a refusal.
 		return md, nil, &directErr{err}

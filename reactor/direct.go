@@ -10,6 +10,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/ecxfer/ecxfer/descriptors"
 	"github.com/ecxfer/ecxfer/internal/copypool"
 	"github.com/ecxfer/ecxfer/internal/procmem"
 	"github.com/ecxfer/ecxfer/internal/shmview"
@@ -51,8 +52,9 @@ type Direct struct {
 }
 
 // OpenDirect maps (or, for anonymous memory, prepares kernel copies of) an
-// advertised region. The advertised process must be alive.
-func OpenDirect(adv *shmview.Advert) (*Direct, error) {
+// advertised region, and faults in the pages of descs, the peer's blocks
+// (not the rest of the region). The advertised process must be alive.
+func OpenDirect(adv *shmview.Advert, descs descriptors.List) (*Direct, error) {
 	fd, err := unix.PidfdOpen(int(adv.PID), unix.PIDFD_NONBLOCK)
 	if err != nil {
 		return nil, fmt.Errorf("pidfd_open(%d): %w", adv.PID, err)
@@ -84,6 +86,7 @@ func OpenDirect(adv *shmview.Advert) (*Direct, error) {
 			_ = unix.Close(fd)
 			return nil, err
 		}
+		d.view.Populate(descs)
 	}
 	return d, nil
 }

@@ -7,13 +7,16 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
+	"github.com/ecxfer/ecxfer/descriptors"
 	"github.com/ecxfer/ecxfer/internal/leakcheck"
 )
 
@@ -544,5 +547,82 @@ func TestDescribe(t *testing.T) {
 	defer unix.Munmap(anon)
 	if a, err := Describe(anon); err != nil || a.Kind != KindProc {
 		t.Fatalf("anonymous region: %+v, %v", a, err)
+	}
+}
+
+// mappedBytes returns the Rss of the mapping that starts at mem[0], from
+// /proc/self/smaps: how much of it has pages mapped.
+func mappedBytes(t *testing.T, mem []byte) uint64 {
+	t.Helper()
+	b, err := os.ReadFile("/proc/self/smaps")
+	if err != nil {
+		t.Skipf("smaps: %v", err)
+	}
+	start := fmt.Sprintf("%x-", uintptr(unsafe.Pointer(&mem[0])))
+	in := false
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Fields(line)
+		switch {
+		case len(f) > 0 && strings.Contains(f[0], "-") && !strings.HasSuffix(f[0], ":"):
+			in = strings.HasPrefix(f[0], start)
+		case in && len(f) == 3 && f[0] == "Rss:":
+			kb, err := strconv.ParseUint(f[1], 10, 64)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return kb << 10
+		}
+	}
+	t.Fatalf("no mapping at %s in smaps", start)
+	return 0
+}
+
+// A view faults in the pages of the blocks it is given, not the whole
+// region: a peer may advertise far more than its block list uses.
+func TestPopulateOnlyBlocks(t *testing.T) {
+	const size = 16 << 20
+	page := uint64(os.Getpagesize())
+	mem, _ := shmFile(t, size)
+	fill(mem, 9) // every page of the file exists
+	a, err := FileAdvert(mem)
+	if err != nil {
+		t.Fatal(err)
+	}
+	v, err := Open(&a)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer v.Close()
+	if got := mappedBytes(t, v.mem); got != 0 {
+		t.Fatalf("Open mapped %d bytes, want none before Populate", got)
+	}
+	blk := func(off, n uint64) descriptors.Desc { return descriptors.Desc{Addr: a.Base + off, Len: n} }
+	descs := descriptors.List{
+		blk(8<<20, 5120),        // pages 2048-2049
+		blk(0, 5120),            // pages 0-1, out of order
+		blk(5120, 5120),         // pages 1-2, overlaps the one before
+		blk(8<<20, 100),         // again
+		blk(size-100, 100),      // the last page
+		blk(size-100, 200),      // outside the region: skipped
+		blk(12<<20+page-1, 2),   // straddles two pages
+		blk(12<<20+page+10, 10), // inside the last one
+	}
+	want := (3 + 2 + 1 + 2) * page
+	if got := v.Populate(descs); got != want {
+		t.Errorf("Populate asked for %d bytes, want %d", got, want)
+	}
+	// The kernel maps the neighbours of a faulted page that are in the
+	// page cache too (fault-around, 64 KiB by default), so more than the
+	// blocks' pages may be mapped, but nowhere near the whole region.
+	if got := mappedBytes(t, v.mem); got < want || got > 1<<20 {
+		t.Errorf("%d bytes mapped after Populate, want %d (fault-around: up to 1 MiB) of the %d", got, want, size)
+	}
+	grid := make(descriptors.List, size/5120)
+	for i := range grid {
+		grid[i] = blk(uint64(i)*5120, 5120)
+	}
+	v.Populate(grid)
+	if got, all := mappedBytes(t, v.mem), uint64(len(grid))*5120/page*page; got < all {
+		t.Errorf("%d bytes mapped after populating every block, want at least %d", got, all)
 	}
 }

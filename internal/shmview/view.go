@@ -1,12 +1,16 @@
 package shmview
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"sync/atomic"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/ecxfer/ecxfer/descriptors"
 )
 
 // ErrIdentity reports a file that is not the one advertised, or too small
@@ -21,6 +25,7 @@ type View struct {
 	adv  Advert
 	mem  []byte // the whole mapping, page aligned
 	data []byte // the region: data[0] is the byte at adv.Base
+	skew uint64 // data[0] is mem[skew]
 	refs atomic.Int64
 	shut atomic.Bool
 }
@@ -81,10 +86,9 @@ func Open(a *Advert) (*View, error) {
 	if err != nil {
 		return nil, fmt.Errorf("shmview: mmap %s: %w", a.Path, err)
 	}
-	v := &View{adv: *a, mem: mem, data: mem[skew : skew+a.Size : skew+a.Size]}
+	v := &View{adv: *a, mem: mem, data: mem[skew : skew+a.Size : skew+a.Size], skew: skew}
 	v.refs.Store(1)
 	mapped.Add(1)
-	populate(v.mem)
 	return v, nil
 }
 
@@ -171,18 +175,56 @@ func openSysV(a *Advert) (*View, error) {
 		_ = unix.SysvShmDetach(mem)
 		return nil, fmt.Errorf("%w: segment %d shrank", ErrIdentity, id)
 	}
-	v := &View{sysv: true, adv: *a, mem: mem, data: mem[a.Offset : a.Offset+a.Size : a.Offset+a.Size]}
+	v := &View{sysv: true, adv: *a, mem: mem, data: mem[a.Offset : a.Offset+a.Size : a.Offset+a.Size], skew: a.Offset}
 	v.refs.Store(1)
 	mapped.Add(1)
-	populate(v.mem)
 	return v, nil
 }
 
-// populate maps the view's pages now (MADV_POPULATE_READ, Linux 5.14),
-// so READs do not pay a page fault on the first touch of each page; where
-// the kernel cannot, they fault in as they are read. Pages the producer
-// never wrote are allocated in its file as it is, as zeros: the region is
-// the producer's to fill anyway.
-func populate(mem []byte) {
-	_ = unix.Madvise(mem, unix.MADV_POPULATE_READ)
+// Populate maps now the pages that hold the given blocks of the region
+// (MADV_POPULATE_READ, Linux 5.14), so READs do not pay a page fault on
+// the first touch of each page; where the kernel cannot, they fault in as
+// they are read. Only those pages: a peer may advertise a region far
+// larger than the blocks its list names. Blocks outside the region are
+// skipped. Pages the producer never wrote are allocated in its file as
+// zeros, as a READ of them would: the region is the producer's to fill.
+// It returns how many bytes it asked the kernel to map.
+func (v *View) Populate(descs descriptors.List) uint64 {
+	page := uint64(os.Getpagesize())
+	spans := make([][2]uint64, 0, 1)
+	sorted := true
+	for _, d := range descs {
+		if d.Len == 0 || !v.adv.Contains(d.Addr, d.Len) {
+			continue
+		}
+		off := v.skew + d.Addr - v.adv.Base
+		s := [2]uint64{off &^ (page - 1), min((off+d.Len+page-1)&^(page-1), uint64(len(v.mem)))}
+		if n := len(spans); n > 0 {
+			last := &spans[n-1]
+			if s[0] >= last[0] && s[0] <= last[1] {
+				last[1] = max(last[1], s[1])
+				continue
+			}
+			sorted = sorted && s[0] > last[1]
+		}
+		spans = append(spans, s)
+	}
+	if !sorted {
+		slices.SortFunc(spans, func(a, b [2]uint64) int { return cmp.Compare(a[0], b[0]) })
+		out := spans[:0]
+		for _, s := range spans {
+			if n := len(out); n > 0 && s[0] <= out[n-1][1] {
+				out[n-1][1] = max(out[n-1][1], s[1])
+				continue
+			}
+			out = append(out, s)
+		}
+		spans = out
+	}
+	var total uint64
+	for _, s := range spans {
+		_ = unix.Madvise(v.mem[s[0]:s[1]], unix.MADV_POPULATE_READ)
+		total += s[1] - s[0]
+	}
+	return total
 }
