@@ -349,7 +349,9 @@ func (t *Transport) MemDescriptor() []byte {
 // AddRemotePeer loads a peer's agent metadata and block descriptors and
 // returns its name. The same metadata twice returns the same name; new
 // metadata under a known name replaces the peer (reads of the old one end
-// in ErrRemoteDisconnect).
+// in ErrRemoteDisconnect). On the ucx engine the replacement is loaded and
+// its block list prepared beside the old peer first: when that fails, the
+// call returns the error and the old peer is left as it was.
 func (t *Transport) AddRemotePeer(metadata, memDescriptor []byte) (string, error) {
 	if t.closed.Load() {
 		return "", ErrClosed

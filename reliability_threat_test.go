@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"fmt"
 	"math"
+	"math/rand"
 	"sort"
 	"strings"
 	"testing"
@@ -294,4 +295,55 @@ func TestThreatLoopback(t *testing.T) {
 	})
 }
 
-func TestThreatUCX(t *testing.T) { runThreat(t, "ucx") }
+func TestThreatUCX(t *testing.T) {
+	runThreat(t, "ucx")
+
+	t.Run("FailedReplacementKeepsPeer", func(t *testing.T) {
+		// New metadata under a known name (a restarted producer) whose
+		// block list does not fit it is refused, and the peer that was
+		// there keeps working: the engine loads the new metadata beside
+		// the old peer and replaces it only once everything is ready.
+		leakcheck.Check(t)
+		const bs, nb = 4096, 16
+		e := env{t: t, backend: "ucx"}
+		for _, direct := range []DirectMode{DirectOff, DirectOn} {
+			prod, cons, pname := e.pair(bs, nb, 3)
+			if direct == DirectOff {
+				cons = e.transport(uniqueName("cons"), bs, nb, func(c *Config) { c.Direct = DirectOff })
+				_, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+				require.NoError(t, err)
+			}
+			path := cons.PeerPath(pname)
+			read := func(from *Transport) {
+				t.Helper()
+				clear(block(cons, bs, 0))
+				h, err := cons.PostRead([]int{0}, pname, []int{5}, nil)
+				require.NoError(t, err)
+				_, err = wait(t, cons, h)
+				require.NoError(t, err)
+				require.Equal(t, block(from, bs, 5), block(cons, bs, 0))
+				require.NoError(t, cons.ReleaseXferHandle(h))
+			}
+			read(prod)
+
+			// The restarted producer advertises no region (its Direct is
+			// off), so its block list is checked by the engine alone.
+			restarted := e.transport(pname, bs, nb, func(c *Config) { c.Direct = DirectOff })
+			rand.New(rand.NewSource(4)).Read(restarted.Region())
+			// The old producer's block list with the new metadata: its
+			// blocks are not in the restarted producer's memory.
+			_, err := cons.AddRemotePeer(restarted.AgentMetadata(), prod.MemDescriptor())
+			require.ErrorIs(t, err, ErrBadDescriptor, "direct %v", direct)
+			require.Equal(t, path, cons.PeerPath(pname), "direct %v", direct)
+			require.Equal(t, 1, cons.Stats().Peers)
+			read(prod)
+
+			// With its own list it replaces the old one.
+			got, err := cons.AddRemotePeer(restarted.AgentMetadata(), restarted.MemDescriptor())
+			require.NoError(t, err)
+			require.Equal(t, pname, got)
+			require.Equal(t, "engine", cons.PeerPath(pname))
+			read(restarted)
+		}
+	})
+}

@@ -1,5 +1,7 @@
 package nixl
 
+import "github.com/ecxfer/ecxfer/descriptors"
+
 // The interfaces below are optional: an engine implements them when it
 // can, and callers check with a type assertion.
 
@@ -35,4 +37,36 @@ type SharedQueueGetter interface {
 // that both name the same one.
 type ProcessNamer interface {
 	MetadataProcess(md []byte) (pid, start uint64, ok bool)
+}
+
+// MetadataStager is implemented by engines that can load changed metadata
+// of a loaded peer beside that peer, so that replacing a peer (after it
+// restarted) is one step: the new metadata is loaded and its block list
+// prepared while the old peer is left as it is, and only then does the
+// new peer take the name. Metadata that fails to load, or a block list that
+// does not fit it, leaves the old peer working. StageRemoteMetadata fails
+// with ErrNotFound when md names no loaded peer, and with ErrInvalidParam
+// when md is what that peer was loaded from.
+type MetadataStager interface {
+	StageRemoteMetadata(md []byte) (StagedPeer, error)
+}
+
+// StagedPeer is a peer loaded by StageRemoteMetadata, not yet under its
+// name. Exactly one of Commit and Abort ends it; both are idempotent and
+// the first one decides.
+type StagedPeer interface {
+	// Name is the name the peer will take (the old peer's).
+	Name() string
+	// SharedQueueGets is SharedQueueGetter's answer for the new peer.
+	SharedQueueGets() bool
+	// PrepDlist prepares a list of the new peer's memory, as
+	// Agent.PrepDlist would once it is loaded.
+	PrepDlist(descs descriptors.List, mem MemType) (DlistID, error)
+	// Commit invalidates the old peer, as InvalidateRemoteMetadata does
+	// (its transfers fail, its lists become unusable), and loads the new
+	// one under the name, with the lists prepared on it.
+	Commit()
+	// Abort closes the new peer; the old one is untouched. Lists prepared
+	// on the new peer become unusable and are still to be released.
+	Abort()
 }

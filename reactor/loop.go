@@ -597,43 +597,68 @@ func (r *Reactor) addPeer(md []byte, descs descriptors.List, d *Direct) (_ strin
 	}
 	name, err := r.agent.LoadRemoteMetadata(md)
 	restarted, failed := false, 0
+	// stage: the restarted peer, loaded beside the old one, which keeps
+	// working until the new one is ready (engines that can).
+	var stage nixl.StagedPeer
 	if errors.Is(err, nixl.ErrNotAllowed) && name != "" {
 		// Changed metadata under a loaded name: the peer restarted.
-		if old := r.peer(name); old != nil {
-			failed = r.dropPeer(old, codeRemoteDisconnect)
+		old := r.peer(name)
+		if st, ok := r.agent.(nixl.MetadataStager); ok && old != nil {
+			stage, err = st.StageRemoteMetadata(md)
 			restarted = true
-		} else if ierr := r.agent.InvalidateRemoteMetadata(name); ierr != nil {
-			return "", fmt.Errorf("%w: replacing %q: %v", ErrBadMetadata, name, ierr)
+		} else {
+			if old != nil {
+				failed = r.dropPeer(old, codeRemoteDisconnect)
+				restarted = true
+			} else if ierr := r.agent.InvalidateRemoteMetadata(name); ierr != nil {
+				return "", fmt.Errorf("%w: replacing %q: %v", ErrBadMetadata, name, ierr)
+			}
+			name, err = r.agent.LoadRemoteMetadata(md)
 		}
-		name, err = r.agent.LoadRemoteMetadata(md)
 	}
 	if err != nil {
 		return "", fmt.Errorf("%w: %v", ErrBadMetadata, err)
 	}
 	old := r.peer(name)
-	if !ValidName(name) {
-		// Published peers all have valid names, so old is nil here.
-		_ = r.agent.InvalidateRemoteMetadata(name)
-		return "", wrapf(ErrBadMetadata, "peer name %q: want 1 to 256 bytes of printable ASCII without spaces", name)
-	}
-	if old != nil && slices.Equal(descs, old.Descs) {
-		return name, nil
-	}
-	if sq, ok := r.agent.(nixl.SharedQueueGetter); ok && (d == nil || r.dir == nil) && sq.SharedQueueGets(name) {
-		if old == nil {
+	// undo forgets what this call loaded, leaving the peer as it was.
+	undo := func() {
+		switch {
+		case stage != nil:
+			stage.Abort()
+		case old == nil:
 			_ = r.agent.InvalidateRemoteMetadata(name)
 		}
+	}
+	if !ValidName(name) {
+		// Published peers all have valid names, so old and stage are nil.
+		undo()
+		return "", wrapf(ErrBadMetadata, "peer name %q: want 1 to 256 bytes of printable ASCII without spaces", name)
+	}
+	if stage == nil && old != nil && slices.Equal(descs, old.Descs) {
+		return name, nil
+	}
+	shared := false
+	if stage != nil {
+		shared = stage.SharedQueueGets()
+	} else if sq, ok := r.agent.(nixl.SharedQueueGetter); ok {
+		shared = sq.SharedQueueGets(name)
+	}
+	if shared && (d == nil || r.dir == nil) {
+		undo()
 		return "", wrapf(ErrConfig, "peer %q: its blocks are memory it registered itself on this host, "+
 			"which the engine reads with gets the peer answers through this process's shared-memory receive queue; "+
 			"a peer that dies mid-answer stops transfers from every peer. "+
 			"Read it directly (Config.Direct auto or on), give the producer an engine-allocated region, "+
 			"or set UCX_TLS without shared memory", name)
 	}
-	dl, err := r.agent.PrepDlist(name, descs, nixl.DRAM)
+	var dl nixl.DlistID
+	if stage != nil {
+		dl, err = stage.PrepDlist(descs, nixl.DRAM)
+	} else {
+		dl, err = r.agent.PrepDlist(name, descs, nixl.DRAM)
+	}
 	if err != nil {
-		if old == nil {
-			_ = r.agent.InvalidateRemoteMetadata(name)
-		}
+		undo()
 		return "", fmt.Errorf("%w: %v", ErrBadDescriptor, err)
 	}
 	p := &Peer{Name: name, Descs: descs, dlist: dl}
@@ -642,12 +667,15 @@ func (r *Reactor) addPeer(md []byte, descs descriptors.List, d *Direct) (_ strin
 		p.direct = d
 	}
 	if old != nil {
-		// Same agent, a new block list: reads posted against the old list
-		// keep it until they finish, so it is released only when idle.
+		// A new block list, or the restarted peer: the old one's READs
+		// end, its list goes, and (restarted) the engine's old peer too.
 		old.gone.Store(codeRemoteDisconnect)
 		failed = r.failPeerReads(old, codeRemoteDisconnect)
 		_ = r.agent.ReleaseDlist(old.dlist)
 		r.unwatchPeer(old)
+	}
+	if stage != nil {
+		stage.Commit()
 	}
 	r.publishPeer(name, p)
 	r.watchPeer(p)

@@ -15,6 +15,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/ecxfer/ecxfer/descriptors"
 	"github.com/ecxfer/ecxfer/internal/procinfo"
 	"github.com/ecxfer/ecxfer/nixl"
 	"github.com/ecxfer/ecxfer/nixl/internal/enginekit"
@@ -56,8 +57,20 @@ func (a *Agent) LoadRemoteMetadata(md []byte) (string, error) {
 		}
 		return m.Name, kit.OtherMetadata(m.Name)
 	}
-	if err := a.checkCompatible(m); err != nil {
+	p, err := a.newPeer(md, m)
+	if err != nil {
 		return "", err
+	}
+	a.peers[p.name] = p
+	return p.name, nil
+}
+
+// newPeer checks m against this build, opens the pidfd of a peer on this
+// host and connects it. The peer is not under its name yet, but its
+// endpoint's errors and its process's exit already reach it.
+func (a *Agent) newPeer(md []byte, m *metadata) (*peer, error) {
+	if err := a.checkCompatible(m); err != nil {
+		return nil, err
 	}
 	sameHost := m.Host == a.host
 	p := &peer{name: m.Name, blob: append([]byte(nil), md...), pid: m.Pid, pidfd: -1,
@@ -68,18 +81,94 @@ func (a *Agent) LoadRemoteMetadata(md []byte) (string, error) {
 	case ErrModeAuto:
 		p.peerMode = !sameHost
 	}
+	var err error
 	if sameHost && !a.cfg.noPidfd {
 		if p.pidfd, err = openPidfd(m); err != nil {
-			return "", err
+			return nil, err
 		}
 	}
 	if err := a.connect(p, m); err != nil {
 		a.closePidfd(p)
-		return "", err
+		return nil, err
 	}
-	a.peers[p.name] = p
 	a.peerTags[p.tag] = p
-	return p.name, nil
+	return p, nil
+}
+
+// StageRemoteMetadata implements nixl.MetadataStager: the new peer is
+// loaded in full (pidfd, endpoint, rkeys and their check against the
+// peer's mappings) beside the old one.
+func (a *Agent) StageRemoteMetadata(md []byte) (nixl.StagedPeer, error) {
+	if a.closed {
+		return nil, errClosed
+	}
+	m, err := decodeMetadata(md)
+	if err != nil {
+		return nil, err
+	}
+	old := a.peers[m.Name]
+	switch {
+	case old == nil:
+		return nil, kit.PeerNotFound(m.Name)
+	case bytes.Equal(old.blob, md):
+		return nil, kit.Errorf(nixl.ErrInvalidParam, "peer %q: metadata already loaded", m.Name)
+	}
+	p, err := a.newPeer(md, m)
+	if err != nil {
+		return nil, err
+	}
+	return &staged{a: a, old: old, p: p}, nil
+}
+
+// staged is a peer loaded beside the one it is to replace.
+type staged struct {
+	a      *Agent
+	old, p *peer
+	ended  bool
+}
+
+func (s *staged) Name() string { return s.p.name }
+
+func (s *staged) SharedQueueGets() bool { return s.p.sharedGets }
+
+func (s *staged) PrepDlist(descs descriptors.List, mem nixl.MemType) (nixl.DlistID, error) {
+	switch {
+	case s.ended || s.a.closed:
+		return 0, kit.Errorf(nixl.ErrNotAllowed, "peer %q: staged peer already ended", s.p.name)
+	case s.p.Dead != nil:
+		return 0, s.p.Dead
+	}
+	if err := kit.CheckMem(mem); err != nil {
+		return 0, err
+	}
+	if err := s.p.spans.CheckList(descs); err != nil {
+		return 0, err
+	}
+	d := &dlist{}
+	d.Descs, d.Valid, d.Peer = append(descriptors.List(nil), descs...), true, s.p
+	return s.a.dlists.Add(d, &s.a.ids), nil
+}
+
+func (s *staged) Commit() {
+	if s.ended || s.a.closed {
+		return
+	}
+	s.ended = true
+	a := s.a
+	if a.peers[s.old.name] == s.old {
+		a.failPeer(s.old, kit.Invalidated(s.old.name), false)
+		a.dlists.Invalidate(s.old)
+	}
+	a.peers[s.p.name] = s.p
+}
+
+func (s *staged) Abort() {
+	if s.ended || s.a.closed {
+		return
+	}
+	s.ended = true
+	s.a.failPeer(s.p, kit.Invalidated(s.p.name), false)
+	s.a.dlists.Invalidate(s.p)
 }
 
 // SharedQueueGets implements nixl.SharedQueueGetter: true for a same-host

@@ -348,3 +348,86 @@ func TestSharedQueueGets(t *testing.T) {
 		})
 	}
 }
+
+// A restarted peer's metadata is loaded beside the old peer: the old one
+// keeps working until Commit, and Abort leaves it as it was.
+func TestStageRemoteMetadata(t *testing.T) {
+	p := newPair(t, true)
+	read := func(remote nixl.DlistID, seed uint64) error {
+		t.Helper()
+		clear(p.consBuf[:testBlock])
+		id, err := p.cons.MakeXfer(nixl.Read, p.local, []int{0}, remote, []int{3}, nil)
+		if err != nil {
+			return err
+		}
+		defer p.cons.ReleaseXfer(id)
+		if err := p.cons.PostXfer(id); err != nil {
+			return err
+		}
+		if err := waitXfer(t, p.cons, id, 5*time.Second, p.prod); err != nil {
+			return err
+		}
+		require.Equal(t, -1, checkBlock(p.consBuf[:testBlock], seed, 3))
+		return nil
+	}
+	oldMD, err := p.prod.LocalMetadata()
+	require.NoError(t, err)
+	_, err = p.cons.StageRemoteMetadata(oldMD)
+	require.ErrorIs(t, err, nixl.ErrInvalidParam, "the metadata the peer was loaded from")
+	other := newTestAgent(t, Config{Name: "stranger"})
+	omd, err := other.LocalMetadata()
+	require.NoError(t, err)
+	_, err = p.cons.StageRemoteMetadata(omd)
+	require.ErrorIs(t, err, nixl.ErrNotFound, "no peer of that name is loaded")
+	_, err = p.cons.StageRemoteMetadata([]byte("junk"))
+	require.ErrorIs(t, err, nixl.ErrInvalidParam)
+
+	// The producer restarts under the same name with other memory.
+	restarted := newTestAgent(t, Config{Name: "producer"})
+	_, buf, err := restarted.AllocMem(testBlock*testBlocks, nixl.DRAM, 0)
+	require.NoError(t, err)
+	fillBlocks(buf, testBlock, 9)
+	md, err := restarted.LocalMetadata()
+	require.NoError(t, err)
+	fds := fdCount(t)
+
+	// Aborted: a list of the old memory does not fit the new peer, and
+	// the old peer still reads.
+	s, err := p.cons.StageRemoteMetadata(md)
+	require.NoError(t, err)
+	require.Equal(t, "producer", s.Name())
+	require.False(t, s.SharedQueueGets(), "engine-allocated memory")
+	_, err = s.PrepDlist(descriptors.BuildBlockDescs(addrOf(p.prodBuf), testBlocks, testBlock, 0), nixl.DRAM)
+	require.ErrorIs(t, err, nixl.ErrInvalidParam)
+	newDescs := descriptors.BuildBlockDescs(addrOf(buf), testBlocks, testBlock, 0)
+	staleID, err := s.PrepDlist(newDescs, nixl.DRAM)
+	require.NoError(t, err)
+	s.Abort()
+	s.Commit() // after Abort: nothing
+	require.NoError(t, read(p.remote, 7), "the old peer after an aborted stage")
+	_, err = p.cons.MakeXfer(nixl.Read, p.local, []int{0}, staleID, []int{0}, nil)
+	require.Error(t, err, "a list prepared on an aborted stage")
+	require.NoError(t, p.cons.ReleaseDlist(staleID))
+	require.Equal(t, fds, fdCount(t), "an aborted stage leaves no descriptor")
+	_, err = s.PrepDlist(newDescs, nixl.DRAM)
+	require.ErrorIs(t, err, nixl.ErrNotAllowed, "PrepDlist after the stage ended")
+
+	// Committed: the old peer's lists stop working, the new peer reads
+	// the restarted producer's memory, and loading its metadata again is
+	// a no-op under the same name.
+	s, err = p.cons.StageRemoteMetadata(md)
+	require.NoError(t, err)
+	newID, err := s.PrepDlist(newDescs, nixl.DRAM)
+	require.NoError(t, err)
+	require.NoError(t, read(p.remote, 7), "the old peer until Commit")
+	s.Commit()
+	s.Abort() // after Commit: nothing
+	require.Error(t, read(p.remote, 7), "the old peer's list after Commit")
+	require.NoError(t, read(newID, 9))
+	name, err := p.cons.LoadRemoteMetadata(md)
+	require.NoError(t, err)
+	require.Equal(t, "producer", name)
+	_, err = p.cons.LoadRemoteMetadata(oldMD)
+	require.ErrorIs(t, err, nixl.ErrNotAllowed, "the old metadata is the other one now")
+	require.NoError(t, p.cons.ReleaseDlist(newID))
+}
