@@ -8,6 +8,7 @@ import (
 	"errors"
 	"io"
 	"os"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -381,4 +382,19 @@ func TestMemcpyRefsThreads(t *testing.T) {
 func TestRunUCXDirectImage(t *testing.T) {
 	rep := runShortModes(t, "ucx", []string{"direct"}, "image")
 	require.Equal(t, map[string]int{"direct": 4}, modesOf(rep))
+}
+
+// The report says how the reactor's callers waited.
+func TestNotesSayHowCallersWait(t *testing.T) {
+	for wait, want := range map[string]string{
+		"poll":  "callers poll the READ's state",
+		"block": "reactor and direct callers block in Transport.Wait",
+	} {
+		cfg := DefaultConfig()
+		cfg.Wait = wait
+		s := newSession(cfg)
+		s.addNotes()
+		require.True(t, slices.ContainsFunc(s.rep.Notes, func(n string) bool { return strings.HasPrefix(n, want) }),
+			"wait %s: notes %q", wait, s.rep.Notes)
+	}
 }

@@ -148,10 +148,14 @@ func newSession(cfg Config) *session {
 // addNotes says in the report how the figures were taken.
 func (s *session) addNotes() {
 	cfg := &s.cfg
+	callers := "callers poll the READ's state, yielding between polls"
+	if cfg.Wait == "block" {
+		callers = "reactor and direct callers block in Transport.Wait; locked and raw callers poll the READ's state, yielding between polls"
+	}
 	s.rep.Notes = append(s.rep.Notes,
 		"latency READs carry no notification; image, fanin and notif READs carry one (as vLLM's do)",
 		fmt.Sprintf("locked: the producer polls notifications under its lock every %v (an engine step); reactor/raw producers poll back to back during notif", stepInterval),
-		"callers poll the READ's state, yielding between polls; p50/p99/p99.9 are post→DONE (notif: consumer DONE → producer sees it)",
+		callers+"; p50/p99/p99.9 are post→DONE (notif: consumer DONE → producer sees it)",
 		fmt.Sprintf("verified: READ 0 and every %dth of each submitter, all blocks (time excluded from seconds)", VerifyEvery),
 		"notif allocs/read include decoding the control message that brings the producer's timestamp")
 	if cfg.Backend == "loopback" {
