@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"math/rand"
 	"os"
 	"path/filepath"
@@ -281,8 +282,9 @@ func TestDirectGridChunks(t *testing.T) {
 }
 
 // A producer that truncates its region file: the READ that faults ends in
-// ErrRemoteDisconnect, the peer is gone for later READs, the consumer lives
-// on, and another producer is unaffected.
+// ErrRemoteDisconnect, the peer is gone for later READs (and reported dead,
+// once, whichever goroutine copied), the consumer lives on, and another
+// producer is unaffected.
 func TestDirectTruncated(t *testing.T) {
 	for _, inline := range []int{0, -1} { // in PostRead, on the copy workers
 		t.Run(fmt.Sprintf("inline=%d", inline), func(t *testing.T) {
@@ -296,7 +298,11 @@ func TestDirectTruncated(t *testing.T) {
 			healthy := uniqueName("ok")
 			ph := e.transport(healthy, bs, nb, direct)
 			pattern.FillRegion(ph.Region(), 2, bs)
-			cons := e.transport(uniqueName("tcons"), bs, nb, direct, func(c *Config) { c.InlineBytes = inline })
+			log := newEventLog()
+			cons := e.transport(uniqueName("tcons"), bs, nb, direct, func(c *Config) {
+				c.InlineBytes = inline
+				c.Logger = slog.New(log)
+			})
 			for _, p := range []*Transport{pv, ph} {
 				_, err := cons.AddRemotePeer(p.AgentMetadata(), p.MemDescriptor())
 				require.NoError(t, err)
@@ -312,7 +318,11 @@ func TestDirectTruncated(t *testing.T) {
 			require.NoError(t, os.Truncate(path, bs))
 			require.ErrorIs(t, read(victim, 63), ErrRemoteDisconnect)
 			require.ErrorIs(t, read(victim, 0), ErrRemoteDisconnect, "the peer is gone after a fault")
+			dead := log.eventually(t, EventPeerDead, 1)
+			require.Equal(t, victim, dead[0].attrs["peer"].String())
+			require.NotEmpty(t, dead[0].attrs["why"].String())
 			require.NoError(t, read(healthy, 5))
+			require.Len(t, log.named(EventPeerDead), 1)
 			ok, _ := pattern.Check(block(cons, bs, 0), 2, 5)
 			require.True(t, ok)
 			_ = pv.NewNotifs()

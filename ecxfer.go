@@ -165,6 +165,9 @@ const (
 	EventPeerDead     = reactor.EventPeerDead
 	EventReadTimeout  = reactor.EventReadTimeout
 	EventEngineError  = reactor.EventEngineError
+	// EventNotifOversized: a notification longer than MaxNotif was
+	// dropped; logged once per sender.
+	EventNotifOversized = reactor.EventNotifOversized
 )
 
 // DefaultXferTimeout is the XferTimeout used when Config leaves it zero.

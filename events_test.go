@@ -211,3 +211,38 @@ func TestReactorLoggerWins(t *testing.T) {
 	inner.eventually(t, EventReactorStop, 1)
 	require.Zero(t, outer.count())
 }
+
+// Engine errors folded into the one record a second are logged when their
+// second is up, even if no error follows, and each is counted in
+// Stats().EngineErrors.
+func TestEngineErrorsFolded(t *testing.T) {
+	warmPoller()
+	leakcheck.Check(t)
+	log := newEventLog()
+	_, cons, pname := loopbackPair(t, 512, 8, func(c *Config) { c.Logger = slog.New(log) })
+	const fails = 4
+	before := cons.Stats().EngineErrors
+	engine(t, cons).FailNext(fails, nixl.ErrBackend)
+	for i := range fails {
+		h, err := cons.PostRead([]int{i}, pname, []int{i}, nil)
+		require.NoError(t, err)
+		_, err = wait(t, cons, h)
+		require.ErrorIs(t, err, ErrEngine)
+		require.NoError(t, cons.ReleaseXferHandle(h))
+	}
+	require.Equal(t, uint64(fails), cons.Stats().EngineErrors-before, "every failed transfer is an engine error")
+	recs := log.eventually(t, EventEngineError, 1)
+	first := recs[0].attrs["count"].Uint64()
+	require.GreaterOrEqual(t, first, uint64(1))
+	if first < fails {
+		// The rest were folded: their record comes when the second is up.
+		recs = log.eventually(t, EventEngineError, 2)
+		require.Equal(t, uint64(fails)-first, recs[1].attrs["count"].Uint64())
+		require.Equal(t, "xfer", recs[1].attrs["op"].String())
+	}
+	var total uint64
+	for _, r := range log.named(EventEngineError) {
+		total += r.attrs["count"].Uint64()
+	}
+	require.Equal(t, uint64(fails), total)
+}

@@ -42,6 +42,9 @@ type Direct struct {
 	view  *shmview.View // nil for a kernel copy (KindProc)
 	pidfd int           // the producer's process, open while refs > 0
 	dead  atomic.Bool
+	// copyFailed is why an inline copy (on a caller's goroutine) found
+	// the producer gone; the loop reports the peer dead with it.
+	copyFailed atomic.Pointer[string]
 	// refs counts the opener's reference and one per running copy or
 	// liveness check; the view and the pidfd go when it drops to 0.
 	refs atomic.Int64
@@ -353,8 +356,11 @@ func (r *Reactor) postInline(h uint64, s *slot, p *Peer, localIdx, remoteIdx []i
 			}
 		} else if err != nil {
 			code = codeRemoteDisconnect
+			why := err.Error()
+			p.direct.copyFailed.CompareAndSwap(nil, &why)
 			p.direct.dead.Store(true)
 			p.gone.CompareAndSwap(0, codeRemoteDisconnect)
+			r.wake() // the loop reports it (pollPeers)
 		}
 	}
 	if code != 0 {
@@ -370,9 +376,10 @@ func (r *Reactor) postInline(h uint64, s *slot, p *Peer, localIdx, remoteIdx []i
 	d.inlineReads.Add(1)
 	r.st.posted.Add(1)
 	r.countDone(p, s.bytes)
+	r.st.latency.Add(time.Duration(r.now() - s.start))
 	s.word.Store(w&^stateMask | stDone)
 	if len(notif) > 0 {
-		r.st.notifsSent.Add(1)
+		// Counted as sent when the reactor sends it (sendInlineNotifs).
 		rec := d.getRec()
 		rec.peer = p
 		rec.msg = append(rec.msg[:0], notif...)
@@ -545,7 +552,6 @@ func (r *Reactor) submitDirect(h uint64, s *slot, p *Peer) {
 	}
 	j := s.job
 	s.trim()
-	s.posted = r.lastTime
 	j.idx = len(d.active)
 	d.active = append(d.active, j)
 	j.live, j.running = true, true
@@ -755,13 +761,14 @@ func (r *Reactor) endJob(j *dirJob) {
 				// take out what the counters need, publish, and notify only
 				// if the READ was published DONE, not released meanwhile.
 				// The message is the job's.
-				bytes, posted, notify := s.bytes, s.posted, s.hasNotif
+				bytes, notify := s.bytes, s.hasNotif
+				took := time.Duration(r.now() - s.start)
 				s.trim()
 				if !r.finish(h, s, codeNone) {
 					r.st.canceled.Add(1)
 				} else {
 					d.reads.Add(1)
-					r.readDone(p, bytes, posted, notify, j.notif)
+					r.readDone(p, bytes, took, notify, j.notif)
 				}
 			}
 		}
@@ -827,6 +834,11 @@ func (r *Reactor) unwatchPeer(p *Peer) {
 // already running finish from the mapping. Loop only.
 func (r *Reactor) pollPeers() bool {
 	d := r.dir
+	for _, p := range d.watched {
+		if why := p.direct.copyFailed.Load(); why != nil && !p.deadLogged {
+			r.peerDead(p, *why)
+		}
+	}
 	d.pollFDs = d.pollFDs[:0]
 	for _, p := range d.watched {
 		d.pollFDs = append(d.pollFDs, unix.PollFd{Fd: int32(p.direct.pidfd), Events: unix.POLLIN})
@@ -979,10 +991,14 @@ func (r *Reactor) sendInlineNotifs() bool {
 			case p.gone.Load() == 0:
 				if err := r.notify(p, rec.msg); err != nil {
 					r.engineError("notify", err)
+				} else {
+					r.st.notifsSent.Add(1)
 				}
 			case d.ns.canSend(p, rec.msg) && !p.direct.dead.Load():
 				// Removed since: its process may have exited meanwhile.
-				_ = d.ns.send(p, rec.msg)
+				if d.ns.send(p, rec.msg) == nil {
+					r.st.notifsSent.Add(1)
+				}
 			}
 			d.putRec(rec)
 			d.notifBuf[i] = nil

@@ -41,8 +41,10 @@ const (
 	// (of the first one), timeout.
 	EventReadTimeout = "ecxfer.read.timeout"
 	// EventEngineError: engine calls failed. At most one record per
-	// second; attributes: op, error, count (failures since the last
-	// record, this one included).
+	// second: failures within a second of a record are folded into the
+	// next, which is written when that second is up. Attributes: op and
+	// error (of the latest failure), count (failures since the last
+	// record).
 	EventEngineError = "ecxfer.engine.error"
 	// EventNotifOversized: a notification longer than MaxNotif arrived
 	// and was dropped (Stats.NotifsOversized counts them all). Logged once
@@ -57,6 +59,9 @@ type events struct {
 	errAt      int64 // r.now() of the last engine error record
 	errLogged  bool  // errAt is set
 	errPending uint64
+	// errOp and errMsg are the latest engine error not logged yet: the
+	// record that folds the pending ones in names it.
+	errOp, errMsg string
 	// oversized holds the senders whose oversized notification was
 	// logged; bounded so that a stream of invented names cannot grow it.
 	// Under oversizedMu: a caller draining the notification socket
@@ -182,24 +187,42 @@ func (r *Reactor) engineError(op string, err error) {
 	r.logEngineError(op, err)
 }
 
-// logEngineError logs an engine failure, at most one record per second
-// (with the count of those folded into it). Loop thread only.
+// logEngineError logs an engine failure, at most one record per second:
+// the failures of the second after a record are folded into the next one
+// (with their count, naming the latest), which flushEngineErrors writes
+// once the second has passed even if no failure follows. Loop thread only.
 func (r *Reactor) logEngineError(op string, err error) {
 	if r.ev.log == nil {
 		return
 	}
 	r.ev.errPending++
+	r.ev.errOp, r.ev.errMsg = op, "<nil>"
+	if err != nil {
+		r.ev.errMsg = err.Error()
+	}
+	r.flushEngineErrors(false)
+}
+
+// flushEngineErrors writes the record of the pending engine errors when a
+// second has passed since the last one, or at once with force. Loop
+// thread only.
+func (r *Reactor) flushEngineErrors(force bool) {
+	if r.ev.errPending == 0 {
+		return
+	}
 	now := r.now()
-	if r.ev.errLogged && now-r.ev.errAt < int64(time.Second) {
+	if !force && r.ev.errLogged && now-r.ev.errAt < int64(time.Second) {
 		return
 	}
 	r.ev.errAt, r.ev.errLogged = now, true
 	n := r.ev.errPending
 	r.ev.errPending = 0
-	msg := "<nil>"
-	if err != nil {
-		msg = err.Error()
-	}
 	r.logEvent(slog.LevelError, EventEngineError,
-		slog.String("op", op), slog.String("error", msg), slog.Uint64("count", n))
+		slog.String("op", r.ev.errOp), slog.String("error", r.ev.errMsg), slog.Uint64("count", n))
+}
+
+// engineErrorsDue is the time (ns on r.now's clock) at which pending
+// engine errors are to be logged, and false when none are pending.
+func (r *Reactor) engineErrorsDue() (int64, bool) {
+	return r.ev.errAt + int64(time.Second), r.ev.errPending > 0
 }

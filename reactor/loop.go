@@ -40,6 +40,7 @@ func (r *Reactor) run(ready chan<- error, setup Setup) {
 	defer func() {
 		cpu := threadCPU()
 		r.finalCPU.Store(int64(cpu))
+		r.flushEngineErrors(true)
 		r.logStop(cpu)
 	}()
 
@@ -131,6 +132,12 @@ func (r *Reactor) park(events []unix.EpollEvent, idle time.Duration) {
 			timeout = until
 		}
 	}
+	if due, ok := r.engineErrorsDue(); ok {
+		// Folded engine errors are logged when their second is up.
+		if until := time.Duration(due - r.now()); until < timeout {
+			timeout = until
+		}
+	}
 	ms := int((timeout + time.Millisecond - 1) / time.Millisecond)
 	if ms < 1 {
 		ms = 1
@@ -207,6 +214,9 @@ func (r *Reactor) turn() bool {
 		// reached the engine, aborted by a control operation): wake Wait.
 		r.ended = false
 		r.broadcast()
+	}
+	if r.ev.errPending > 0 {
+		r.flushEngineErrors(false)
 	}
 	r.lastWork = work
 	return work
@@ -325,7 +335,6 @@ func (r *Reactor) submit(h uint64) {
 		return
 	}
 	s.xfer = id
-	s.posted = r.lastTime
 	r.xfers[id] = h
 	r.inflight.Add(1)
 	r.st.posted.Add(1)
@@ -414,7 +423,7 @@ func (r *Reactor) complete(c nixl.Completion) {
 		case codeRemoteDisconnect:
 			r.peerDead(s.peer, c.Err.Error())
 		case codeEngine:
-			r.logEngineError("xfer", c.Err)
+			r.engineError("xfer", c.Err)
 		}
 		r.finish(h, s, code)
 		return
@@ -423,7 +432,8 @@ func (r *Reactor) complete(c nixl.Completion) {
 	// new READ may take the slot: take what is still needed out of it
 	// first. The message buffer leaves the slot and goes back to msgPool
 	// once sent, so no READ allocates.
-	p, bytes, posted, notify := s.peer, s.bytes, s.posted, s.hasNotif
+	p, bytes, notify := s.peer, s.bytes, s.hasNotif
+	took := time.Duration(r.now() - s.start) // stamped before DONE is published
 	var msg []byte
 	if notify {
 		msg, s.notif = s.notif, nil
@@ -435,18 +445,19 @@ func (r *Reactor) complete(c nixl.Completion) {
 	} else {
 		// Only now, with the READ published DONE, is the producer told:
 		// a READ released or timed out first never notifies.
-		r.readDone(p, bytes, posted, notify, msg)
+		r.readDone(p, bytes, took, notify, msg)
 	}
 	if notify {
 		msgPool.put(msg)
 	}
 }
 
-// readDone counts a READ of n bytes from p, posted at posted, that finish
-// published DONE, and then sends p its notification msg if it has one.
-func (r *Reactor) readDone(p *Peer, n uint64, posted int64, notify bool, msg []byte) {
+// readDone counts a READ of n bytes from p that finish published DONE
+// took from the start of its Post, and then sends p its notification msg
+// if it has one.
+func (r *Reactor) readDone(p *Peer, n uint64, took time.Duration, notify bool, msg []byte) {
 	r.countDone(p, n)
-	r.st.latency.Add(time.Duration(r.lastTime - posted))
+	r.st.latency.Add(took)
 	if notify {
 		if err := r.notify(p, msg); err != nil {
 			r.engineError("notify", err)
@@ -787,7 +798,9 @@ func (r *Reactor) teardown() error {
 		}
 		for _, h := range r.batch[:n] {
 			if s, _ := r.tab.lookup(h); s != nil {
-				r.finish(h, s, codeClosed)
+				if p := s.peer; r.finish(h, s, codeClosed) {
+					r.countFailed(p, codeClosed)
+				}
 			}
 		}
 	}

@@ -327,6 +327,7 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 	// word: a slot that meanwhile holds another word (Close ended the
 	// transfer, another Post claimed the freed slot) is not ours to free.
 	claimed := r.tab.claimedWord(h)
+	s.start = r.now()
 	s.peer = p
 	s.hasNotif = len(notif) > 0
 	bytes := loc.bytes(localIdx)

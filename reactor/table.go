@@ -72,6 +72,9 @@ type slot struct {
 	homeLocal, homeRemote []int
 	notif                 []byte
 	hasNotif              bool
+	// start is when Post was called (ns on the reactor's clock): the
+	// read-duration histogram's post → DONE is measured from it.
+	start int64
 
 	// run is the copy of a direct READ while the pool runs it, for callers
 	// that check the READ to help with (State). Written by the loop.
@@ -83,7 +86,6 @@ type slot struct {
 	// cancelDrained: onCancel drained this transfer's cancel entry while
 	// its direct copy ran, and left freeing the slot to endJob.
 	cancelDrained bool
-	posted        int64 // monotonic ns at post
 	bytes         uint64
 	_             cpu.CacheLinePad
 }
