@@ -5,7 +5,8 @@ GO        ?= go
 PKGS      ?= ./...
 FUZZTIME  ?= 20000x
 LONGFUZZ  ?= 2000000x
-DEBS      := libucx-dev ucx-utils pkg-config iproute2 python3-msgpack python3-venv
+DEBS      := gcc libc6-dev libucx-dev ucx-utils pkg-config iproute2 python3-msgpack python3-venv
+GO_MIN    := 1.26
 SOAK      ?= 5m
 SOAK_RESTARTS ?= 100
 BENCHTIME ?= 1s
@@ -16,8 +17,16 @@ BENCHTIME ?= 1s
 all: build
 
 # Install the Debian packages ecxfer needs, only those that are missing,
-# then the project's Python virtual environment.
-deps: debs venv nixl-venv
+# then the project's Python virtual environment. Go itself is not a Debian
+# package here (Debian 12's is 1.19): go-check says so when it is missing.
+deps: go-check debs venv nixl-venv
+
+.PHONY: go-check
+go-check:
+	@v=$$($(GO) env GOVERSION 2>/dev/null | sed 's/^go//'); \
+	if [ -z "$$v" ]; then echo "ecxfer needs Go $(GO_MIN) or newer on PATH (or GO=/path/to/go): https://go.dev/dl/"; exit 1; fi; \
+	if [ "$$(printf '%s\n%s\n' "$(GO_MIN)" "$$v" | sort -V | head -n1)" != "$(GO_MIN)" ]; then \
+		echo "ecxfer needs Go $(GO_MIN) or newer; $(GO) is $$v (Debian 12's golang-go is too old): https://go.dev/dl/"; exit 1; fi
 
 debs:
 	@missing=""; for p in $(DEBS); do \
@@ -69,13 +78,13 @@ fmt-check:
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
 	if [ -n "$$out" ]; then echo "gofmt needed on:"; echo "$$out"; exit 1; fi
 
-vet:
+vet: go-check debs
 	$(GO) vet $(PKGS)
 
 # staticcheck at a pinned version, fetched through the Go module proxy; it
 # is a tool, so it stays out of go.mod and out of every importer's build.
 STATICCHECK ?= honnef.co/go/tools/cmd/staticcheck@v0.8.2
-staticcheck:
+staticcheck: go-check debs
 	$(GO) run $(STATICCHECK) $(PKGS)
 
 # Only the engine packages under nixl/ and the C ABI (cmd/libecxfer) may
@@ -87,7 +96,7 @@ cgo-guard:
 
 # Only metrics/ imports Prometheus' client, so embedding ecxfer without
 # metrics pulls none of it in.
-dep-guard:
+dep-guard: go-check debs
 	@bad=$$(grep -rl --include='*.go' '"github.com/prometheus/' . | grep -v '^\./metrics/' || true); \
 	if [ -n "$$bad" ]; then echo "prometheus imported outside metrics/:"; echo "$$bad"; exit 1; fi; \
 	if $(GO) list -deps . | grep -q '^github.com/prometheus/'; then echo "package ecxfer depends on prometheus"; exit 1; fi; \

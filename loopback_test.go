@@ -451,9 +451,11 @@ func TestWaitSpinThenBlock(t *testing.T) {
 		// Reads finish in microseconds: a Wait that spins up to a minute
 		// sees every one of them without blocking.
 		{"spin", time.Minute, 0, false},
-		// Reads take 5ms: a Wait that spins 1µs blocks for each and is
-		// woken by its completion.
-		{"block", time.Microsecond, 5 * time.Millisecond, true},
+		// Reads take 100ms: a Wait that spins 1µs blocks for each and is
+		// woken by its completion. (At 5ms, a loaded machine sometimes ran
+		// the caller only after a READ had ended: a Wait with nothing to
+		// wait for.)
+		{"block", time.Microsecond, 100 * time.Millisecond, true},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			_, cons, pname := loopbackPair(t, 512, 8, func(cfg *Config) {

@@ -1,18 +1,25 @@
 """Builds libecxfer.so with Go into the wheel.
 
-The wheel carries the shared library, so it is tagged for Linux x86_64 and
-any Python 3 (the package reaches the library through ctypes only). The Go
-sources are the repository around this directory; Go is the only compiler
-needed. When they are not there (a copy of python/ alone), a library
-already built by `make python` is used.
+The wheel carries the shared library, so it is tagged for Linux on the
+library's architecture and any Python 3 (the package reaches the library
+through ctypes only). The Go sources are the repository around this
+directory; Go builds the library, with cgo, which needs a C compiler and
+UCX's headers (Debian: gcc libc6-dev libucx-dev pkg-config). When the
+sources are not there (a copy of python/ alone), a library already built
+by `make python` is used. The sdist carries no library and no Go sources:
+build wheels from the source tree.
 """
 
 import os
+import platform
 import shutil
 import subprocess
 from pathlib import Path
 
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
+
+# Go's architecture names as wheel platform tags use them.
+_ARCH = {"amd64": "x86_64", "arm64": "aarch64", "386": "i686", "ppc64le": "ppc64le", "s390x": "s390x"}
 
 
 class GoLibraryHook(BuildHookInterface):
@@ -25,9 +32,12 @@ class GoLibraryHook(BuildHookInterface):
         lib = pkg / "libecxfer.so"
         repo = Path(self.root).parent
         go = os.environ.get("GO") or shutil.which("go")
+        arch = platform.machine()
         if (repo / "go.mod").is_file() and (repo / "cmd" / "libecxfer").is_dir():
             if not go:
                 raise RuntimeError("building ecxfer's wheel needs Go (https://go.dev/dl/) on PATH, or GO=/path/to/go")
+            goarch = subprocess.run([go, "env", "GOARCH"], cwd=repo, check=True, capture_output=True, text=True).stdout.strip()
+            arch = _ARCH.get(goarch, goarch)
             subprocess.run(
                 [go, "build", "-buildmode=c-shared", "-trimpath", "-o", str(lib), "./cmd/libecxfer"],
                 cwd=repo,
@@ -36,6 +46,9 @@ class GoLibraryHook(BuildHookInterface):
             # The header is for C users; the wheel does not need it.
             (pkg / "libecxfer.h").unlink(missing_ok=True)
         elif not lib.is_file():
-            raise RuntimeError(f"{lib} is missing and the Go sources are not at {repo}: run `make python` first")
+            raise RuntimeError(
+                f"{lib} is missing and the Go sources are not at {repo}: build the wheel from ecxfer's source tree "
+                "(pip install ./python), or run `make python` there first"
+            )
         build_data["pure_python"] = False
-        build_data["tag"] = "py3-none-linux_x86_64"
+        build_data["tag"] = f"py3-none-linux_{arch}"
