@@ -262,10 +262,10 @@ func TestOpenMemfd(t *testing.T) {
 	}
 }
 
-func TestOpenSharedFileAtOffset(t *testing.T) {
-	mem, _ := shmFile(t, 1<<20)
-	fill(mem, 3)
-	region := mem[4096+512 : 4096+512+10000] // not page aligned
+// openFile opens a view of region, a window of a shmFile, closed at the
+// end of the test.
+func openFile(t *testing.T, region []byte) (*View, Advert) {
+	t.Helper()
 	a, err := FileAdvert(region)
 	if err != nil {
 		t.Fatal(err)
@@ -274,9 +274,22 @@ func TestOpenSharedFileAtOffset(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer v.Close()
+	t.Cleanup(v.Close)
+	return v, a
+}
+
+func TestOpenSharedFileAtOffset(t *testing.T) {
+	mem, _ := shmFile(t, 1<<20)
+	fill(mem, 3)
+	region := mem[4096+512 : 4096+512+10000] // not page aligned
+	v, a := openFile(t, region)
 	if !bytes.Equal(v.Bytes(), region) {
 		t.Fatal("view of an unaligned window differs")
+	}
+	// The window starts 512 bytes into the mapping's first page: the
+	// whole window is the whole mapping, from that page's start.
+	if got := v.Populate(descriptors.List{{Addr: a.Base, Len: a.Size}}); got != uint64(len(v.mem)) {
+		t.Errorf("Populate of the whole window asked for %d bytes, want the mapping's %d", got, len(v.mem))
 	}
 }
 
@@ -584,15 +597,7 @@ func TestPopulateOnlyBlocks(t *testing.T) {
 	page := uint64(os.Getpagesize())
 	mem, _ := shmFile(t, size)
 	fill(mem, 9) // every page of the file exists
-	a, err := FileAdvert(mem)
-	if err != nil {
-		t.Fatal(err)
-	}
-	v, err := Open(&a)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer v.Close()
+	v, a := openFile(t, mem)
 	if got := mappedBytes(t, v.mem); got != 0 {
 		t.Fatalf("Open mapped %d bytes, want none before Populate", got)
 	}
