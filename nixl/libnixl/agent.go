@@ -98,6 +98,10 @@ type xfer struct {
 type zombie struct {
 	req  *C.ecxnixl_req
 	peer *peer
+	// mems are the local regions the request writes into: it holds a
+	// reference on each until it finishes, so they cannot be deregistered
+	// (and an allocated one unmapped) under it.
+	mems []*region
 }
 
 // Agent is the NIXL engine: a nixl.Agent over one NIXL agent (UCX

@@ -219,6 +219,60 @@ func TestAgentMetadata(t *testing.T) {
 	require.NoError(t, cons.a.ReleaseXfer(id))
 }
 
+// Metadata NIXL refuses partway (here: a memory section it does not
+// recognise, which md.go leaves to NIXL) leaves nothing behind that would
+// make NIXL refuse the same peer's good metadata next.
+func TestAgentHalfLoadedMetadata(t *testing.T) {
+	needNIXL(t)
+	prod := newSide(t, testName("prod"), 4096, 8)
+	cons := newSide(t, testName("cons"), 4096, 8)
+	md, err := prod.a.LocalMetadata()
+	require.NoError(t, err)
+	at := bytes.Index(md, []byte("MemSection"))
+	require.Positive(t, at)
+	bad := bytes.Clone(md)
+	bad[at+len("MemSection")-1] = 'X'
+	pm, err := parseMD(bad)
+	require.NoError(t, err)
+	require.False(t, pm.known, "md.go leaves this layout to NIXL")
+	_, err = cons.a.LoadRemoteMetadata(bad)
+	require.Error(t, err)
+	name, err := cons.a.LoadRemoteMetadata(md)
+	require.NoError(t, err, "the good metadata after a refused one")
+	require.Equal(t, prod.a.Name(), name)
+}
+
+// Metadata whose agent name has a NUL byte is refused: NIXL's C API would
+// hand the name back cut at the NUL, the name of another, loaded peer.
+func TestAgentNameWithNUL(t *testing.T) {
+	needNIXL(t)
+	pn := testName("prod")
+	prod := newSide(t, pn, 4096, 8)
+	other := newSide(t, pn+"_x", 4096, 8) // renamed to pn+"\x00x" below
+	cons := newSide(t, testName("cons"), 4096, 8)
+	rand.New(rand.NewSource(5)).Read(prod.buf)
+	_, rdl := cons.connect(t, prod)
+
+	md, err := other.a.LocalMetadata()
+	require.NoError(t, err)
+	at := bytes.Index(md, []byte(pn+"_x"))
+	require.Positive(t, at)
+	bad := bytes.Clone(md)
+	bad[at+len(pn)] = 0 // same length: the record stays well formed
+	_, err = cons.a.LoadRemoteMetadata(bad)
+	require.ErrorIs(t, err, nixl.ErrInvalidParam)
+
+	// The peer it would have hit still reads.
+	id, err := cons.a.MakeXfer(nixl.Read, cons.local, []int{0}, rdl, []int{3}, nil)
+	require.NoError(t, err)
+	require.NoError(t, cons.a.PostXfer(id))
+	p := newPump(cons.a, prod.a)
+	p.until(t, "the read", p.done(id))
+	require.NoError(t, p.comps[id])
+	require.Equal(t, prod.block(3), cons.block(0))
+	require.NoError(t, cons.a.ReleaseXfer(id))
+}
+
 func TestAgentBadXfers(t *testing.T) {
 	needNIXL(t)
 	prod := newSide(t, testName("prod"), 1024, 4)
@@ -248,6 +302,37 @@ func TestAgentBadXfers(t *testing.T) {
 	require.ErrorIs(t, cons.a.DeregisterMem(mems), nixl.ErrNotAllowed)
 	require.NoError(t, cons.a.ReleaseXfer(id))
 	require.ErrorIs(t, cons.a.ReleaseXfer(id), nixl.ErrNotFound)
+}
+
+// A READ released in flight keeps running in NIXL until it ends (a
+// zombie): the memory it writes into cannot be deregistered, and an
+// allocated region not unmapped, until then.
+func TestAgentZombieHoldsMemory(t *testing.T) {
+	needNIXL(t)
+	const bs, nb = 32768, 512
+	prod := newSide(t, testName("prod"), bs, nb)
+	cons := newSide(t, testName("cons"), bs, nb)
+	_, rdl := cons.connect(t, prod)
+	idx := rand.New(rand.NewSource(6)).Perm(nb)
+	pm := newPump(cons.a, prod.a)
+	mem := cons.a.mems.Sorted()[0].ID
+	var ids []nixl.XferID
+	for range 8 {
+		id, err := cons.a.MakeXfer(nixl.Read, cons.local, idx, rdl, idx, nil)
+		require.NoError(t, err)
+		require.NoError(t, cons.a.PostXfer(id))
+		ids = append(ids, id)
+	}
+	for _, id := range ids {
+		require.NoError(t, cons.a.ReleaseXfer(id))
+	}
+	require.NoError(t, cons.a.ReleaseDlist(cons.local))
+	if len(cons.a.zombies) == 0 {
+		t.Skip("every READ of 16 MiB ended before its release")
+	}
+	require.ErrorIs(t, cons.a.DeregisterMem(mem), nixl.ErrNotAllowed, "released READs still running into it")
+	pm.until(t, "the released READs", func() bool { return len(cons.a.zombies) == 0 })
+	require.NoError(t, cons.a.DeregisterMem(mem))
 }
 
 func TestAgentCancelAndInvalidate(t *testing.T) {

@@ -99,6 +99,11 @@ func parseMD(b []byte) (peerMD, error) {
 	if len(name) == 0 || len(name) > 4096 {
 		return md, nixl.Errorf(nixl.ErrInvalidParam, "libnixl: metadata agent name of %d bytes", len(name))
 	}
+	if bytes.IndexByte(name, 0) >= 0 {
+		// NIXL's C API hands names back as C strings: this one would come
+		// back cut at the NUL, as the name of another agent.
+		return md, nixl.Errorf(nixl.ErrInvalidParam, "libnixl: metadata agent name %q has a NUL byte", name)
+	}
 	md.name = string(name)
 	regions, err := r.rest()
 	switch err {

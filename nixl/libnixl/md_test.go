@@ -66,13 +66,14 @@ func TestParseMDOtherLayout(t *testing.T) {
 func TestParseMDBad(t *testing.T) {
 	good := sampleMD("prod")
 	cases := map[string][]byte{
-		"nil":        nil,
-		"empty":      {},
-		"no magic":   []byte("not metadata at all"),
-		"magic only": []byte(mdMagic),
-		"empty name": newMDWriter().rec("Agent", nil).b,
-		"other tag":  newMDWriter().rec("Agnet", []byte("x")).b,
-		"huge len":   append([]byte(mdMagic+"Agent"), 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f),
+		"nil":         nil,
+		"empty":       {},
+		"no magic":    []byte("not metadata at all"),
+		"magic only":  []byte(mdMagic),
+		"empty name":  newMDWriter().rec("Agent", nil).b,
+		"nul in name": sampleMD("prod\x00x"),
+		"other tag":   newMDWriter().rec("Agnet", []byte("x")).b,
+		"huge len":    append([]byte(mdMagic+"Agent"), 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f),
 	}
 	for name, b := range cases {
 		_, err := parseMD(b)

@@ -36,6 +36,12 @@ func (a *Agent) SendNotif(peerName string, msg []byte) error {
 	return codeErr(int32(st), "sending a notification to %q", peerName)
 }
 
+// maxNotifPasses bounds the shim calls of one GetNotifs. Each call polls
+// NIXL again, so peers that never stop sending would otherwise keep
+// GetNotifs (and the reactor's turn) from ever returning; what is left
+// stays queued in the shim for the next call.
+const maxNotifPasses = 8
+
 // GetNotifs implements nixl.Agent. Each call progresses NIXL (its UCX
 // worker), which is also what serves peers' reads of this agent's memory.
 func (a *Agent) GetNotifs(dst map[string][][]byte) int {
@@ -43,7 +49,7 @@ func (a *Agent) GetNotifs(dst map[string][][]byte) int {
 		return 0
 	}
 	total := 0
-	for {
+	for range maxNotifPasses {
 		var used, count C.size_t
 		st := C.ecx_dl_notifs(a.lib.c, a.c, a.nbuf, C.size_t(a.ncap), &used, &count)
 		if nixl.Status(st) == nixl.ErrInvalidParam && count == 0 && int(used) > a.ncap {
@@ -67,6 +73,7 @@ func (a *Agent) GetNotifs(dst map[string][][]byte) int {
 		a.dropped += uint64(int(count) - n)
 		total += n
 	}
+	return total
 }
 
 // DroppedNotifs implements nixl.NotifDropper: notifications the shim

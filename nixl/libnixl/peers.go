@@ -91,10 +91,19 @@ func (a *Agent) LoadRemoteMetadata(md []byte) (string, error) {
 			// this Agent's bookkeeping): name it so the caller invalidates.
 			return pm.name, codeErr(int32(st), "peer %q is loaded with other metadata", pm.name)
 		}
+		// NIXL may have kept part of what it refused (its connection
+		// details are stored before the memory section is read), which
+		// would make it refuse this peer's next, good metadata. The name
+		// is not one of ours (those returned above), so drop it.
+		_ = a.forget(pm.name, false)
 		return "", codeErr(int32(st), "loading metadata of %q", pm.name)
 	}
 	if got := C.GoStringN((*C.char)(nbuf), C.int(min(int(nlen), nameCap))); got != pm.name {
-		_ = C.ecx_dl_invalidate(a.lib.c, a.c, (*C.char)(nbuf), C.size_t(min(int(nlen), nameCap)))
+		// Undo the load, unless the name NIXL gave is one of ours: that
+		// peer is not this metadata's to drop.
+		if a.peers[got] == nil && a.draining[got] == nil {
+			_ = C.ecx_dl_invalidate(a.lib.c, a.c, (*C.char)(nbuf), C.size_t(min(int(nlen), nameCap)))
+		}
 		return "", nixl.Errorf(nixl.ErrMismatch, "libnixl: metadata names %q but NIXL loaded %q", pm.name, got)
 	}
 	a.peers[p.name] = p

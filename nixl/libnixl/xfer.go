@@ -216,7 +216,8 @@ func (a *Agent) bury(x *xfer) {
 	if x.req == nil {
 		return
 	}
-	a.zombies = append(a.zombies, zombie{req: x.req, peer: x.remote.Peer})
+	a.zombies = append(a.zombies, zombie{req: x.req, peer: x.remote.Peer, mems: x.mems})
+	enginekit.AddRefs(x.mems, 1)
 	x.remote.Peer.zombies++
 	x.req = nil
 }
@@ -248,6 +249,7 @@ func (a *Agent) reap() {
 			continue
 		}
 		_ = C.ecx_dl_release_req(a.lib.c, a.c, z.req)
+		enginekit.AddRefs(z.mems, -1)
 		z.peer.zombies--
 		if z.peer.zombies == 0 && z.peer.draining {
 			z.peer.draining = false
@@ -293,6 +295,11 @@ func (a *Agent) finish(x *xfer, code int32) {
 		}
 	}
 	a.pending.Push(x.id, x.gen, x.err)
+	if n := a.pending.Len(); n > 1024 && n > 2*len(a.xfers) {
+		// A caller that checks XferStatus and never polls completions
+		// would otherwise grow the queue for good.
+		a.pending.Compact(a.live)
+	}
 }
 
 // checkInflight asks NIXL for the status of every in-flight request, in one
