@@ -398,3 +398,23 @@ func TestNotesSayHowCallersWait(t *testing.T) {
 			"wait %s: notes %q", wait, s.rep.Notes)
 	}
 }
+
+// The report says which modes count the notification's send in a READ's
+// time, and how notif READs are phased against the locked producer's step.
+func TestNotesSayWhatDONEIncludes(t *testing.T) {
+	cfg := DefaultConfig()
+	cfg.Workloads = []string{"latency"}
+	s := newSession(cfg)
+	s.addNotes()
+	has := func(s *session, prefix string) bool {
+		return slices.ContainsFunc(s.rep.Notes, func(n string) bool { return strings.HasPrefix(n, prefix) })
+	}
+	require.False(t, has(s, "DONE:"), "latency READs carry no notification")
+	cfg.Workloads = []string{"image", "notif"}
+	s = newSession(cfg)
+	s.rep.Results = []Result{{Workload: "notif", Mode: "raw", Reads: 10, Early: 3}, {Workload: "notif", Mode: "reactor", Reads: 10}}
+	s.addNotes()
+	require.True(t, has(s, "DONE: reactor and direct READs are DONE once their data has landed"))
+	require.True(t, has(s, "notif: each READ is posted at a random point"))
+	require.True(t, has(s, "notif: seen by the producer before the reader saw DONE (counted as 0 µs): raw 3 of 10"), "%q", s.rep.Notes)
+}

@@ -59,16 +59,19 @@ type helloMsg struct {
 
 // producer is the data owner's side of one (mode, block size) setup.
 type producer struct {
-	mode    string
-	tr      *ecxfer.Transport // reactor mode
-	side    *bareSide         // locked and raw modes
-	mu      sync.Mutex        // locked mode: the engine lock
-	timing  atomic.Bool       // notif workload: report each notification
-	stop    chan struct{}
-	done    chan struct{}
-	send    func(ctrl.Message) error
-	pollErr atomic.Pointer[error]
-	hook    TransportHook
+	mode   string
+	tr     *ecxfer.Transport // reactor mode
+	side   *bareSide         // locked and raw modes
+	mu     sync.Mutex        // locked mode: the engine lock
+	timing atomic.Bool       // notif workload: report each notification
+	stop   chan struct{}
+	done   chan struct{}
+	// progDone closes when the locked producer's progress goroutine has
+	// stopped (nil in other modes).
+	progDone chan struct{}
+	send     func(ctrl.Message) error
+	pollErr  atomic.Pointer[error]
+	hook     TransportHook
 }
 
 // Serve answers one consumer's commands on c until it closes the
@@ -195,6 +198,10 @@ func openProducer(m ctrl.Message, backend string, send func(ctrl.Message) error)
 		return nil, hello, fmt.Errorf("producer: unknown mode %q", mode)
 	}
 	hello.name = mode
+	if mode == "locked" {
+		p.progDone = make(chan struct{})
+		go p.progress()
+	}
 	go p.poll()
 	return p, hello, nil
 }
@@ -206,8 +213,10 @@ func openProducer(m ctrl.Message, backend string, send func(ctrl.Message) error)
 //     the engine's event fd when idle); the application calls NewNotifs back
 //     to back, yielding the CPU between empty polls, while notifications
 //     are timed, and once per step otherwise.
-//   - locked: once per step, take the lock, progress the engine and get the
-//     notifications, as vLLM's engine loop does. Never more often.
+//   - locked: once per step, take the lock and get the notifications, as
+//     vLLM's engine loop does. Never more often. The engine itself is
+//     progressed as it arrives by progress, as NIXL's progress thread does
+//     beside vLLM's scheduler.
 //   - raw: this goroutine is the engine's only driver. While notifications
 //     are timed it progresses back to back (yielding between empty turns):
 //     the floor. Otherwise it sleeps on the engine's event fd between turns,
@@ -277,6 +286,41 @@ func (p *producer) poll() {
 	}
 }
 
+// progress stands for the progress thread NIXL runs in vLLM's process: it
+// sleeps until the locked producer's engine has work (its event fd), then
+// progresses it under the engine lock until it has none. Notifications it
+// receives wait in the engine until poll's next step takes them.
+func (p *producer) progress() {
+	defer close(p.progDone)
+	a := p.side.agent
+	fd := a.EventFD()
+	fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
+	for {
+		select {
+		case <-p.stop:
+			return
+		default:
+		}
+		p.mu.Lock()
+		work, _ := a.Progress()
+		armed := false
+		if !work && fd >= 0 {
+			ok, err := a.Arm()
+			armed = err == nil && ok
+		}
+		p.mu.Unlock()
+		switch {
+		case work:
+		case armed:
+			_, _ = unix.Poll(fds, int(stepInterval/time.Millisecond))
+		default:
+			// No descriptor, or events the engine has not taken yet:
+			// look again shortly.
+			time.Sleep(50 * time.Microsecond)
+		}
+	}
+}
+
 // sleepOnEngine waits up to one step for the raw producer's engine to have
 // work: arm its event fd and poll it.
 func (p *producer) sleepOnEngine() {
@@ -296,6 +340,9 @@ func (p *producer) sleepOnEngine() {
 func (p *producer) close() error {
 	close(p.stop)
 	<-p.done
+	if p.progDone != nil {
+		<-p.progDone
+	}
 	if p.tr != nil {
 		if p.hook != nil {
 			p.hook(p.tr, false)

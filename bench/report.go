@@ -29,6 +29,9 @@ type Result struct {
 	P99us         float64 `json:"p99_us"`
 	P999us        float64 `json:"p999_us"`
 	AllocsPerRead float64 `json:"allocs_per_read"`
+	// Early counts notif READs whose notification the producer saw before
+	// the reader saw DONE (counted as 0 in the latencies).
+	Early int64 `json:"early,omitempty"`
 
 	// Latencies are the sorted samples behind the percentiles, for the
 	// CDF charts. Not written to JSON.

@@ -14,6 +14,7 @@ import (
 	"runtime"
 	"runtime/pprof"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -154,10 +155,28 @@ func (s *session) addNotes() {
 	}
 	s.rep.Notes = append(s.rep.Notes,
 		"latency READs carry no notification; image, fanin and notif READs carry one (as vLLM's do)",
-		fmt.Sprintf("locked: the producer polls notifications under its lock every %v (an engine step); reactor/raw producers poll back to back during notif", stepInterval),
+		fmt.Sprintf("locked: the producer takes notifications under its lock every %v (an engine step), its engine progressed as messages arrive (NIXL's progress thread); reactor/raw producers poll back to back during notif", stepInterval),
 		callers+"; p50/p99/p99.9 are post→DONE (notif: consumer DONE → producer sees it)",
 		fmt.Sprintf("verified: READ 0 and every %dth of each submitter, all blocks (time excluded from seconds)", VerifyEvery),
 		"notif allocs/read include decoding the control message that brings the producer's timestamp")
+	if slices.ContainsFunc(cfg.Workloads, func(w string) bool { return w != "latency" }) {
+		s.rep.Notes = append(s.rep.Notes,
+			"DONE: reactor and direct READs are DONE once their data has landed, and the notification is sent right after; "+
+				"locked and raw READs are DONE once the engine's send of the notification has also completed (NIXL's order)")
+	}
+	if slices.Contains(cfg.Workloads, "notif") {
+		s.rep.Notes = append(s.rep.Notes, fmt.Sprintf(
+			"notif: each READ is posted at a random point of the producer's %v step, so locked's latency is not tied to its phase", stepInterval))
+		var early []string
+		for _, r := range s.rep.Results {
+			if r.Workload == "notif" && r.Early > 0 {
+				early = append(early, fmt.Sprintf("%s %d of %d", r.Mode, r.Early, r.Reads))
+			}
+		}
+		if len(early) > 0 {
+			s.rep.Notes = append(s.rep.Notes, "notif: seen by the producer before the reader saw DONE (counted as 0 µs): "+strings.Join(early, ", "))
+		}
+	}
 	if cfg.Backend == "loopback" {
 		s.rep.Notes = append(s.rep.Notes, "loopback: producer in this process; its allocations count in allocs/read")
 	}
@@ -472,6 +491,7 @@ func (s *session) runCell(d driver, mode string, c cell, seed uint64) (Result, e
 		r.Reads += st.reads
 		blocks += st.blocks
 		verify += st.verify
+		r.Early += st.early
 		lat = append(lat, st.lat...)
 	}
 	if r.Reads == 0 {
@@ -583,6 +603,16 @@ func (s *session) submitter(d driver, c cell, g int, seed uint64, rng *rand.Rand
 	}
 	region := d.region()
 	for k := int64(0); !stop.Load() && time.Now().Before(end); k++ {
+		if c.workload == "notif" {
+			// Posted right after the producer reported the last one, the
+			// READ would always reach a locked producer just after its
+			// step and wait the whole step: a random phase instead. A
+			// yielding wait, not time.Sleep, which rounds short sleeps up
+			// towards a millisecond.
+			for until := time.Now().Add(time.Duration(rng.Int63n(int64(stepInterval)))); time.Now().Before(until); {
+				runtime.Gosched()
+			}
+		}
 		local, remote = plan.next(k, rng, local[:0], remote[:0])
 		check := k%VerifyEvery == 0
 		if check {
