@@ -91,13 +91,16 @@ def percentile(sorted_ns, q):
 
 def run_cell(agent, local, remote, rbuf_check, lbuf, bs, nrem, blocks, contiguous, notif,
              duration, warmup, rng):
+    # The blocks READs come from, as the Go harness chooses them: one-block
+    # READs from anywhere in the producer's region, contiguous ones from a
+    # base that moves through it, so neither reads the same cached bytes
+    # over and over; scattered ones cycle through SCATTER_SETS random sets.
     if blocks == 1:
-        sets = [([int(x)], [int(y)]) for x, y in
-                zip(rng.integers(0, LOCAL_BLOCKS, 64), rng.integers(0, nrem, 64))]
+        sets = [([k % LOCAL_BLOCKS], [int(y)]) for k, y in enumerate(rng.integers(0, nrem, 4096))]
     elif contiguous:
         sets = []
-        for _ in range(SCATTER_SETS):
-            r0 = int(rng.integers(0, nrem - blocks))
+        for k in range(max(1, nrem // blocks)):
+            r0 = (k * blocks) % (nrem - blocks + 1)
             sets.append((list(range(blocks)), list(range(r0, r0 + blocks))))
     else:
         sets = [(rng.permutation(LOCAL_BLOCKS)[:blocks].tolist(),

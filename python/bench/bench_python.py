@@ -7,18 +7,21 @@ this host, with the harness's workloads: 1 block of 5,120 B; 880 blocks of
 p50/p99 post->DONE (post_read, then check_xfer_state in a loop until DONE,
 as vLLM's step loop would if it never slept) and the cost of one post_read
 and one check_xfer_state call. Every READ carries a "{session}:{mm_hash}"
-notification, which the producer drains. Bytes are verified on the first
-READ of every workload.
+notification, which the producer drains. Each workload's READs cycle
+through NSETS block sets spread over the producer's region (contiguous ones
+from moving offsets, scattered ones at random), the same sets for both
+implementations, and every set is verified byte for byte (every block
+carries its own index) before the timed READs.
 
 ecxfer runs with its defaults, where the consumer copies from the
 producer's mapped /dev/shm file itself (inside post_read up to inline_bytes,
 on its copy workers above). Its UCX engine path (direct="off") refuses a
 producer's own /dev/shm region over shared memory (see Config.Direct in the
 Go package), so it has no row here.
-ecxfer's indices go in as one array('q') buffer (what its post_read reads in
-place); the cost of a post_read given Python lists, as vLLM passes them, is
-reported too. NIXL gets what vLLM passes: lists, under vLLM's lock, with
-make_prepped_xfer + transfer as its post_read does.
+Both get the indices as vLLM passes them, Python lists (NIXL under vLLM's
+lock, with make_prepped_xfer + transfer as its post_read does); the cost of
+ecxfer's post_read given one array('q') instead, which it reads in place,
+is reported too.
 
 Runs in the project's .venv (NIXL's wheel comes from requirements-nixl.txt);
 without NIXL its rows say they were skipped and why.
@@ -34,11 +37,13 @@ import mmap
 import os
 import random
 import select
+import struct
 import subprocess
 import sys
 import threading
 import time
 import uuid
+import zlib
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -52,11 +57,13 @@ WORKLOADS = [
     ("880 x 32KiB", 32768, 880, "contig"),
 ]
 NUM_BLOCKS = {5120: 4096, 32768: 2048}
+NSETS = 32  # block sets a multi-block workload's READs cycle through
 
 
 def pattern(seed: int, block: int, size: int) -> bytes:
+    """A block's bytes: its index first, so no block passes for another."""
     base = bytes(((block * 131 + seed + 7 * j) & 0xFF) for j in range(256))
-    return (base * (size // 256 + 1))[:size]
+    return (struct.pack("<QQ", seed, block) + base * (size // 256 + 1))[:size]
 
 
 class Region:
@@ -122,7 +129,7 @@ class EcxferSide:
         return self.t.add_remote_peer(md, desc)
 
     def indices(self, idx):
-        return array.array("q", idx)
+        return list(idx)  # as vLLM passes them
 
     def post_read(self, local, peer, remote, notif):
         return self.t.post_read(local, peer, remote, notif)
@@ -242,30 +249,47 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def run_workload(side, peer, bs, n, layout, duration, rng, mode="poll"):
+def index_sets(name, bs, n, layout):
+    """The workload's block sets, the same for every implementation."""
     nb = NUM_BLOCKS[bs]
-    if layout == "scatter":
-        local_idx, remote_idx = rng.sample(range(nb), n), rng.sample(range(nb), n)
-    else:
-        off = rng.randrange(0, nb - n + 1)
-        local_idx, remote_idx = list(range(n)), list(range(off, off + n))
-    local, remote = side.indices(local_idx), side.indices(remote_idx)
+    rng = random.Random(zlib.crc32(name.encode()))
+    if n == 1:  # one block from anywhere in the region, as many as it has
+        return [([k], [rng.randrange(nb)]) for k in range(nb)]
+    sets = []
+    for k in range(NSETS):
+        if layout == "scatter":
+            sets.append((rng.sample(range(nb), n), rng.sample(range(nb), n)))
+        else:  # from an offset that moves through the region
+            off = (k * n + rng.randrange(0, n)) % (nb - n + 1)
+            sets.append((list(range(n)), list(range(off, off + n))))
+    return sets
+
+
+def run_workload(side, peer, bs, name, n, layout, duration, mode="poll"):
+    sets = index_sets(name, bs, n, layout)
     region = side.region
-    # First READ: verify the bytes.
-    h = side.post_read(local, peer, remote, b"sess-0:mm-verify")
-    while side.check(h) == "PROC":
-        pass
-    if side.check(h) != "DONE":
-        raise RuntimeError(f"READ ended {side.check(h)}")
-    side.release(h)
-    for li, ri in zip(local_idx, remote_idx):
-        if region.mm[li * bs : (li + 1) * bs] != pattern(bs, ri, bs):
-            raise RuntimeError(f"block {li} (remote {ri}) differs")
+    # Every set once, untimed: the destination cleared, then every block
+    # checked against the producer's pattern.
+    for i, (local_idx, remote_idx) in enumerate(sets):
+        for li in local_idx:
+            region.mm[li * bs : (li + 1) * bs] = bytes(bs)
+        h = side.post_read(side.indices(local_idx), peer, side.indices(remote_idx), b"sess-v:mm-%d" % i)
+        st = side.check(h)
+        while st == "PROC":
+            st = side.check(h)
+        side.release(h)
+        if st != "DONE":
+            raise RuntimeError(f"READ ended {st}")
+        for li, ri in zip(local_idx, remote_idx):
+            if region.mm[li * bs : (li + 1) * bs] != pattern(bs, ri, bs):
+                raise RuntimeError(f"block {li} (remote {ri}) differs")
+    args = [(side.indices(lo), side.indices(re)) for lo, re in sets]
     post, e2e = [], []
     clock = time.perf_counter_ns
     end = time.monotonic() + duration
     k = 0
     while time.monotonic() < end or k < 20:
+        local, remote = args[k % len(args)]
         notif = b"sess-%d:mm-%d" % (k, k)
         t0 = clock()
         h = side.post_read(local, peer, remote, notif)
@@ -285,6 +309,7 @@ def run_workload(side, peer, bs, n, layout, duration, rng, mode="poll"):
             e2e.append(t2 - t0)
         k += 1
     # One check_xfer_state call, on a finished READ.
+    local, remote = args[0]
     h = side.post_read(local, peer, remote, b"sess-x:mm-x")
     while side.check(h) == "PROC":
         pass
@@ -302,21 +327,22 @@ def run_workload(side, peer, bs, n, layout, duration, rng, mode="poll"):
         "check_us": check_ns / 1e3,
         "gbps": (n * bs * len(e2e)) / (sum(e2e) / 1e9) / 1e9,
     }
-    if isinstance(side, EcxferSide) and mode == "poll":  # what a caller passing lists pays
-        lists = []
-        for _ in range(200):
+    if isinstance(side, EcxferSide) and mode == "poll":  # what a caller passing one array pays
+        arrays = [(array.array("q", lo), array.array("q", re)) for lo, re in sets]
+        costs = []
+        for i in range(200):
+            local, remote = arrays[i % len(arrays)]
             t0 = clock()
-            h = side.post_read(local_idx, peer, remote_idx, b"sess-l:mm-l")
-            lists.append(clock() - t0)
+            h = side.post_read(local, peer, remote, b"sess-a:mm-a")
+            costs.append(clock() - t0)
             while side.check(h) == "PROC":
                 pass
             side.release(h)
-        row["post_list_p50_us"] = pct(lists, 0.5) / 1e3
+        row["post_array_p50_us"] = pct(costs, 0.5) / 1e3
     return row
 
 
 def consumer(impl, duration):
-    rng = random.Random(12)
     results = {}
     for bs in sorted({w[1] for w in WORKLOADS}):
         prod, md, desc = start_producer(impl, bs)
@@ -328,9 +354,9 @@ def consumer(impl, duration):
             peer = side.add_peer(md, desc)
             for name, wbs, n, layout in WORKLOADS:
                 if wbs == bs:
-                    results[name] = run_workload(side, peer, bs, n, layout, duration, rng)
+                    results[name] = run_workload(side, peer, bs, name, n, layout, duration)
                     if impl == "ecxfer":
-                        results[name + "/wait"] = run_workload(side, peer, bs, n, layout, duration, rng, "wait")
+                        results[name + "/wait"] = run_workload(side, peer, bs, name, n, layout, duration, "wait")
         finally:
             prod.stdin.close()
             prod.wait(30)
@@ -387,7 +413,7 @@ def main():
     load1 = os.getloadavg()
     cols = (
         f"{'workload':>12} {'impl':>12} {'reads':>6} {'GB/s':>6} {'p50 us':>8} {'p99 us':>9} {'post us':>8}"
-        f" {'post(list) us':>13} {'check us':>9} {'p50 nixl/this':>13}"
+        f" {'post(array) us':>14} {'check us':>9} {'p50 nixl/this':>13}"
     )
     print(cols)
     for name, *_ in WORKLOADS:
@@ -402,10 +428,10 @@ def main():
                 print(f"{name:>12} {label:>12}  skipped: {why}")
                 continue
             ratio = f"{n['e2e_p50_us'] / r['e2e_p50_us']:.2f}x" if n and r is not n else "-"
-            lst = f"{r['post_list_p50_us']:.2f}" if "post_list_p50_us" in r else "-"
+            arr = f"{r['post_array_p50_us']:.2f}" if "post_array_p50_us" in r else "-"
             print(
                 f"{name:>12} {label:>12} {r['reads']:>6} {r['gbps']:>6.2f} {r['e2e_p50_us']:>8.1f} {r['e2e_p99_us']:>9.1f}"
-                f" {r['post_p50_us']:>8.2f} {lst:>13} {r['check_us']:>9.3f} {ratio:>13}"
+                f" {r['post_p50_us']:>8.2f} {arr:>14} {r['check_us']:>9.3f} {ratio:>13}"
             )
     print(f"load average before/after: {load0[0]:.2f} / {load1[0]:.2f} ({os.cpu_count()} CPUs)")
     if args.json:
