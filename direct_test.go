@@ -787,3 +787,30 @@ func TestDirectAdvertMustNameTheMetadataProcess(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, "direct-file", cons.PeerPath(name))
 }
+
+// An inline READ's notification leaves from PostRead itself, after the
+// READ is published DONE: the consumer's reactor, idle between sporadic
+// READs, is not in its way.
+func TestDirectInlineNotifSentByCaller(t *testing.T) {
+	leakcheck.Check(t)
+	e := env{t: t, backend: "ucx"}
+	const bs, nb = 4096, 8
+	prod := e.transport(uniqueName("nprod"), bs, nb, direct)
+	cons := e.transport(uniqueName("ncons"), bs, nb, direct)
+	pname, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+	require.NoError(t, err)
+	require.Equal(t, "direct-sysv", cons.PeerPath(pname))
+	for i := range 20 {
+		before := cons.Stats().NotifsSent
+		msg := fmt.Appendf(nil, "sess-%d:mm", i)
+		h, err := cons.PostRead([]int{0}, pname, []int{i % nb}, msg)
+		require.NoError(t, err)
+		require.Equal(t, before+1, cons.Stats().NotifsSent, "READ %d: the notification was not sent by PostRead", i)
+		st, err := cons.CheckXferState(h)
+		require.NoError(t, err)
+		require.Equal(t, StateDone, st)
+		require.NoError(t, cons.ReleaseXferHandle(h))
+		got := notifsUntil(prod, 1, 10*time.Second)
+		require.Equal(t, map[string][][]byte{cons.cfg.AgentName: {msg}}, got)
+	}
+}

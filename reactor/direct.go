@@ -7,6 +7,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -50,8 +51,12 @@ type Direct struct {
 	refs atomic.Int64
 	shut atomic.Bool
 	// notify is the producer's notification socket (nil: it advertised
-	// none, notifications go through the engine).
-	notify *unix.SockaddrUnix
+	// none, notifications go through the engine). The loop sends to it
+	// with unix.Sendto, which writes into it as it encodes it, so callers
+	// (sendNow) use notifyRaw, the same address encoded once, instead.
+	notify       *unix.SockaddrUnix
+	notifyRaw    unix.RawSockaddrUnix
+	notifyRawLen uint32
 }
 
 // OpenDirect maps (or, for anonymous memory, prepares kernel copies of) an
@@ -71,7 +76,9 @@ func OpenDirect(adv *shmview.Advert, descs descriptors.List) (*Direct, error) {
 	d := &Direct{adv: *adv, pidfd: fd}
 	d.refs.Store(1)
 	if adv.Notify != 0 {
-		d.notify = &unix.SockaddrUnix{Name: shmview.NotifyAddr(adv.PID, adv.Notify)}
+		name := shmview.NotifyAddr(adv.PID, adv.Notify)
+		d.notify = &unix.SockaddrUnix{Name: name}
+		d.notifyRaw, d.notifyRawLen = abstractAddr(name)
 	}
 	if adv.Kind == shmview.KindProc && adv.Size > 0 {
 		// Kernel copies need ptrace access to the producer (same user,
@@ -379,7 +386,11 @@ func (r *Reactor) postInline(h uint64, s *slot, p *Peer, localIdx, remoteIdx []i
 	r.st.latency.Add(time.Duration(r.now() - s.start))
 	s.word.Store(w&^stateMask | stDone)
 	if len(notif) > 0 {
-		// Counted as sent when the reactor sends it (sendInlineNotifs).
+		if r.sendNow(p, notif) {
+			return h, nil
+		}
+		// The reactor sends it (and counts it sent then: sendInlineNotifs).
+		p.notifsHeld.Add(1)
 		rec := d.getRec()
 		rec.peer = p
 		rec.msg = append(rec.msg[:0], notif...)
@@ -396,6 +407,47 @@ func (r *Reactor) postInline(h uint64, s *slot, p *Peer, localIdx, remoteIdx []i
 		r.wake()
 	}
 	return h, nil
+}
+
+// sendNowMax bounds the datagram a caller builds on its stack to send an
+// inline READ's notification itself; vLLM's are under 100 bytes.
+const sendNowMax = 768
+
+// sendNow sends an inline READ's notification to p's socket from the
+// caller, without the hand-off to the reactor (which, idle between
+// sporadic READs, can take tens of microseconds to run): only when the
+// peer is live, has a socket, and has no notification held back that this
+// one would overtake, and only when the socket takes it at once. It
+// reports whether it sent it; if not, the caller queues it for the
+// reactor as before.
+func (r *Reactor) sendNow(p *Peer, msg []byte) bool {
+	ns := r.dir.ns
+	if p.gone.Load() != 0 || !ns.canSend(p, msg) || p.notifsHeld.Load() != 0 ||
+		2+len(ns.name)+4+len(msg) > sendNowMax {
+		return false
+	}
+	var buf [sendNowMax]byte
+	b := appendNotifDgram(buf[:0], ns.name, msg)
+	d := p.direct
+	_, _, errno := unix.Syscall6(unix.SYS_SENDTO, uintptr(ns.sfd), uintptr(unsafe.Pointer(&b[0])), uintptr(len(b)),
+		unix.MSG_DONTWAIT, uintptr(unsafe.Pointer(&d.notifyRaw)), uintptr(d.notifyRawLen))
+	if errno != 0 {
+		return false // EAGAIN, or the producer is gone: the reactor deals with it
+	}
+	r.st.notifsSent.Add(1)
+	return true
+}
+
+// abstractAddr encodes an abstract Unix socket address, "@name", as the
+// kernel takes it: a NUL, the name, no terminating NUL.
+func abstractAddr(name string) (unix.RawSockaddrUnix, uint32) {
+	var sa unix.RawSockaddrUnix
+	sa.Family = unix.AF_UNIX
+	n := min(len(name), len(sa.Path))
+	for i := 1; i < n; i++ {
+		sa.Path[i] = int8(name[i])
+	}
+	return sa, uint32(2 + n)
 }
 
 // maxFreeRecs bounds the notification records kept for reuse: as many as
@@ -1000,6 +1052,9 @@ func (r *Reactor) sendInlineNotifs() bool {
 					r.st.notifsSent.Add(1)
 				}
 			}
+			// Sent, dropped, or now counted in the backlog (send and
+			// queue count it there before this).
+			p.notifsHeld.Add(-1)
 			d.putRec(rec)
 			d.notifBuf[i] = nil
 		}

@@ -163,6 +163,7 @@ const maxSpare = 16
 type pendingNotif struct {
 	peer  *Peer
 	dgram []byte
+	n     int64 // messages in dgram
 }
 
 func newNotifSock(rfd int, name string) (*notifSock, error) {
@@ -216,8 +217,10 @@ func (ns *notifSock) send(p *Peer, msg []byte) error {
 // one goes to p and has room, else into a new one (a reused buffer when
 // there is one).
 func (ns *notifSock) queue(p *Peer, msg []byte) {
+	p.notifsHeld.Add(1)
 	if k := len(ns.backlog) - 1; k >= 0 && ns.backlog[k].peer == p && len(ns.backlog[k].dgram)+4+len(msg) <= dgramMax {
 		ns.backlog[k].dgram = appendNotifMsg(ns.backlog[k].dgram, msg)
+		ns.backlog[k].n++
 		return
 	}
 	var b []byte
@@ -225,7 +228,7 @@ func (ns *notifSock) queue(p *Peer, msg []byte) {
 		b, ns.spare[n-1] = ns.spare[n-1][:0], nil
 		ns.spare = ns.spare[:n-1]
 	}
-	ns.backlog = append(ns.backlog, pendingNotif{p, appendNotifDgram(b, ns.name, msg)})
+	ns.backlog = append(ns.backlog, pendingNotif{p, appendNotifDgram(b, ns.name, msg), 1})
 	p.backlogged++
 }
 
@@ -257,6 +260,7 @@ func (ns *notifSock) flush() (sent bool, failed int) {
 			}
 		}
 		e.peer.backlogged--
+		e.peer.notifsHeld.Add(-e.n)
 		if len(ns.spare) < maxSpare {
 			ns.spare = append(ns.spare, e.dgram)
 		}

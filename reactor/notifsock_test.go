@@ -101,6 +101,14 @@ func TestNotifSockBacklog(t *testing.T) {
 	if len(send.backlog) == 0 {
 		t.Fatal("a receiver that reads nothing took 2,000 notifications: the backlog is untested")
 	}
+	// The peer counts what it holds back, so callers queue behind it.
+	var held int64
+	for _, e := range send.backlog {
+		held += e.n
+	}
+	if got := p.notifsHeld.Load(); got != held {
+		t.Fatalf("the peer holds %d notifications by its count, the backlog %d", got, held)
+	}
 	var got []string
 	for rounds := 0; len(got) < n; rounds++ {
 		if rounds > 100000 {
@@ -126,6 +134,9 @@ func TestNotifSockBacklog(t *testing.T) {
 	}
 	if len(send.backlog) != 0 {
 		t.Fatalf("%d left in the backlog", len(send.backlog))
+	}
+	if got := p.notifsHeld.Load(); got != 0 {
+		t.Fatalf("the peer still counts %d held notifications", got)
 	}
 
 	recv.close()

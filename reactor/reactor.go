@@ -46,6 +46,11 @@ type Peer struct {
 	// backlogged: loop only, this peer's entries in the notification
 	// socket's backlog; while there are any, its new ones queue behind.
 	backlogged int
+	// notifsHeld counts this peer's notifications waiting for the reactor
+	// (in the inline queue or the socket's backlog). A caller sends an
+	// inline READ's notification itself only while it is 0, so none
+	// overtakes one held back.
+	notifsHeld atomic.Int64
 	pc         peerCounters
 }
 
