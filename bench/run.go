@@ -19,6 +19,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/ecxfer/ecxfer"
 	"github.com/ecxfer/ecxfer/internal/ctrl"
 	"github.com/ecxfer/ecxfer/internal/pattern"
@@ -606,12 +608,12 @@ func (s *session) submitter(d driver, c cell, g int, seed uint64, rng *rand.Rand
 		if c.workload == "notif" {
 			// Posted right after the producer reported the last one, the
 			// READ would always reach a locked producer just after its
-			// step and wait the whole step: a random phase instead. A
-			// yielding wait, not time.Sleep, which rounds short sleeps up
-			// towards a millisecond.
-			for until := time.Now().Add(time.Duration(rng.Int63n(int64(stepInterval)))); time.Now().Before(until); {
-				runtime.Gosched()
-			}
+			// step and wait the whole step: a random phase instead. The
+			// thread sleeps in nanosleep, which keeps microseconds (Go's
+			// timers round short sleeps up towards a millisecond) and,
+			// unlike a polling wait, leaves the CPU to the others.
+			ts := unix.NsecToTimespec(rng.Int63n(int64(stepInterval)))
+			_ = unix.Nanosleep(&ts, nil)
 		}
 		local, remote = plan.next(k, rng, local[:0], remote[:0])
 		check := k%VerifyEvery == 0
