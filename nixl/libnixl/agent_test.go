@@ -304,26 +304,40 @@ func TestAgentBadXfers(t *testing.T) {
 	require.ErrorIs(t, cons.a.ReleaseXfer(id), nixl.ErrNotFound)
 }
 
-// A READ released in flight keeps running in NIXL until it ends (a
-// zombie): the memory it writes into cannot be deregistered, and an
-// allocated region not unmapped, until then.
-func TestAgentZombieHoldsMemory(t *testing.T) {
+// bigPair is a producer and a consumer of 512 blocks of 32 KiB, the
+// consumer knowing the producer, all blocks in a random order, and a pump
+// of both: READs that take long enough to be caught in flight.
+func bigPair(t *testing.T, seed int64) (prod, cons *side, pname string, rdl nixl.DlistID, idx []int, pm *pump) {
+	t.Helper()
 	needNIXL(t)
 	const bs, nb = 32768, 512
-	prod := newSide(t, testName("prod"), bs, nb)
-	cons := newSide(t, testName("cons"), bs, nb)
-	_, rdl := cons.connect(t, prod)
-	idx := rand.New(rand.NewSource(6)).Perm(nb)
-	pm := newPump(cons.a, prod.a)
-	mem := cons.a.mems.Sorted()[0].ID
+	prod = newSide(t, testName("prod"), bs, nb)
+	cons = newSide(t, testName("cons"), bs, nb)
+	pname, rdl = cons.connect(t, prod)
+	return prod, cons, pname, rdl, rand.New(rand.NewSource(seed)).Perm(nb), newPump(cons.a, prod.a)
+}
+
+// postReads posts n READs of the blocks idx of rdl into the same local
+// blocks, each with notif, and returns their ids.
+func postReads(t *testing.T, cons *side, rdl nixl.DlistID, idx []int, n int, notif []byte) []nixl.XferID {
+	t.Helper()
 	var ids []nixl.XferID
-	for range 8 {
-		id, err := cons.a.MakeXfer(nixl.Read, cons.local, idx, rdl, idx, nil)
+	for range n {
+		id, err := cons.a.MakeXfer(nixl.Read, cons.local, idx, rdl, idx, notif)
 		require.NoError(t, err)
 		require.NoError(t, cons.a.PostXfer(id))
 		ids = append(ids, id)
 	}
-	for _, id := range ids {
+	return ids
+}
+
+// A READ released in flight keeps running in NIXL until it ends (a
+// zombie): the memory it writes into cannot be deregistered, and an
+// allocated region not unmapped, until then.
+func TestAgentZombieHoldsMemory(t *testing.T) {
+	_, cons, _, rdl, idx, pm := bigPair(t, 6)
+	mem := cons.a.mems.Sorted()[0].ID
+	for _, id := range postReads(t, cons, rdl, idx, 8, nil) {
 		require.NoError(t, cons.a.ReleaseXfer(id))
 	}
 	require.NoError(t, cons.a.ReleaseDlist(cons.local))
@@ -336,22 +350,10 @@ func TestAgentZombieHoldsMemory(t *testing.T) {
 }
 
 func TestAgentCancelAndInvalidate(t *testing.T) {
-	needNIXL(t)
-	const bs, nb = 32768, 512
-	prod := newSide(t, testName("prod"), bs, nb)
-	cons := newSide(t, testName("cons"), bs, nb)
-	pname, rdl := cons.connect(t, prod)
-	idx := rand.New(rand.NewSource(4)).Perm(nb)
-	pm := newPump(cons.a, prod.a)
+	prod, cons, pname, rdl, idx, pm := bigPair(t, 4)
 
 	// Released while in flight: never reported, no notification.
-	var ids []nixl.XferID
-	for i := 0; i < 8; i++ {
-		id, err := cons.a.MakeXfer(nixl.Read, cons.local, idx, rdl, idx, []byte("canceled"))
-		require.NoError(t, err)
-		require.NoError(t, cons.a.PostXfer(id))
-		ids = append(ids, id)
-	}
+	ids := postReads(t, cons, rdl, idx, 8, []byte("canceled"))
 	for _, id := range ids {
 		require.NoError(t, cons.a.ReleaseXfer(id))
 	}
@@ -366,13 +368,7 @@ func TestAgentCancelAndInvalidate(t *testing.T) {
 
 	// Invalidated while in flight: ErrRemoteDisconnect (or done, if it
 	// finished first).
-	ids = ids[:0]
-	for i := 0; i < 8; i++ {
-		id, err := cons.a.MakeXfer(nixl.Read, cons.local, idx, rdl, idx, nil)
-		require.NoError(t, err)
-		require.NoError(t, cons.a.PostXfer(id))
-		ids = append(ids, id)
-	}
+	ids = postReads(t, cons, rdl, idx, 8, nil)
 	require.NoError(t, cons.a.InvalidateRemoteMetadata(pname))
 	for _, id := range ids {
 		pm.until(t, "the end of an invalidated read", pm.done(id))
