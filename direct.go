@@ -107,7 +107,7 @@ func (t *Transport) advertise(region []byte) {
 		return // nothing a peer could map: peers read through the engine
 	}
 	if t.notify != nil {
-		adv.Notify = t.notify.Token
+		adv.Notify, adv.NotifyKey = t.notify.Token, t.notify.Key
 	}
 	t.md = shmview.Wrap(t.md, &adv)
 }

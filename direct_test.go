@@ -3,6 +3,7 @@ package ecxfer
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -566,6 +567,72 @@ func TestNotifsDrainedByCaller(t *testing.T) {
 	require.NoError(t, unix.Sendto(fd, []byte{9, 0, 'x'}, 0, to))
 	require.Eventually(t, func() bool { return len(prod.NewNotifs()) == 0 && prod.Stats().EngineErrors > errs0 },
 		5*time.Second, time.Millisecond, "a malformed datagram was not counted")
+}
+
+// TestDirectForgedNotifRefused: the producer's notification socket has
+// an address any local user can read in /proc/net/unix, and a
+// notification makes a producer free the blocks it names. Datagrams that
+// do not carry the key from the producer's metadata, in the old layout,
+// with a zero key or with a key one bit off, are dropped and reported as
+// engine errors; a consumer's own notification still arrives.
+func TestDirectForgedNotifRefused(t *testing.T) {
+	leakcheck.Check(t)
+	e := env{t: t, backend: "ucx"}
+	const bs, nb = 4096, 16
+	pname := uniqueName("fprod")
+	prod := e.transport(pname, bs, nb, direct)
+	cons := e.transport(uniqueName("fcons"), bs, nb, direct)
+	_, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+	require.NoError(t, err)
+	_, adv, err := shmview.Split(prod.AgentMetadata())
+	require.NoError(t, err)
+	require.NotNil(t, adv)
+	require.NotZero(t, adv.Notify)
+
+	// What an outsider sees.
+	addr := shmview.NotifyAddr(uint32(unix.Getpid()), adv.Notify)
+	listing, err := os.ReadFile("/proc/net/unix")
+	require.NoError(t, err)
+	require.Contains(t, string(listing), addr, "the address is not listed: the test does not show the outsider's view")
+
+	body := func(sender, msg string) []byte {
+		b := binary.LittleEndian.AppendUint16(nil, uint16(len(sender)))
+		b = append(b, sender...)
+		b = binary.LittleEndian.AppendUint32(b, uint32(len(msg)))
+		return append(b, msg...)
+	}
+	sealed := func(key []byte, sender, msg string) []byte { return append(slices.Clone(key), body(sender, msg)...) }
+	offByOne := adv.NotifyKey
+	offByOne[7] ^= 4
+	fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_DGRAM, 0)
+	require.NoError(t, err)
+	defer unix.Close(fd)
+	to := &unix.SockaddrUnix{Name: addr}
+	errs0 := prod.Stats().EngineErrors
+	for _, d := range [][]byte{
+		body(cons.cfg.AgentName, "sess:forged-1"),
+		sealed(make([]byte, shmview.NotifyKeyLen), cons.cfg.AgentName, "sess:forged-2"),
+		sealed(offByOne[:], cons.cfg.AgentName, "sess:forged-3"),
+	} {
+		require.NoError(t, unix.Sendto(fd, d, 0, to))
+	}
+
+	h, err := cons.PostRead([]int{3}, pname, []int{5}, []byte("sess:real"))
+	require.NoError(t, err)
+	st, err := wait(t, cons, h)
+	require.NoError(t, err)
+	require.Equal(t, StateDone, st)
+	require.NoError(t, cons.ReleaseXferHandle(h))
+	var got []string
+	require.Eventually(t, func() bool {
+		for who, msgs := range prod.NewNotifs() {
+			for _, m := range msgs {
+				got = append(got, who+"/"+string(m))
+			}
+		}
+		return slices.Contains(got, cons.cfg.AgentName+"/sess:real") && prod.Stats().EngineErrors > errs0
+	}, 10*time.Second, time.Millisecond, "notifications %q, engine errors %d -> %d", got, errs0, prod.Stats().EngineErrors)
+	require.Equal(t, []string{cons.cfg.AgentName + "/sess:real"}, got, "a forged notification was delivered")
 }
 
 // A READ on the copy workers that its peer's removal ends is published

@@ -57,6 +57,7 @@ type Direct struct {
 	notify       *unix.SockaddrUnix
 	notifyRaw    unix.RawSockaddrUnix
 	notifyRawLen uint32
+	notifyKey    notifKey // what every datagram to notify starts with
 }
 
 // OpenDirect maps (or, for anonymous memory, prepares kernel copies of) an
@@ -79,6 +80,7 @@ func OpenDirect(adv *shmview.Advert, descs descriptors.List) (*Direct, error) {
 		name := shmview.NotifyAddr(adv.PID, adv.Notify)
 		d.notify = &unix.SockaddrUnix{Name: name}
 		d.notifyRaw, d.notifyRawLen = abstractAddr(name)
+		d.notifyKey = adv.NotifyKey
 	}
 	if adv.Kind == shmview.KindProc && adv.Size > 0 {
 		// Kernel copies need ptrace access to the producer (same user,
@@ -274,10 +276,12 @@ func (r *Reactor) SetDirect(o DirectOptions) error {
 		notifBuf: make([]*notifRec, 64),
 	}
 	rfd := -1
+	var key notifKey
 	if o.Notify != nil {
 		rfd, o.Notify.fd = o.Notify.fd, -1
+		key = o.Notify.Key
 	}
-	ns, err := newNotifSock(rfd, o.Name)
+	ns, err := newNotifSock(rfd, key, o.Name)
 	if err != nil {
 		if rfd >= 0 {
 			_ = unix.Close(rfd)
@@ -423,12 +427,12 @@ const sendNowMax = 768
 func (r *Reactor) sendNow(p *Peer, msg []byte) bool {
 	ns := r.dir.ns
 	if p.gone.Load() != 0 || !ns.canSend(p, msg) || p.notifsHeld.Load() != 0 ||
-		2+len(ns.name)+4+len(msg) > sendNowMax {
+		len(notifKey{})+2+len(ns.name)+4+len(msg) > sendNowMax {
 		return false
 	}
 	var buf [sendNowMax]byte
-	b := appendNotifDgram(buf[:0], ns.name, msg)
 	d := p.direct
+	b := appendNotifDgram(buf[:0], &d.notifyKey, ns.name, msg)
 	_, _, errno := unix.Syscall6(unix.SYS_SENDTO, uintptr(ns.sfd), uintptr(unsafe.Pointer(&b[0])), uintptr(len(b)),
 		unix.MSG_DONTWAIT, uintptr(unsafe.Pointer(&d.notifyRaw)), uintptr(d.notifyRawLen))
 	if errno != 0 {
@@ -961,9 +965,7 @@ func (r *Reactor) notifSocket() bool {
 			r.engineError("notify", errNotifGone)
 		}
 	}
-	if bad := ns.badByCaller.Swap(0); bad > 0 {
-		r.engineError("notification socket", fmt.Errorf("%w (%d)", errNotifDgram, bad))
-	}
+	r.notifSockErrors(int(ns.badByCaller.Swap(0)), int(ns.keylessByCaller.Swap(0)))
 	if ns.rfd < 0 || r.lastTime-ns.lastRecv < notifRecvEvery {
 		return work
 	}
@@ -971,11 +973,9 @@ func (r *Reactor) notifSocket() bool {
 	if !ns.recvMu.TryLock() {
 		return work // a caller is draining it (drainNotifSocket)
 	}
-	got, bad := ns.recv(r.deliverNotif)
+	got, bad, keyless := ns.recv(r.deliverNotif)
 	ns.recvMu.Unlock()
-	if bad > 0 {
-		r.engineError("notification socket", fmt.Errorf("%w (%d)", errNotifDgram, bad))
-	}
+	r.notifSockErrors(bad, keyless)
 	if got > 0 {
 		r.ended = true // wake WaitNotifs
 		return true
@@ -984,6 +984,17 @@ func (r *Reactor) notifSocket() bool {
 }
 
 var errNotifGone = errors.New("reactor: the peer's notification socket is gone")
+
+// notifSockErrors reports the datagrams the socket dropped as engine
+// errors.
+func (r *Reactor) notifSockErrors(bad, keyless int) {
+	if bad > 0 {
+		r.engineError("notification socket", fmt.Errorf("%w (%d)", errNotifDgram, bad))
+	}
+	if keyless > 0 {
+		r.engineError("notification socket", fmt.Errorf("%w (%d)", errNotifKey, keyless))
+	}
+}
 
 // drainNotifSocket delivers the notifications waiting in the socket, from
 // the caller's thread: a caller of Notifs sees a notification as soon as
@@ -998,8 +1009,12 @@ func (r *Reactor) drainNotifSocket() {
 	ns := d.ns
 	ns.recvMu.Lock()
 	if ns.rfd >= 0 {
-		if _, bad := ns.recv(r.deliverNotif); bad > 0 {
+		_, bad, keyless := ns.recv(r.deliverNotif)
+		if bad > 0 {
 			ns.badByCaller.Add(int64(bad))
+		}
+		if keyless > 0 {
+			ns.keylessByCaller.Add(int64(keyless))
 		}
 	}
 	ns.recvMu.Unlock()

@@ -2,6 +2,7 @@ package reactor
 
 import (
 	"crypto/rand"
+	"crypto/subtle"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -33,9 +34,9 @@ import (
 // set, so a parked reactor wakes for a notification; a spinning one reads
 // the socket every notifRecvEvery, and so does every call of
 // Reactor.Notifs (a caller polling for notifications sees one as soon as
-// it has arrived, without waiting for the reactor to wake up). A datagram is the sender's agent name
-// (a uint16 length, then the name) and one or more messages (each a
-// uint32 length, then the bytes). The receiver applies its MaxNotif as for
+// it has arrived, without waiting for the reactor to wake up). A datagram is the producer's key (below),
+// the sender's agent name (a uint16 length, then the name) and one or more
+// messages (each a uint32 length, then the bytes). The receiver applies its MaxNotif as for
 // the engine's notifications. A send the receiver's queue cannot take
 // (EAGAIN: Linux queues only net.unix.max_dgram_qlen datagrams, 10 by
 // default, per receiving socket) waits, in order, in the sender's backlog,
@@ -43,6 +44,13 @@ import (
 // and is retried every loop turn: nothing is dropped while the producer
 // lives. Order is kept per peer: a producer that does not read its socket
 // holds back its own notifications, not those of other producers.
+//
+// The address is no secret: any local user can list abstract addresses in
+// /proc/net/unix and send to them. A notification makes the producer free
+// the blocks it names, so a forged one could have them reused while a
+// consumer still reads them. Every datagram therefore starts with the
+// producer's key (shmview.Advert.NotifyKey, random, carried only in its
+// metadata), and the receiver drops, and reports, datagrams without it.
 // Notifications longer than maxNotifDgram go through the engine.
 
 // maxNotifDgram bounds the message a datagram carries; the kernel's
@@ -53,14 +61,19 @@ const maxNotifDgram = 64 << 10
 // socket.
 const notifRecvEvery = 10_000 // ns
 
-var errNotifDgram = errors.New("reactor: malformed notification datagram")
+var (
+	errNotifDgram = errors.New("reactor: malformed notification datagram")
+	errNotifKey   = errors.New("reactor: notification datagram without this producer's key (dropped)")
+)
 
 // NotifySocket is a bound notification socket not yet handed to a
 // reactor.
 type NotifySocket struct {
 	fd int
-	// Token goes into the region's advertisement (shmview.Advert.Notify).
+	// Token goes into the region's advertisement (shmview.Advert.Notify),
+	// Key too (shmview.Advert.NotifyKey).
 	Token uint64
+	Key   [shmview.NotifyKeyLen]byte
 }
 
 // ListenNotify opens and binds this process's notification socket. It is
@@ -72,6 +85,11 @@ func ListenNotify() (*NotifySocket, error) {
 		return nil, err
 	}
 	token := binary.LittleEndian.Uint64(b[:]) | 1 // never 0: 0 means none
+	var key [shmview.NotifyKeyLen]byte
+	if _, err := rand.Read(key[:]); err != nil {
+		return nil, err
+	}
+	key[0] |= 1 // never all zero: zero means none
 	fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_DGRAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return nil, fmt.Errorf("notification socket: %w", err)
@@ -81,7 +99,7 @@ func ListenNotify() (*NotifySocket, error) {
 		_ = unix.Close(fd)
 		return nil, fmt.Errorf("notification socket: bind %s: %w", addr.Name, err)
 	}
-	return &NotifySocket{fd: fd, Token: token}, nil
+	return &NotifySocket{fd: fd, Token: token, Key: key}, nil
 }
 
 // Close closes a socket that was not handed to a reactor.
@@ -93,10 +111,15 @@ func (s *NotifySocket) Close() {
 }
 
 // dgramMax is the longest datagram a sender builds and a receiver takes.
-const dgramMax = 2 + maxSenderName + 4 + maxNotifDgram
+const dgramMax = shmview.NotifyKeyLen + 2 + maxSenderName + 4 + maxNotifDgram
 
-// appendNotifDgram appends the datagram carrying msg from sender to b.
-func appendNotifDgram(b []byte, sender string, msg []byte) []byte {
+// notifKey is a producer's notification key.
+type notifKey = [shmview.NotifyKeyLen]byte
+
+// appendNotifDgram appends the datagram carrying msg from sender to the
+// producer whose key is key to b.
+func appendNotifDgram(b []byte, key *notifKey, sender string, msg []byte) []byte {
+	b = append(b, key[:]...)
 	b = binary.LittleEndian.AppendUint16(b, uint16(len(sender)))
 	b = append(b, sender...)
 	return appendNotifMsg(b, msg)
@@ -108,9 +131,14 @@ func appendNotifMsg(b []byte, msg []byte) []byte {
 	return append(b, msg...)
 }
 
-// decodeNotifDgram checks a whole datagram and then hands each message,
-// which aliases b, to deliver. It returns how many it delivered.
-func decodeNotifDgram(b []byte, deliver func(sender string, msg []byte)) (int, error) {
+// decodeNotifDgram checks a whole datagram, first that it carries key,
+// and then hands each message, which aliases b, to deliver. It returns how
+// many it delivered.
+func decodeNotifDgram(b []byte, key *notifKey, deliver func(sender string, msg []byte)) (int, error) {
+	if len(b) < len(key) || subtle.ConstantTimeCompare(b[:len(key)], key[:]) != 1 {
+		return 0, errNotifKey
+	}
+	b = b[len(key):]
 	if len(b) < 2 {
 		return 0, errNotifDgram
 	}
@@ -146,15 +174,17 @@ type notifSock struct {
 	recvMu   sync.Mutex
 	rfd, sfd int    // receiving (bound; -1: none) and sending sockets
 	name     string // this agent's name, the sender of every datagram
+	key      notifKey
 	rbuf     []byte
-	// badByCaller counts malformed datagrams a caller's drain found, for
-	// the loop to report as an engine error.
-	badByCaller atomic.Int64
-	sbuf        []byte
-	backlog     []pendingNotif // refused with EAGAIN, oldest first
-	blocked     []*Peer        // flush's scratch: peers that refused an entry
-	spare       [][]byte       // datagram buffers of sent backlog entries, for reuse
-	lastRecv    int64
+	// badByCaller and keylessByCaller count malformed datagrams and ones
+	// without our key that a caller's drain found, for the loop to report
+	// as engine errors.
+	badByCaller, keylessByCaller atomic.Int64
+	sbuf                         []byte
+	backlog                      []pendingNotif // refused with EAGAIN, oldest first
+	blocked                      []*Peer        // flush's scratch: peers that refused an entry
+	spare                        [][]byte       // datagram buffers of sent backlog entries, for reuse
+	lastRecv                     int64
 }
 
 // maxSpare bounds the buffers kept for the backlog's reuse.
@@ -166,12 +196,14 @@ type pendingNotif struct {
 	n     int64 // messages in dgram
 }
 
-func newNotifSock(rfd int, name string) (*notifSock, error) {
+// newNotifSock makes a reactor's side: rfd, when not -1, is its bound
+// socket (ListenNotify), and key that socket's key.
+func newNotifSock(rfd int, key notifKey, name string) (*notifSock, error) {
 	sfd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_DGRAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return nil, fmt.Errorf("notification socket: %w", err)
 	}
-	return &notifSock{rfd: rfd, sfd: sfd, name: name, rbuf: make([]byte, dgramMax)}, nil
+	return &notifSock{rfd: rfd, sfd: sfd, name: name, key: key, rbuf: make([]byte, dgramMax)}, nil
 }
 
 // maxSenderName is the longest agent name a datagram carries (names are
@@ -204,7 +236,7 @@ func (ns *notifSock) send(p *Peer, msg []byte) error {
 		ns.queue(p, msg)
 		return nil
 	}
-	ns.sbuf = appendNotifDgram(ns.sbuf[:0], ns.name, msg)
+	ns.sbuf = appendNotifDgram(ns.sbuf[:0], &p.direct.notifyKey, ns.name, msg)
 	err := unix.Sendto(ns.sfd, ns.sbuf, unix.MSG_DONTWAIT, p.direct.notify)
 	if errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.ENOBUFS) {
 		ns.queue(p, msg)
@@ -228,7 +260,7 @@ func (ns *notifSock) queue(p *Peer, msg []byte) {
 		b, ns.spare[n-1] = ns.spare[n-1][:0], nil
 		ns.spare = ns.spare[:n-1]
 	}
-	ns.backlog = append(ns.backlog, pendingNotif{p, appendNotifDgram(b, ns.name, msg), 1})
+	ns.backlog = append(ns.backlog, pendingNotif{p, appendNotifDgram(b, &p.direct.notifyKey, ns.name, msg), 1})
 	p.backlogged++
 }
 
@@ -273,10 +305,11 @@ func (ns *notifSock) flush() (sent bool, failed int) {
 }
 
 // recv reads every datagram waiting and hands each to deliver; malformed
-// ones are counted in bad. The caller holds recvMu.
-func (ns *notifSock) recv(deliver func(sender string, msg []byte)) (got, bad int) {
+// ones are counted in bad, ones without our key in keyless. The caller
+// holds recvMu.
+func (ns *notifSock) recv(deliver func(sender string, msg []byte)) (got, bad, keyless int) {
 	if ns.rfd < 0 {
-		return 0, 0
+		return 0, 0, 0
 	}
 	for {
 		// MSG_TRUNC: n is the datagram's real length, so one longer than
@@ -288,14 +321,18 @@ func (ns *notifSock) recv(deliver func(sender string, msg []byte)) (got, bad int
 			if errno == unix.EINTR {
 				continue
 			}
-			return got, bad
+			return got, bad, keyless
 		}
 		n := int(r)
 		if n > len(ns.rbuf) {
 			bad++
 			continue
 		}
-		k, err := decodeNotifDgram(ns.rbuf[:n], deliver)
+		k, err := decodeNotifDgram(ns.rbuf[:n], &ns.key, deliver)
+		if errors.Is(err, errNotifKey) {
+			keyless++
+			continue
+		}
 		if err != nil {
 			bad++
 			continue

@@ -11,20 +11,24 @@ import (
 	"github.com/ecxfer/ecxfer/internal/shmview"
 )
 
+// testKey is the notification key of the decoding tests.
+var testKey = notifKey{0x5e, 0xc2, 0xe7, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13}
+
 func FuzzNotifDgram(f *testing.F) {
-	f.Add(appendNotifDgram(nil, "prefill-0", []byte("sess:hash")))
+	f.Add(appendNotifDgram(nil, &testKey, "prefill-0", []byte("sess:hash")))
 	f.Add([]byte{})
-	f.Add([]byte{0, 0})
-	f.Add([]byte{5, 0, 'a'})
-	f.Add(appendNotifMsg(appendNotifDgram(nil, "c", []byte("one")), []byte("two")))
+	f.Add(append(testKey[:len(testKey):len(testKey)], 0, 0))
+	f.Add(append(testKey[:len(testKey):len(testKey)], 5, 0, 'a'))
+	f.Add(appendNotifDgram(nil, &notifKey{}, "prefill-0", []byte("sess:hash")))
+	f.Add(appendNotifMsg(appendNotifDgram(nil, &testKey, "c", []byte("one")), []byte("two")))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		var re []byte
-		n, err := decodeNotifDgram(b, func(sender string, msg []byte) {
+		n, err := decodeNotifDgram(b, &testKey, func(sender string, msg []byte) {
 			if sender == "" {
 				t.Fatal("decoded an empty sender")
 			}
 			if re == nil {
-				re = appendNotifDgram(nil, sender, msg)
+				re = appendNotifDgram(nil, &testKey, sender, msg)
 			} else {
 				re = appendNotifMsg(re, msg)
 			}
@@ -43,15 +47,26 @@ func FuzzNotifDgram(f *testing.F) {
 
 func TestNotifDgramRejects(t *testing.T) {
 	none := func(string, []byte) { t.Fatal("delivered from a malformed datagram") }
-	good := appendNotifMsg(appendNotifDgram(nil, "c", []byte("one")), []byte("two"))
-	for _, b := range [][]byte{nil, {1}, {0, 0, 'x'}, {3, 0, 'a', 'b'}, {1, 0, 'a'}, good[:len(good)-1],
-		append(append([]byte(nil), good...), 1)} {
-		if _, err := decodeNotifDgram(b, none); !errors.Is(err, errNotifDgram) {
+	good := appendNotifMsg(appendNotifDgram(nil, &testKey, "c", []byte("one")), []byte("two"))
+	keyed := func(b ...byte) []byte { return append(testKey[:len(testKey):len(testKey)], b...) }
+	for _, b := range [][]byte{keyed(), keyed(1), keyed(0, 0, 'x'), keyed(3, 0, 'a', 'b'), keyed(1, 0, 'a'),
+		good[:len(good)-1], append(append([]byte(nil), good...), 1)} {
+		if _, err := decodeNotifDgram(b, &testKey, none); !errors.Is(err, errNotifDgram) {
 			t.Errorf("%q: %v", b, err)
 		}
 	}
+	// Well-formed datagrams without the receiver's key, whole or cut.
+	other := testKey
+	other[len(other)-1] ^= 0x80
+	for _, b := range [][]byte{nil, {1}, testKey[:len(testKey)-1],
+		appendNotifDgram(nil, &other, "c", []byte("one")), appendNotifDgram(nil, &notifKey{}, "c", []byte("one")),
+		good[len(testKey):]} {
+		if _, err := decodeNotifDgram(b, &testKey, none); !errors.Is(err, errNotifKey) {
+			t.Errorf("%q: %v, want the key refused", b, err)
+		}
+	}
 	var got []string
-	n, err := decodeNotifDgram(appendNotifMsg(good, nil), func(s string, m []byte) { got = append(got, s+"/"+string(m)) })
+	n, err := decodeNotifDgram(appendNotifMsg(good, nil), &testKey, func(s string, m []byte) { got = append(got, s+"/"+string(m)) })
 	if err != nil || n != 3 || fmt.Sprint(got) != "[c/one c/two c/]" {
 		t.Fatalf("%d %q %v", n, got, err)
 	}
@@ -60,7 +75,8 @@ func TestNotifDgramRejects(t *testing.T) {
 // socketPeer is a direct peer whose notification socket is ns.
 func socketPeer(t *testing.T, ns *NotifySocket) *Peer {
 	t.Helper()
-	d := &Direct{notify: &unix.SockaddrUnix{Name: shmview.NotifyAddr(uint32(unix.Getpid()), ns.Token)}}
+	d := &Direct{notify: &unix.SockaddrUnix{Name: shmview.NotifyAddr(uint32(unix.Getpid()), ns.Token)},
+		notifyKey: ns.Key}
 	return &Peer{Name: "producer", direct: d}
 }
 
@@ -76,17 +92,17 @@ func TestNotifSockBacklog(t *testing.T) {
 	if err := unix.SetsockoptInt(rx.fd, unix.SOL_SOCKET, unix.SO_RCVBUF, 4096); err != nil {
 		t.Fatal(err)
 	}
-	recv, err := newNotifSock(rx.fd, "producer")
+	recv, err := newNotifSock(rx.fd, rx.Key, "producer")
 	if err != nil {
 		t.Fatal(err)
 	}
 	rx.fd = -1
-	send, err := newNotifSock(-1, "consumer-1")
+	send, err := newNotifSock(-1, notifKey{}, "consumer-1")
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer send.close()
-	p := socketPeer(t, &NotifySocket{Token: rx.Token})
+	p := socketPeer(t, &NotifySocket{Token: rx.Token, Key: rx.Key})
 
 	const n = 2000
 	for i := range n {
@@ -114,14 +130,14 @@ func TestNotifSockBacklog(t *testing.T) {
 		if rounds > 100000 {
 			t.Fatalf("%d of %d delivered, %d in the backlog", len(got), n, len(send.backlog))
 		}
-		_, bad := recv.recv(func(sender string, msg []byte) {
+		_, bad, keyless := recv.recv(func(sender string, msg []byte) {
 			if sender != "consumer-1" {
 				t.Fatalf("sender %q", sender)
 			}
 			got = append(got, string(msg))
 		})
-		if bad != 0 {
-			t.Fatalf("%d malformed datagrams", bad)
+		if bad != 0 || keyless != 0 {
+			t.Fatalf("%d malformed datagrams, %d without the key", bad, keyless)
 		}
 		if _, failed := send.flush(); failed != 0 {
 			t.Fatalf("%d sends failed", failed)
@@ -159,7 +175,7 @@ func TestNotifSockTruncated(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	recv, err := newNotifSock(rx.fd, "producer")
+	recv, err := newNotifSock(rx.fd, rx.Key, "producer")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -172,16 +188,16 @@ func TestNotifSockTruncated(t *testing.T) {
 	}
 	defer unix.Close(fd)
 	to := &unix.SockaddrUnix{Name: shmview.NotifyAddr(uint32(unix.Getpid()), rx.Token)}
-	if err := unix.Sendto(fd, appendNotifDgram(nil, "c", make([]byte, 100)), 0, to); err != nil {
+	if err := unix.Sendto(fd, appendNotifDgram(nil, &rx.Key, "c", make([]byte, 100)), 0, to); err != nil {
 		t.Fatal(err)
 	}
-	if err := unix.Sendto(fd, appendNotifDgram(nil, "c", []byte("ok")), 0, to); err != nil {
+	if err := unix.Sendto(fd, appendNotifDgram(nil, &rx.Key, "c", []byte("ok")), 0, to); err != nil {
 		t.Fatal(err)
 	}
 	var got []string
-	_, bad := recv.recv(func(_ string, msg []byte) { got = append(got, string(msg)) })
-	if bad != 1 || len(got) != 1 || got[0] != "ok" {
-		t.Fatalf("bad %d, delivered %q", bad, got)
+	_, bad, keyless := recv.recv(func(_ string, msg []byte) { got = append(got, string(msg)) })
+	if bad != 1 || keyless != 0 || len(got) != 1 || got[0] != "ok" {
+		t.Fatalf("bad %d, keyless %d, delivered %q", bad, keyless, got)
 	}
 }
 
@@ -199,7 +215,7 @@ func TestNotifSockStalledPeerBlocksOnlyItself(t *testing.T) {
 			t.Fatal(err)
 		}
 		p := socketPeer(t, rx)
-		ns, err := newNotifSock(rx.fd, "producer")
+		ns, err := newNotifSock(rx.fd, rx.Key, "producer")
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -209,7 +225,7 @@ func TestNotifSockStalledPeerBlocksOnlyItself(t *testing.T) {
 	stalled, ps := listen()
 	live, pl := listen()
 	defer live.close()
-	send, err := newNotifSock(-1, "consumer-1")
+	send, err := newNotifSock(-1, notifKey{}, "consumer-1")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -218,8 +234,10 @@ func TestNotifSockStalledPeerBlocksOnlyItself(t *testing.T) {
 	const n = 500
 	var got []string
 	collect := func(ns *notifSock) {
-		if _, bad := ns.recv(func(_ string, msg []byte) { got = append(got, string(msg)) }); bad != 0 {
-			t.Fatalf("%d malformed datagrams", bad)
+		// (each producer has a key of its own: a datagram sealed with
+		// the other's would count as keyless)
+		if _, bad, keyless := ns.recv(func(_ string, msg []byte) { got = append(got, string(msg)) }); bad != 0 || keyless != 0 {
+			t.Fatalf("%d malformed datagrams, %d without the key", bad, keyless)
 		}
 	}
 	for i := range n {

@@ -85,7 +85,16 @@ type Advert struct {
 	// Notify names the producer's notification socket (NotifyAddr); 0:
 	// it has none, notifications go through the engine.
 	Notify uint64
+	// NotifyKey is the secret every datagram to that socket starts with.
+	// The socket's address is no secret (any local user can list
+	// abstract addresses in /proc/net/unix); the key travels only in the
+	// metadata, so only a process given it can notify the producer and
+	// make it free blocks. Zero exactly when Notify is.
+	NotifyKey [NotifyKeyLen]byte
 }
+
+// NotifyKeyLen is the length of Advert.NotifyKey.
+const NotifyKeyLen = 16
 
 // NotifyAddr is the abstract Unix socket address a producer with process
 // id pid receives same-host notifications on. Abstract addresses belong to
@@ -96,10 +105,10 @@ func NotifyAddr(pid uint32, token uint64) string {
 
 const (
 	advMagic   = "ECXA"
-	advVersion = 1
+	advVersion = 2 // 2: NotifyKey
 	maxBoot    = 64
 	maxPath    = 4096
-	advFixed   = 4 + 1 + 1 + 4 + 8*10 // magic, version, kind, pid, ten u64
+	advFixed   = 4 + 1 + 1 + 4 + 8*10 + NotifyKeyLen // magic, version, kind, pid, ten u64, key
 	// trailer after the advertisement in wrapped metadata
 	wrapMagic = "ECXDIRv1"
 	wrapTail  = 4 + len(wrapMagic)
@@ -114,6 +123,7 @@ func (a *Advert) Append(b []byte) []byte {
 		a.Host.NetNS, a.Host.PidNS, a.Host.MntNS, a.Notify} {
 		b = binary.LittleEndian.AppendUint64(b, v)
 	}
+	b = append(b, a.NotifyKey[:]...)
 	b = append(b, byte(len(a.Host.Boot)))
 	b = append(b, a.Host.Boot...)
 	b = binary.LittleEndian.AppendUint16(b, uint16(len(a.Path)))
@@ -136,6 +146,8 @@ func (a *Advert) Validate() error {
 		return bad("region [%#x, +%d) wraps", a.Base, a.Size)
 	case len(a.Host.Boot) == 0 || len(a.Host.Boot) > maxBoot || !printable(a.Host.Boot):
 		return bad("boot id %q", a.Host.Boot)
+	case (a.Notify == 0) != (a.NotifyKey == [NotifyKeyLen]byte{}):
+		return bad("notification socket %#x with key %x", a.Notify, a.NotifyKey)
 	}
 	if a.Kind == KindProc {
 		if a.Path != "" || a.Offset != 0 || a.Dev != 0 || a.Ino != 0 {
@@ -190,6 +202,7 @@ func DecodeAdvert(b []byte) (Advert, error) {
 	}
 	a.Start, a.Base, a.Size, a.Offset, a.Dev, a.Ino = u[0], u[1], u[2], u[3], u[4], u[5]
 	a.Host.NetNS, a.Host.PidNS, a.Host.MntNS, a.Notify = u[6], u[7], u[8], u[9]
+	copy(a.NotifyKey[:], b[10+8*len(u):])
 	rest := b[advFixed:]
 	n := int(rest[0])
 	if len(rest) < 1+n+2 {

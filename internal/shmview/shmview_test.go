@@ -141,7 +141,8 @@ func TestFindInListing(t *testing.T) {
 
 func testAdvert() Advert {
 	return Advert{Kind: KindFile, Host: Host{Boot: "2b4e1c5a-0000-4000-8000-000000000001", NetNS: 1, PidNS: 2, MntNS: 3},
-		PID: 1234, Start: 99, Base: 0x7f0000000000, Size: 1 << 20, Path: "/dev/shm/vllm_ec_x.mmap", Offset: 4096, Dev: 5, Ino: 6, Notify: 0x1234567890abcdef}
+		PID: 1234, Start: 99, Base: 0x7f0000000000, Size: 1 << 20, Path: "/dev/shm/vllm_ec_x.mmap", Offset: 4096, Dev: 5, Ino: 6, Notify: 0x1234567890abcdef,
+		NotifyKey: [NotifyKeyLen]byte{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16}}
 }
 
 func TestAdvertRoundTrip(t *testing.T) {
@@ -169,10 +170,13 @@ func TestAdvertHostile(t *testing.T) {
 	good := a.Append(nil)
 	mut := func(f func(b []byte) []byte) []byte { return f(append([]byte(nil), good...)) }
 	cases := map[string][]byte{
-		"empty":      nil,
-		"short":      good[:20],
-		"magic":      mut(func(b []byte) []byte { b[0] = 'X'; return b }),
-		"version":    mut(func(b []byte) []byte { b[4] = 2; return b }),
+		"empty":          nil,
+		"short":          good[:20],
+		"magic":          mut(func(b []byte) []byte { b[0] = 'X'; return b }),
+		"version":        mut(func(b []byte) []byte { b[4] = 1; return b }),
+		"socket, no key": (&Advert{Kind: KindFile, Host: a.Host, PID: 1, Base: 1, Size: 2, Path: "/x", Notify: 3}).Append(nil),
+		"key, no socket": (&Advert{Kind: KindFile, Host: a.Host, PID: 1, Base: 1, Size: 2, Path: "/x",
+			NotifyKey: [NotifyKeyLen]byte{15: 1}}).Append(nil),
 		"kind":       mut(func(b []byte) []byte { b[5] = 9; return b }),
 		"trailing":   append(append([]byte(nil), good...), 0),
 		"truncated":  good[:len(good)-1],
