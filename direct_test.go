@@ -747,6 +747,8 @@ func TestDirectReleaseWakesWait(t *testing.T) {
 		}
 	}
 	require.Positive(t, released, "no READ was released while its Wait was blocked")
+	// The last READ may still be ending (a release returns at once).
+	require.Eventually(t, func() bool { return cons.Stats().LiveHandles == 0 }, 10*time.Second, time.Millisecond)
 }
 
 // PostRead racing Deregister: a READ copied inline writes the local

@@ -26,7 +26,7 @@
 //	ecxfer_reads_canceled_total         [counter]   READs released in flight or dropped with their peer
 //	ecxfer_read_bytes_total             [counter]   bytes of READs finished DONE
 //	ecxfer_reads_in_flight              [gauge]     READs the engine is working on
-//	ecxfer_handles_live                 [gauge]     handles posted and not yet released
+//	ecxfer_handles_live                 [gauge]     handles posted and not yet released (a released in-flight READ's until it has ended)
 //	ecxfer_busy_refusals_total          [counter]   PostRead calls refused with ErrBusy
 //	ecxfer_notifications_sent_total     [counter]   notifications sent with finished READs
 //	ecxfer_notifications_received_total [counter]   notifications received from peers
@@ -128,7 +128,7 @@ func NewCollector(t *ecxfer.Transport, opts ...Option) prometheus.Collector {
 	c.readsCanceled = d("ecxfer_reads_canceled_total", "READs released in flight or dropped with their peer.")
 	c.readBytes = d("ecxfer_read_bytes_total", "Bytes of the READs that finished DONE.")
 	c.inFlight = d("ecxfer_reads_in_flight", "READs the engine is working on.")
-	c.handles = d("ecxfer_handles_live", "Handles posted and not yet released.")
+	c.handles = d("ecxfer_handles_live", "Handles posted and not yet released (a released in-flight READ's until it has ended).")
 	c.busyRefusals = d("ecxfer_busy_refusals_total", "PostRead calls refused with ErrBusy.")
 	c.notifsSent = d("ecxfer_notifications_sent_total", "Notifications sent with finished READs.")
 	c.notifsReceived = d("ecxfer_notifications_received_total", "Notifications received from peers.")

@@ -37,14 +37,18 @@ type Stats struct {
 	// NotifsOversized counts notifications dropped on receipt for being
 	// longer than Options.MaxNotif (never handed to the application).
 	NotifsOversized uint64
-	EngineErrors    uint64       // engine calls that failed
-	LiveHandles     int64        // handles not yet released
-	InFlight        int64        // reads the engine is working on
-	Peers           int          // peers currently known
-	LoopTurns       uint64       // event loop turns
-	Parks           uint64       // times the reactor slept
-	WaitBlocks      uint64       // times Wait spun for WaitSpin and then blocked
-	Latency         HistSnapshot // post → DONE
+	EngineErrors    uint64 // engine calls that failed
+	// LiveHandles counts handles not yet released, and released ones
+	// whose READ was in flight until the loop has ended it (a release
+	// of such a READ returns at once; a direct copy stops between
+	// chunks first).
+	LiveHandles int64
+	InFlight    int64        // reads the engine is working on
+	Peers       int          // peers currently known
+	LoopTurns   uint64       // event loop turns
+	Parks       uint64       // times the reactor slept
+	WaitBlocks  uint64       // times Wait spun for WaitSpin and then blocked
+	Latency     HistSnapshot // post → DONE
 
 	// For operators (the metrics package).
 	FailedBy     [NumFailReasons]uint64 // ReadsFailed by reason, indexed like FailReasons
