@@ -93,7 +93,14 @@ func TestParseRunFlags(t *testing.T) {
 			require.Equal(t, reactor.IdleHybrid, c.ProducerIdle)
 			require.True(t, c.References)
 			require.Equal(t, "poll", c.Wait)
+			require.Equal(t, 2, c.Rounds)
 		}},
+		{name: "rounds", args: []string{"--rounds", "3"}, check: func(t *testing.T, c Config) {
+			require.Equal(t, 3, c.Rounds)
+		}},
+		{name: "no rounds", args: []string{"--rounds", "0"}, err: "--rounds 0 out of range"},
+		{name: "too many rounds", args: []string{"--rounds", "101"}, err: "--rounds 101 out of range"},
+		{name: "rounds too short", args: []string{"--rounds", "4", "--duration", "3ms"}, err: "less than 1ms per round"},
 		{name: "everything", args: []string{"--workloads", "fanin,latency,fanin", "--modes", "raw", "--backend", "loopback",
 			"--duration", "2s", "--warmup", "0s", "--reactor-cpu", "0", "--idle", "spin", "--batch", "32",
 			"--json", "x.json", "--svg", "x.svg", "--quiet", "--no-refs"}, check: func(t *testing.T, c Config) {
@@ -145,6 +152,43 @@ func TestParseRunFlags(t *testing.T) {
 			c.check(t, cfg)
 		})
 	}
+}
+
+// Rounds of one row add up into one row; rows of other cells or modes
+// stay apart, in the order they first came.
+func TestMergeRounds(t *testing.T) {
+	a := Result{Workload: "image", Mode: "reactor", BlockSize: 5120, BlocksPerRead: 880, Submitters: 1,
+		Reads: 100, Seconds: 1, ReadsPerSec: 100, GBPerSec: 100 * 880 * 5120 / 1e9, AllocsPerRead: 1}
+	summarize(&a, durs(1000, 2000, 3000))
+	b := a
+	b.Reads, b.Seconds, b.ReadsPerSec, b.GBPerSec, b.AllocsPerRead = 300, 2, 150, 300*880*5120/2/1e9, 3
+	summarize(&b, durs(7000, 8000, 9000, 10000))
+	other := a
+	other.Mode = "locked"
+	f1 := Result{Workload: "fanin", Mode: "reactor", BlockSize: 5120, BlocksPerRead: 8, Submitters: 4, Reads: 10, Seconds: 1,
+		ReadsPerSec: 10, GBPerSec: 10 * 8 * 5120 / 1e9}
+	f2 := f1
+	f2.BlocksPerRead, f2.Reads, f2.Seconds, f2.ReadsPerSec, f2.GBPerSec, f2.Early = 10, 30, 1, 30, 30*10*5120/1e9, 2
+	got := mergeRounds([]Result{a, other, f1, b, f2})
+	require.Len(t, got, 3)
+	require.Equal(t, "reactor", got[0].Mode)
+	require.Equal(t, "locked", got[1].Mode)
+	require.Equal(t, "fanin", got[2].Workload)
+	m := got[0]
+	require.Equal(t, int64(400), m.Reads)
+	require.InDelta(t, 3.0, m.Seconds, 1e-9)
+	require.InDelta(t, 400.0/3, m.ReadsPerSec, 1e-9)
+	require.InDelta(t, 400*880*5120/3/1e9, m.GBPerSec, 1e-9)
+	require.InDelta(t, 880, m.BlocksPerRead, 1e-9)
+	require.InDelta(t, (100*1+300*3)/400.0, m.AllocsPerRead, 1e-9)
+	require.Len(t, m.Latencies, 7)
+	require.InDelta(t, 7.0, m.P50us, 1e-9) // the samples of both rounds, sorted
+	f := got[2]
+	require.Equal(t, int64(40), f.Reads)
+	require.InDelta(t, (10*8+30*10)/40.0, f.BlocksPerRead, 1e-9)
+	require.InDelta(t, float64(10*8+30*10)*5120/2/1e9, f.GBPerSec, 1e-9)
+	require.Equal(t, int64(2), f.Early)
+	require.Equal(t, other, got[1], "a row of one round is kept as it is")
 }
 
 func sampleReport() *Report {

@@ -59,6 +59,13 @@ type Config struct {
 	// Duration is measured per workload×mode cell, after Warmup.
 	Duration time.Duration
 	Warmup   time.Duration
+	// Rounds splits each cell's Duration into this many rounds, the
+	// modes run in turn within a round and in the reverse order in the
+	// next, and each row merges its rounds. The machine's speed drifts
+	// (a shared VM can run at half speed for minutes): modes measured in
+	// one block each would see different machines; in alternating rounds
+	// they see the same mix. Each round warms up (Warmup) again.
+	Rounds int
 	// Connect, when set, is the address of an `ecxfer-bench serve`
 	// producer; otherwise the harness starts its own (ucx: a child
 	// process, loopback: in-process).
@@ -111,6 +118,7 @@ func DefaultConfig() Config {
 		Backend:      "ucx",
 		Duration:     time.Second,
 		Warmup:       200 * time.Millisecond,
+		Rounds:       2,
 		References:   true,
 		ProducerIdle: reactor.IdleHybrid,
 		RemoteRegion: RemoteRegion,
@@ -177,6 +185,12 @@ func (c *Config) Validate() error {
 	if c.Duration > time.Hour {
 		return fmt.Errorf("%w: --duration %v is more than an hour per cell", ErrUsage, c.Duration)
 	}
+	if c.Rounds < 1 || c.Rounds > 100 {
+		return fmt.Errorf("%w: --rounds %d out of range 1..100", ErrUsage, c.Rounds)
+	}
+	if c.Duration/time.Duration(max(c.Rounds, 1)) < time.Millisecond {
+		return fmt.Errorf("%w: --duration %v split in %d rounds leaves less than 1ms per round", ErrUsage, c.Duration, c.Rounds)
+	}
 	if c.Warmup < 0 {
 		return fmt.Errorf("%w: --warmup %v must not be negative", ErrUsage, c.Warmup)
 	}
@@ -208,7 +222,8 @@ func ParseRunFlags(args []string, stderr io.Writer) (Config, error) {
 	modes := fs.String("modes", strings.Join(AllModes, ","), "comma-separated modes: "+strings.Join(AllModes, ", "))
 	fs.StringVar(&c.Backend, "backend", c.Backend, "transfer engine: ucx or nixl (the NIXL library; producer in a child process), or loopback (one process)")
 	fs.DurationVar(&c.Duration, "duration", c.Duration, "measured time per workload×mode cell")
-	fs.DurationVar(&c.Warmup, "warmup", c.Warmup, "unmeasured time before each cell")
+	fs.DurationVar(&c.Warmup, "warmup", c.Warmup, "unmeasured time before each cell, in each round")
+	fs.IntVar(&c.Rounds, "rounds", c.Rounds, "split each cell's --duration into this many rounds, modes in alternating order, merged per row")
 	fs.StringVar(&c.Connect, "connect", "", "address of an `ecxfer-bench serve` producer (host:port); default: start one here")
 	cpu := fs.Int("reactor-cpu", -1, "pin the consumer's reactor thread to this CPU (-1: not pinned)")
 	node := fs.Int("numa-node", -1, "bind the consumer's reactor and region to this NUMA node (-1: no binding)")

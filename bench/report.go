@@ -82,6 +82,7 @@ type Machine struct {
 	ReactorCPU int     `json:"reactor_cpu"` // -1: not pinned
 	Duration   string  `json:"duration"`
 	Warmup     string  `json:"warmup"`
+	Rounds     int     `json:"rounds"`
 	Started    string  `json:"started"`
 	WallSecs   float64 `json:"wall_seconds"`
 	// OtherCPU is the CPU time other processes used during the run, in
@@ -95,6 +96,37 @@ type Report struct {
 	Results    []Result    `json:"results"`
 	References []Reference `json:"references"`
 	Notes      []string    `json:"notes"`
+}
+
+// mergeRounds merges the rows of one cell and mode from different rounds
+// into one, in the order each row first appears: reads, blocks, seconds,
+// early notifications and samples add up, allocations are per READ over
+// all of them.
+func mergeRounds(rs []Result) []Result {
+	var out []Result
+	at := map[string]int{}
+	for _, r := range rs {
+		k := r.Mode + "|" + r.Key()
+		i, ok := at[k]
+		if !ok {
+			at[k] = len(out)
+			out = append(out, r)
+			continue
+		}
+		m := &out[i]
+		blocks := m.BlocksPerRead*float64(m.Reads) + r.BlocksPerRead*float64(r.Reads)
+		bytes := m.GBPerSec*m.Seconds + r.GBPerSec*r.Seconds
+		allocs := m.AllocsPerRead*float64(m.Reads) + r.AllocsPerRead*float64(r.Reads)
+		m.Reads += r.Reads
+		m.Seconds += r.Seconds
+		m.Early += r.Early
+		m.ReadsPerSec = float64(m.Reads) / m.Seconds
+		m.GBPerSec = bytes / m.Seconds
+		m.BlocksPerRead = blocks / float64(m.Reads)
+		m.AllocsPerRead = allocs / float64(m.Reads)
+		summarize(m, append(m.Latencies, r.Latencies...))
+	}
+	return out
 }
 
 // percentile returns the q-quantile (0..1) of sorted samples by the

@@ -136,7 +136,7 @@ func newSession(cfg Config) *session {
 	if cfg.Reactor.PinCPU {
 		m.ReactorCPU = cfg.Reactor.CPU
 	}
-	m.Duration, m.Warmup = cfg.Duration.String(), cfg.Warmup.String()
+	m.Duration, m.Warmup, m.Rounds = cfg.Duration.String(), cfg.Warmup.String(), cfg.Rounds
 	s := &session{cfg: cfg, start: time.Now()}
 	m.Started = s.start.UTC().Format(time.RFC3339)
 	s.rep = &Report{Machine: m}
@@ -145,6 +145,7 @@ func newSession(cfg Config) *session {
 			s.total += len(cellsFor(&cfg, bs, mode))
 		}
 	}
+	s.total *= cfg.Rounds
 	return s
 }
 
@@ -161,6 +162,10 @@ func (s *session) addNotes() {
 		callers+"; p50/p99/p99.9 are post→DONE (notif: consumer DONE → producer sees it)",
 		fmt.Sprintf("verified: READ 0 and every %dth of each submitter, all blocks (time excluded from seconds)", VerifyEvery),
 		"notif allocs/read include decoding the control message that brings the producer's timestamp")
+	if cfg.Rounds > 1 {
+		s.rep.Notes = append(s.rep.Notes, fmt.Sprintf(
+			"each row: %d rounds of %v after a %v warm-up each, the modes in turn, in reverse order every other round", cfg.Rounds, cfg.Duration/time.Duration(cfg.Rounds), cfg.Warmup))
+	}
 	if slices.ContainsFunc(cfg.Workloads, func(w string) bool { return w != "latency" }) {
 		s.rep.Notes = append(s.rep.Notes,
 			"DONE: reactor and direct READs are DONE once their data has landed, and the notification is sent right after; "+
@@ -388,23 +393,32 @@ func (s *session) request(m ctrl.Message, reply string) (ctrl.Message, error) {
 	return s.expect(reply, 60*time.Second)
 }
 
+// runAll runs every cell in Config.Rounds rounds, the modes in their order
+// in even rounds and reversed in odd ones, and merges each row's rounds.
 func (s *session) runAll(ctx context.Context) error {
-	for bi, bs := range blockSizes {
-		for mi, mode := range s.cfg.Modes {
-			cells := cellsFor(&s.cfg, bs, mode)
-			if len(cells) == 0 {
-				continue
-			}
-			seed := int64(1000 + 10*bi + mi)
-			if err := s.runMode(ctx, mode, bs, seed, cells); err != nil {
-				return fmt.Errorf("%s, %d B blocks: %w", mode, bs, err)
+	for round := range s.cfg.Rounds {
+		modes := slices.Clone(s.cfg.Modes)
+		if round%2 == 1 {
+			slices.Reverse(modes)
+		}
+		for bi, bs := range blockSizes {
+			for _, mode := range modes {
+				cells := cellsFor(&s.cfg, bs, mode)
+				if len(cells) == 0 {
+					continue
+				}
+				seed := int64(1000 + 10*bi + slices.Index(s.cfg.Modes, mode))
+				if err := s.runMode(ctx, mode, bs, seed, round, cells); err != nil {
+					return fmt.Errorf("%s, %d B blocks: %w", mode, bs, err)
+				}
 			}
 		}
 	}
+	s.rep.Results = mergeRounds(s.rep.Results)
 	return nil
 }
 
-func (s *session) runMode(ctx context.Context, mode string, bs int, seed int64, cells []cell) error {
+func (s *session) runMode(ctx context.Context, mode string, bs int, seed int64, round int, cells []cell) error {
 	s.progress(fmt.Sprintf("setting up %s, %d B blocks", mode, bs))
 	h, err := s.request(ctrl.Message{Kind: "setup", Strs: map[string]string{"mode": mode},
 		Ints: map[string]int64{"block": int64(bs), "blocks": int64(s.cfg.remoteBlocks(bs)), "seed": seed,
@@ -426,7 +440,7 @@ func (s *session) runMode(ctx context.Context, mode string, bs int, seed int64, 
 		}
 		s.doneN++
 		s.progress(fmt.Sprintf("[%d/%d] %s %s %d B %s", s.doneN, s.total, c.workload, mode, bs, cellDesc(c)))
-		r, err := s.runCell(d, mode, c, uint64(seed))
+		r, err := s.runCell(d, mode, c, uint64(seed), round)
 		if err != nil {
 			runErr = fmt.Errorf("%s %s: %w", c.workload, cellDesc(c), err)
 			break
@@ -464,7 +478,8 @@ type subStats struct {
 	early  int64 // notif: seen before the reader saw DONE
 }
 
-func (s *session) runCell(d driver, mode string, c cell, seed uint64) (Result, error) {
+// runCell measures one round of a cell: Duration/Rounds after a warm-up.
+func (s *session) runCell(d driver, mode string, c cell, seed uint64, round int) (Result, error) {
 	if c.workload == "notif" {
 		if _, err := s.request(ctrl.Message{Kind: "timing", Ints: map[string]int64{"on": 1}}, "ok"); err != nil {
 			return Result{}, err
@@ -479,7 +494,7 @@ func (s *session) runCell(d driver, mode string, c cell, seed uint64) (Result, e
 	runtime.GC()
 	var m0, m1 runtime.MemStats
 	runtime.ReadMemStats(&m0)
-	subs, wall, err := s.pass(d, c, seed, s.cfg.Duration, 1)
+	subs, wall, err := s.pass(d, c, seed, s.cfg.Duration/time.Duration(s.cfg.Rounds), int64(1+round))
 	runtime.ReadMemStats(&m1)
 	if err != nil {
 		return Result{}, err
