@@ -4,15 +4,17 @@
 //
 // Usage:
 //
-//	ecxfer-bench run [--workloads latency,image,fanin,notif] [--modes reactor,locked,raw]
-//	                 [--backend ucx|loopback|nixl] [--duration D] [--warmup D]
+//	ecxfer-bench run [--workloads latency,image,fanin,notif] [--modes reactor,direct,locked,raw]
+//	                 [--backend ucx|loopback|nixl] [--duration D] [--warmup D] [--rounds N]
 //	                 [--reactor-cpu N] [--numa-node N] [--idle spin|yield|park|hybrid]
 //	                 [--batch N] [--producer-idle S] [--wait poll|block]
+//	                 [--copy-workers N] [--inline-bytes N]
 //	                 [--connect HOST:PORT] [--no-refs] [--json FILE] [--svg FILE]
 //	                 [--cpuprofile FILE] [--memprofile FILE] [--quiet]
 //	ecxfer-bench serve --listen HOST:PORT [--once] [--backend ucx|nixl] [--metrics-addr HOST:PORT]
 //
-// run measures each workload×mode cell for --duration after --warmup. With
+// run measures each workload×mode cell for --duration, in --rounds rounds
+// (default 2) with a --warmup before each, the modes in alternating order. With
 // the ucx backend it starts the producer as a child process (this binary,
 // re-executed) and swaps metadata with it over a pipe; with loopback both
 // sides live in this process, which measures the reactor alone. With
