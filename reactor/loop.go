@@ -105,7 +105,6 @@ func (r *Reactor) park(events []unix.EpollEvent, idle time.Duration) {
 	if d := r.dir; d != nil && (d.finished.Len() > 0 || d.notifQ.Len() > 0) {
 		return
 	}
-	timeout := r.opts.ParkTimeout
 	if ok, err := r.agent.Arm(); err != nil || !ok {
 		// The engine has events pending, so its fd cannot be armed: the
 		// next turn normally handles them. But an engine can stay busy
@@ -123,11 +122,30 @@ func (r *Reactor) park(events []unix.EpollEvent, idle time.Duration) {
 		_, _ = unix.Read(r.wakeFD, buf[:])
 		return
 	}
+	r.st.parks.Add(1)
+	_, _ = unix.EpollWait(r.epollFD, events, r.parkMillis())
+	var buf [8]byte
+	_, _ = unix.Read(r.wakeFD, buf[:])
+}
+
+// parkMillis is how long park may sleep in epoll, in milliseconds (at
+// least 1): ParkTimeout, or less when something is due without an event to
+// wake the loop.
+func (r *Reactor) parkMillis() int {
+	timeout := r.opts.ParkTimeout
 	if r.agent.EventFD() < 0 && timeout > time.Millisecond {
 		timeout = time.Millisecond // the engine cannot wake us
 	}
+	if d := r.dir; d != nil && len(d.ns.backlog) > 0 && timeout > time.Millisecond {
+		// Notifications a producer's full socket refused are retried
+		// every turn, and nothing wakes the loop when that socket drains.
+		timeout = time.Millisecond
+	}
 	if t := r.timeout.Load(); t > 0 && r.pLen > 0 {
-		until := time.Duration(r.postings[r.pHead].posted + t - r.now())
+		// The oldest READ's age is subtracted from t, not its post time
+		// added to it: a t near the largest Duration (a timeout meant as
+		// "never") would wrap.
+		until := time.Duration(t - (r.now() - r.postings[r.pHead].posted))
 		if until < timeout {
 			timeout = until
 		}
@@ -138,14 +156,8 @@ func (r *Reactor) park(events []unix.EpollEvent, idle time.Duration) {
 			timeout = until
 		}
 	}
-	ms := int((timeout + time.Millisecond - 1) / time.Millisecond)
-	if ms < 1 {
-		ms = 1
-	}
-	r.st.parks.Add(1)
-	_, _ = unix.EpollWait(r.epollFD, events, ms)
-	var buf [8]byte
-	_, _ = unix.Read(r.wakeFD, buf[:])
+	ms := (timeout + time.Millisecond - 1) / time.Millisecond
+	return int(min(max(ms, 1), 1<<30))
 }
 
 // turn does one bounded round of work and reports whether it found any.
@@ -161,6 +173,14 @@ func (r *Reactor) turn() bool {
 	if n := r.ctrl.Drain(r.ctrlBuf); n > 0 {
 		work = true
 		for _, op := range r.ctrlBuf[:n] {
+			if r.stop {
+				// Queued behind Close in the same batch: the peers and
+				// the engine are gone, and an operation run now would
+				// fail for the wrong reason (or, like SetDirect, leave
+				// something nobody closes).
+				op.done <- ErrClosed
+				continue
+			}
 			op.done <- op.fn()
 		}
 		clear(r.ctrlBuf[:n])
@@ -794,7 +814,15 @@ func (r *Reactor) teardown() error {
 	for {
 		n := r.sub.Drain(r.batch)
 		if n == 0 {
-			break
+			if r.sub.Len() == 0 {
+				break
+			}
+			// A Post has claimed a place and not yet written it, and the
+			// Posts behind it may have returned their handles believing
+			// them queued: wait for it. (A Post that claims a place from
+			// now on sees closing and deals with its own handle.)
+			runtime.Gosched()
+			continue
 		}
 		for _, h := range r.batch[:n] {
 			if s, _ := r.tab.lookup(h); s != nil {

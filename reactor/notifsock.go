@@ -41,9 +41,10 @@ import (
 // (EAGAIN: Linux queues only net.unix.max_dgram_qlen datagrams, 10 by
 // default, per receiving socket) waits, in order, in the sender's backlog,
 // where notifications to the same peer are packed into shared datagrams,
-// and is retried every loop turn: nothing is dropped while the producer
-// lives. Order is kept per peer: a producer that does not read its socket
-// holds back its own notifications, not those of other producers.
+// and is retried every loop turn (an idle reactor sleeps at most 1 ms
+// while any wait): nothing is dropped while the producer lives. Order is
+// kept per peer: a producer that does not read its socket holds back its
+// own notifications, not those of other producers.
 //
 // The address is no secret: any local user can list abstract addresses in
 // /proc/net/unix and send to them. A notification makes the producer free

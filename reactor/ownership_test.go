@@ -2,11 +2,13 @@ package reactor
 
 import (
 	"errors"
+	"reflect"
 	"runtime"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/stretchr/testify/require"
 
@@ -156,4 +158,83 @@ func TestControlRacingClose(t *testing.T) {
 		require.NoError(t, r.Close())
 		wg.Wait()
 	}
+}
+
+// A Post that has claimed a place on the submission ring and not yet
+// written it holds up the drain behind it, while the Posts behind it have
+// already returned their handles. Close's teardown waits for it instead of
+// taking the stalled place for the end of the ring: every handle a Post
+// returned is ended, and no slot stays claimed after Close.
+func TestCloseWaitsForAStalledPush(t *testing.T) {
+	leakcheck.Check(t)
+	p := newPair(t, 16, Options{Handles: 256})
+	r := p.cons
+	// The first Post stalls between claiming its place and writing it:
+	// claim one by hand, through the ring's fields.
+	rv := reflect.ValueOf(r.sub).Elem()
+	field := func(v reflect.Value, name string) *atomic.Uint64 {
+		f := v.FieldByName(name)
+		require.True(t, f.IsValid(), "the ring has no field %q: update the test", name)
+		return (*atomic.Uint64)(unsafe.Pointer(f.UnsafeAddr()))
+	}
+	pos := field(rv, "tail").Add(1) - 1
+	h, err := r.Post(p.pname, []int{0}, []int{0}, nil) // the second, behind it
+	require.NoError(t, err)
+	published := make(chan struct{})
+	go func() {
+		// The stalled Post writes its place once Close has begun. (It
+		// carries handle 0, which names no slot.)
+		for !r.closing.Load() {
+			runtime.Gosched()
+		}
+		time.Sleep(10 * time.Millisecond)
+		slots := rv.FieldByName("slots")
+		field(slots.Index(int(pos&uint64(slots.Len()-1))), "seq").Store(pos + 1)
+		close(published)
+	}()
+	require.NoError(t, r.Close())
+	<-published
+	st, err := r.State(h)
+	require.Equal(t, StateErr, st, "the READ behind the stalled place was not ended (%v)", err)
+	require.ErrorIs(t, err, ErrClosed)
+	require.Equal(t, int64(0), r.tab.live.Load(), "a slot was left claimed after Close")
+}
+
+// Control operations queued behind Close in the batch the loop drains
+// report ErrClosed; they are not run against the closed engine and the
+// emptied peer map.
+func TestControlQueuedBehindClose(t *testing.T) {
+	leakcheck.Check(t)
+	p := newPair(t, 16, Options{})
+	r := p.cons
+	var md []byte
+	require.NoError(t, p.prod.do(func() error {
+		var err error
+		md, err = p.prodEng.LocalMetadata()
+		return err
+	}))
+	descs := p.prod.loc.Load().descs
+	require.NoError(t, r.RemovePeer(p.pname))
+	// Hold the loop in an operation until Close's and one more are queued
+	// behind it.
+	block, started := make(chan struct{}), make(chan struct{})
+	go func() { _ = r.do(func() error { close(started); <-block; return nil }) }()
+	<-started
+	closed := make(chan error, 1)
+	go func() { closed <- r.Close() }()
+	for r.ctrl.Len() < 1 {
+		runtime.Gosched()
+	}
+	ran := false
+	res := make(chan error, 1)
+	go func() { // an AddPeer that passed its closing check just before Close
+		res <- r.do(func() error { ran = true; _, err := r.addPeer(md, descs, nil); return err })
+	}()
+	for r.ctrl.Len() < 2 {
+		runtime.Gosched()
+	}
+	close(block)
+	require.NoError(t, <-closed)
+	require.ErrorIs(t, <-res, ErrClosed)
+	require.False(t, ran, "an operation queued behind Close ran after the teardown")
 }

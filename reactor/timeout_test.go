@@ -2,6 +2,7 @@ package reactor
 
 import (
 	"context"
+	"math"
 	"testing"
 	"time"
 
@@ -64,4 +65,44 @@ func TestTimeoutChangesApplyToTransfersInFlight(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, StateProc, st)
 	require.NoError(t, p.cons.Release(h))
+}
+
+// How long an idle reactor may sleep: ParkTimeout, unless something is
+// due that no event announces.
+func TestParkMillis(t *testing.T) {
+	leakcheck.Check(t)
+	p := newPair(t, 16, Options{ParkTimeout: 50 * time.Millisecond})
+	park := func() (ms int) {
+		require.NoError(t, p.cons.do(func() error { ms = p.cons.parkMillis(); return nil }))
+		return ms
+	}
+	require.Equal(t, 50, park())
+
+	// A READ in flight under a timeout meant as "never" does not shorten
+	// the sleep (its deadline used to wrap and wake the loop every 1 ms),
+	// nor does one far off.
+	p.consEng.SetDelay(time.Hour)
+	p.cons.SetTimeout(math.MaxInt64)
+	h, err := p.cons.Post(p.pname, []int{0}, []int{0}, nil)
+	require.NoError(t, err)
+	inFlight(t, p.cons, 1)
+	require.Equal(t, 50, park())
+	p.cons.SetTimeout(time.Hour - time.Millisecond)
+	require.Equal(t, 50, park())
+	p.cons.SetTimeout(5 * time.Second)
+	require.Equal(t, 50, park())
+	require.NoError(t, p.cons.Release(h))
+	p.cons.SetTimeout(0)
+
+	// Notifications a producer's socket refused are retried every turn,
+	// and nothing wakes the loop when that socket drains: at most 1 ms.
+	var ms int
+	require.NoError(t, p.cons.do(func() error {
+		saved := p.cons.dir
+		p.cons.dir = &direct{ns: &notifSock{backlog: make([]pendingNotif, 1)}}
+		ms = p.cons.parkMillis()
+		p.cons.dir = saved
+		return nil
+	}))
+	require.Equal(t, 1, ms)
 }
