@@ -103,6 +103,11 @@ func PickCPU(node int) (int, error) {
 	return -1, fmt.Errorf("%w: node %d has none of the allowed CPUs %v", ErrNoCPU, node, allowed)
 }
 
+// maxCPUList bounds how many CPUs a list may name (Linux's NR_CPUS is at
+// most 8,192): a short hostile list of wide ranges cannot make a huge
+// slice.
+const maxCPUList = 1 << 16
+
 // ParseCPUList parses the kernel's list format ("0-3,8,10-11").
 func ParseCPUList(s string) ([]int, error) {
 	var out []int
@@ -117,9 +122,12 @@ func ParseCPUList(s string) ([]int, error) {
 		}
 		b := a
 		if isRange {
-			if b, err = strconv.Atoi(hi); err != nil || b < a || b-a > 1<<16 {
+			if b, err = strconv.Atoi(hi); err != nil || b < a || b-a > maxCPUList {
 				return nil, fmt.Errorf("affinity: bad CPU list %q", s)
 			}
+		}
+		if len(out)+(b-a+1) > maxCPUList {
+			return nil, fmt.Errorf("affinity: CPU list %.40q names more than %d CPUs", s, maxCPUList)
 		}
 		for c := a; c <= b; c++ {
 			out = append(out, c)

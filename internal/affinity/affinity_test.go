@@ -2,6 +2,8 @@ package affinity
 
 import (
 	"runtime"
+	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -22,6 +24,10 @@ func TestParseCPUList(t *testing.T) {
 		{"3-1", nil, true},
 		{"-1", nil, true},
 		{"0-999999", nil, true},
+		{"0-40000,0-40000", nil, true}, // more CPUs than any machine has
+		{"1,", nil, true},
+		{"1-", nil, true},
+		{"+1", []int{1}, false}, // strconv's sign: harmless
 	}
 	for _, c := range cases {
 		got, err := ParseCPUList(c.in)
@@ -35,6 +41,39 @@ func TestParseCPUList(t *testing.T) {
 			require.Equal(t, c.want[i], got[i])
 		}
 	}
+}
+
+// FuzzParseCPUList: any input either fails or gives CPUs that, written
+// back one by one, parse to the same list, and never more than maxCPUList.
+func FuzzParseCPUList(f *testing.F) {
+	for _, s := range []string{"0", "0-3", "0-1,4,6-7", "", "3-1", "0-65536", "1,,2", "0-1-2"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		got, err := ParseCPUList(s)
+		if err != nil {
+			return
+		}
+		if len(got) > maxCPUList {
+			t.Fatalf("%q: %d CPUs", s, len(got))
+		}
+		parts := make([]string, len(got))
+		for i, c := range got {
+			if c < 0 {
+				t.Fatalf("%q: CPU %d", s, c)
+			}
+			parts[i] = strconv.Itoa(c)
+		}
+		again, err := ParseCPUList(strings.Join(parts, ","))
+		if err != nil || len(again) != len(got) {
+			t.Fatalf("%q gave %v; written back: %v, %v", s, got, again, err)
+		}
+		for i := range got {
+			if again[i] != got[i] {
+				t.Fatalf("%q gave %v; written back: %v", s, got, again)
+			}
+		}
+	})
 }
 
 func TestPinThread(t *testing.T) {
