@@ -46,6 +46,32 @@ func TestNewRejectsBadReactorOptions(t *testing.T) {
 	}
 }
 
+// Direct-path settings New cannot use are ErrConfig too, found before
+// the engine starts (the copy worker count used to be checked after it).
+func TestNewRejectsBadDirectOptions(t *testing.T) {
+	leakcheck.Check(t)
+	cases := map[string]func(*Config){
+		"negative copy workers":  func(c *Config) { c.CopyWorkers = -1 },
+		"too many copy workers":  func(c *Config) { c.CopyWorkers = maxCopyWorkers + 1 },
+		"unknown direct mode":    func(c *Config) { c.Direct = DirectOff + 1 },
+		"direct mode wrapped up": func(c *Config) { c.Direct = DirectMode(255) },
+	}
+	for name, set := range cases {
+		for _, backend := range []string{"ucx", "loopback", "nixl"} {
+			t.Run(name+"/"+backend, func(t *testing.T) {
+				cfg := Config{AgentName: uniqueName("cfg"), Backend: backend, BlockSize: 64, NumBlocks: 4}
+				set(&cfg)
+				tr, err := New(cfg)
+				if tr != nil {
+					_ = tr.Deregister()
+				}
+				require.ErrorIs(t, err, ErrConfig)
+				require.False(t, errors.Is(err, ErrNoBackend), "the engine was started first")
+			})
+		}
+	}
+}
+
 // A notification of the largest size the options allow travels end to end
 // on the real engine.
 func TestMaxNotifLimitTravels(t *testing.T) {

@@ -38,9 +38,6 @@ func (t *Transport) startDirect() error {
 	if cfg.CopyWorkers == 0 {
 		cfg.CopyWorkers = DefaultCopyWorkers
 	}
-	if cfg.CopyWorkers < 0 || cfg.CopyWorkers > 256 {
-		return fmt.Errorf("%w: CopyWorkers %d (1..256)", ErrConfig, cfg.CopyWorkers)
-	}
 	if !directOn(cfg) {
 		return nil
 	}

@@ -27,9 +27,9 @@
 //	cons, _ := ecxfer.New(ecxfer.Config{AgentName: "prefill-0", BlockSize: 5120, NumBlocks: 1024})
 //	peer, _ := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
 //	h, _ := cons.PostRead([]int{0, 1, 2}, peer, []int{7, 8, 9}, []byte("req-42"))
-//	err := cons.Wait(ctx, h)      // or spin on CheckXferState
+//	err := cons.Wait(ctx, h)            // or spin on CheckXferState
 //	_ = cons.ReleaseXferHandle(h)
-//	notifs := prod.NewNotifs()    // {"prefill-0": {"req-42"}}
+//	notifs, _ := prod.WaitNotifs(ctx)   // {"prefill-0": {"req-42"}}
 //
 // Every method is safe for concurrent use. Errors are sentinels that work
 // with errors.Is.
@@ -51,9 +51,10 @@
 // AddRemotePeer, before any engine call); malformed metadata, descriptor
 // lists and control messages are refused with typed errors by strict,
 // bounded, fuzzed decoders, never crash us and never make us allocate
-// without bound; peer names must be 1 to 256 printable ASCII bytes. A peer
-// that stalls its reads sees them end in ErrTimeout; one that dies, in
-// ErrRemoteDisconnect. So: metadata is a capability. Exchange it only over
+// without bound; peer names must be 1 to 256 printable ASCII bytes without
+// spaces. A peer that stalls its reads through the engine sees them end in
+// ErrTimeout (READs on the direct path are memory copies, not timed out);
+// one that dies, in ErrRemoteDisconnect. So: metadata is a capability. Exchange it only over
 // the deployment's own trusted control plane, with peers you trust with
 // your region, on networks you trust (nothing on the wire is encrypted).
 package ecxfer

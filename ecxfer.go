@@ -89,7 +89,10 @@ type Config struct {
 	// before anything is allocated.
 	Region []byte
 	// XferTimeout ends a READ still in flight after this long in ERR
-	// (ErrTimeout). Zero means 20 s; negative disables the timeout.
+	// (ErrTimeout). Zero means 20 s; negative disables the timeout. It
+	// applies to READs through the engine; READs on the direct path are
+	// memory copies and are not timed out (a dead producer ends them in
+	// ErrRemoteDisconnect instead).
 	XferTimeout time.Duration
 	// Reactor tunes the event loop: CPU and NUMA pinning, idle strategy,
 	// batch size, ring and table sizes.
@@ -112,9 +115,9 @@ type Config struct {
 	// to the copy workers. Zero means DefaultInlineBytes; negative: none.
 	InlineBytes int
 	// CopyWorkers is the number of copy threads for direct READs larger
-	// than InlineBytes (zero: DefaultCopyWorkers). They are pinned like
-	// the reactor: with BindNUMA to the node's CPUs, with PinCPU to the
-	// other allowed CPUs.
+	// than InlineBytes, 0 to 256 (zero: DefaultCopyWorkers). They are
+	// pinned like the reactor: with BindNUMA to the node's CPUs, with
+	// PinCPU to the other allowed CPUs.
 	CopyWorkers int
 
 	// sharedQueueForTest lifts AddRemotePeer's refusal of shared-queue
@@ -151,6 +154,7 @@ const (
 const (
 	DefaultInlineBytes = 128 << 10
 	DefaultCopyWorkers = 2
+	maxCopyWorkers     = 256
 )
 
 // The structured events a Transport logs through Config.Logger: the
@@ -166,7 +170,7 @@ const (
 	EventReadTimeout  = reactor.EventReadTimeout
 	EventEngineError  = reactor.EventEngineError
 	// EventNotifOversized: a notification longer than MaxNotif was
-	// dropped; logged once per sender.
+	// dropped; logged once per sender (for the first 1,024 senders).
 	EventNotifOversized = reactor.EventNotifOversized
 )
 
@@ -266,6 +270,10 @@ func checkConfig(cfg *Config) error {
 		return fmt.Errorf("%w: Region has %d bytes, need %d", ErrConfig, len(cfg.Region), cfg.BlockSize*cfg.NumBlocks)
 	case onGoHeap(cfg.Region):
 		return fmt.Errorf("%w: Region is on the Go heap; the engine keeps its address, so it must live outside (mmap it)", ErrConfig)
+	case cfg.CopyWorkers < 0 || cfg.CopyWorkers > maxCopyWorkers:
+		return fmt.Errorf("%w: CopyWorkers %d (0..%d, 0: DefaultCopyWorkers)", ErrConfig, cfg.CopyWorkers, maxCopyWorkers)
+	case cfg.Direct > DirectOff:
+		return fmt.Errorf("%w: Direct %d is not a DirectMode", ErrConfig, cfg.Direct)
 	}
 	if err := cfg.Reactor.Check(); err != nil {
 		return fmt.Errorf("%w: %v", ErrConfig, err)
@@ -352,7 +360,8 @@ func (t *Transport) MemDescriptor() []byte {
 // AddRemotePeer loads a peer's agent metadata and block descriptors and
 // returns its name. The same metadata twice returns the same name; new
 // metadata under a known name replaces the peer (reads of the old one end
-// in ErrRemoteDisconnect). On the ucx engine the replacement is loaded and
+// in ErrRemoteDisconnect), and so does the same metadata with a different
+// block list. On the ucx engine the replacement is loaded and
 // its block list prepared beside the old peer first: when that fails, the
 // call returns the error and the old peer is left as it was.
 func (t *Transport) AddRemotePeer(metadata, memDescriptor []byte) (string, error) {
@@ -493,15 +502,21 @@ func (t *Transport) PeerStats(dst []PeerStat) []PeerStat { return t.r.PeerStats(
 
 // ReactorCPU is the CPU time (user and system) the reactor thread has
 // used. It reads /proc, so it costs microseconds; after Deregister it
-// returns an error.
+// returns the thread's final total.
 func (t *Transport) ReactorCPU() (time.Duration, error) { return t.r.ThreadCPU() }
 
 // AgentName is the name given in Config.AgentName.
 func (t *Transport) AgentName() string { return t.cfg.AgentName }
 
 // Deregister tears everything down: handles, lists, peers, memory, the
-// engine and the reactor thread. It is idempotent; afterwards every method
-// returns ErrClosed.
+// engine and the reactor thread. It is idempotent (a second call returns
+// nil once the first has finished). Afterwards the methods that post,
+// check, release or add and remove peers return ErrClosed (PostRead may
+// first refuse index lists longer than NumBlocks with ErrIndexRange);
+// NewNotifs and WaitNotifs still hand out notifications that arrived
+// before, then WaitNotifs returns ErrClosed; AgentMetadata and
+// MemDescriptor return nil; Stats, PeerStats and ReactorCPU keep
+// reporting the final figures.
 func (t *Transport) Deregister() error {
 	if t.closed.Swap(true) {
 		<-t.r.Done()

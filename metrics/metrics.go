@@ -8,7 +8,10 @@
 //	reg.MustRegister(metrics.NewCollector(t))
 //	http.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 //
-// or, for a tool, Listen(":9464", reg).
+// or, for a tool:
+//
+//	ex, _ := metrics.Listen(":9464")
+//	ex.Add(t)
 //
 // A scrape reads the transport's atomic counters (Transport.Stats) and,
 // for ecxfer_reactor_cpu_seconds_total, one small /proc file: it never
@@ -20,12 +23,12 @@
 //
 // The metrics (types in brackets):
 //
-//	ecxfer_reads_posted_total           [counter]   READs handed to the engine
+//	ecxfer_reads_posted_total           [counter]   READs started: handed to the engine or copied on the direct path
 //	ecxfer_reads_done_total             [counter]   READs finished with every byte landed
 //	ecxfer_reads_failed_total{reason}   [counter]   READs ended in ERR, by reason
 //	ecxfer_reads_canceled_total         [counter]   READs released in flight or dropped with their peer
 //	ecxfer_read_bytes_total             [counter]   bytes of READs finished DONE
-//	ecxfer_reads_in_flight              [gauge]     READs the engine is working on
+//	ecxfer_reads_in_flight              [gauge]     READs the engine or the copy workers are working on
 //	ecxfer_handles_live                 [gauge]     handles posted and not yet released (a released in-flight READ's until it has ended)
 //	ecxfer_busy_refusals_total          [counter]   PostRead calls refused with ErrBusy
 //	ecxfer_notifications_sent_total     [counter]   notifications sent with finished READs
@@ -122,12 +125,12 @@ func NewCollector(t *ecxfer.Transport, opts ...Option) prometheus.Collector {
 	d := func(name, help string, labels ...string) *prometheus.Desc {
 		return prometheus.NewDesc(name, help, labels, cl)
 	}
-	c.readsPosted = d("ecxfer_reads_posted_total", "READs handed to the engine.")
+	c.readsPosted = d("ecxfer_reads_posted_total", "READs started: handed to the engine or copied on the direct path.")
 	c.readsDone = d("ecxfer_reads_done_total", "READs finished with every byte landed.")
 	c.readsFailed = d("ecxfer_reads_failed_total", "READs that ended in ERR, by reason.", "reason")
 	c.readsCanceled = d("ecxfer_reads_canceled_total", "READs released in flight or dropped with their peer.")
 	c.readBytes = d("ecxfer_read_bytes_total", "Bytes of the READs that finished DONE.")
-	c.inFlight = d("ecxfer_reads_in_flight", "READs the engine is working on.")
+	c.inFlight = d("ecxfer_reads_in_flight", "READs the engine or the copy workers are working on.")
 	c.handles = d("ecxfer_handles_live", "Handles posted and not yet released (a released in-flight READ's until it has ended).")
 	c.busyRefusals = d("ecxfer_busy_refusals_total", "PostRead calls refused with ErrBusy.")
 	c.notifsSent = d("ecxfer_notifications_sent_total", "Notifications sent with finished READs.")

@@ -27,9 +27,11 @@ import (
 // larger one goes through the submission ring like any READ, and the
 // reactor hands it to the copy pool instead of the engine, so the reactor
 // thread never copies a byte. What must stay serialized stays on the
-// reactor: the notification (sent through the engine once the last chunk
-// has landed, exactly once), cancellation, peer removal and replacement,
-// and the liveness watch (the peer's pidfd, in the reactor's epoll set).
+// reactor: the notification of a READ on the copy workers (sent once the
+// last chunk has landed, exactly once, over the producer's socket when it
+// has one, else through the engine), cancellation, peer removal and
+// replacement, and the liveness watch (the peer's pidfd, in the reactor's
+// epoll set).
 //
 // Lifetimes: a Direct's view is reference counted. Every copy holds a
 // reference for its whole run, so removing, replacing or closing a peer

@@ -30,8 +30,10 @@
 // any READ, and the reactor hands its runs (or, between two block grids,
 // its index lists) to the copy workers instead of the engine. A READ is
 // published DONE only if the producer's pidfd shows it alive after its
-// copy ended. The reactor keeps what must stay serialized: it sends every
-// notification, once, after the READ is published DONE; it ends READs on
+// copy ended. Every notification is sent once, after its READ is
+// published DONE: by the caller inside Post for an inline READ when the
+// producer's socket takes it at once, otherwise by the reactor. The
+// reactor keeps what must stay serialized: it ends READs on
 // cancel, removal, replacement and close; and it watches each direct
 // peer's pidfd. Mappings are reference counted, so nothing is unmapped
 // under a running copy. A caller that checks a READ still on the copy

@@ -31,7 +31,9 @@ const (
 	// "new block list"), blocks, reads_failed.
 	EventPeerReplaced = "ecxfer.peer.replaced"
 	// EventPeerRemoved: RemoveRemotePeer dropped a peer. Attributes: peer,
-	// reads_canceled.
+	// reads_canceled (its READs in flight then; those still queued for
+	// the loop end in ErrCanceled too, and count in
+	// Stats.ReadsCanceled, as they reach it).
 	EventPeerRemoved = "ecxfer.peer.removed"
 	// EventPeerDead: a peer was found dead; logged once per peer (until it
 	// is replaced). Attributes: peer, why.
@@ -48,7 +50,8 @@ const (
 	EventEngineError = "ecxfer.engine.error"
 	// EventNotifOversized: a notification longer than MaxNotif arrived
 	// and was dropped (Stats.NotifsOversized counts them all). Logged once
-	// per sender. Attributes: peer, bytes, limit.
+	// per sender, for the first 1,024 senders. Attributes: peer, bytes,
+	// limit.
 	EventNotifOversized = "ecxfer.notif.oversized"
 )
 

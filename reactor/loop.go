@@ -323,6 +323,13 @@ func (r *Reactor) submit(h uint64) {
 	if code := p.gone.Load(); code != 0 {
 		r.dropJob(s)
 		s.trim()
+		if code == codeCanceled {
+			// Queued when its peer was removed: dropped with it, like
+			// the peer's READs in flight (abort).
+			r.st.canceled.Add(1)
+			r.finish(h, s, code)
+			return
+		}
 		r.fail(h, s, code)
 		return
 	}

@@ -10,7 +10,10 @@ import (
 )
 
 // FailReasons names the ways a READ ends in ERR, indexed like
-// Stats.FailedBy: the label values of ecxfer_reads_failed_total.
+// Stats.FailedBy: the label values of ecxfer_reads_failed_total. READs
+// released in flight or dropped with their removed peer end in
+// ErrCanceled but count in Stats.ReadsCanceled, not here: "canceled"
+// stays in the label set, at 0.
 var FailReasons = [numCodes]string{
 	codeNone:             "other",
 	codeRemoteDisconnect: "remote_disconnect",
@@ -32,7 +35,8 @@ type PeerStat struct {
 	// from its mapped region, see PeerPath).
 	Path string
 	// State is "up", or "dead" once a READ from it failed because it
-	// disconnected (until it is replaced).
+	// disconnected or, on the direct path, its process was seen to exit
+	// (until it is replaced).
 	State       string
 	ReadsDone   uint64
 	ReadsFailed uint64

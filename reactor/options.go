@@ -83,7 +83,9 @@ type Options struct {
 	SubmitRing int
 	// Handles is the handle table's capacity: the most transfers that can
 	// be posted and not yet released (default 4096; rounded up to a power
-	// of two, at least 256). Post returns ErrBusy only when all are taken.
+	// of two, at least 256). Post returns ErrBusy when all are taken, or
+	// when the submission ring is full (possible when SubmitRing is
+	// smaller than Handles).
 	Handles int
 	// WaitWhenBusy makes Post wait for room instead of returning ErrBusy
 	// when the ring or the table is full. A waiting Post yields, then
@@ -94,8 +96,8 @@ type Options struct {
 	// nixl.DefaultMaxNotif, 64 KiB; at most MaxNotifLimit), both ways:
 	// Post refuses longer ones, and longer ones received from a peer
 	// configured with a larger limit are dropped and counted
-	// (Stats.NotifsOversized), never handed out. The engine is configured
-	// with the same limit.
+	// (Stats.NotifsOversized), never handed out. ecxfer.New configures the
+	// ucx and nixl engines with the same limit.
 	MaxNotif int
 
 	// Logger receives the reactor's structured events (the Event*

@@ -27,9 +27,9 @@ type counters struct {
 
 // Stats is a snapshot of the reactor's counters, taken without stopping it.
 type Stats struct {
-	ReadsPosted    uint64 // handed to the engine
+	ReadsPosted    uint64 // started: handed to the engine or copied on the direct path
 	ReadsDone      uint64 // finished with every byte landed
-	ReadsFailed    uint64 // finished in ERR (engine error, disconnect, timeout, close)
+	ReadsFailed    uint64 // finished in ERR (engine error, disconnect, timeout, close), not canceled
 	ReadsCanceled  uint64 // released in flight, or dropped with their peer
 	BytesRead      uint64 // bytes of the reads that finished DONE
 	NotifsSent     uint64 // notifications sent with finished reads
@@ -43,7 +43,7 @@ type Stats struct {
 	// of such a READ returns at once; a direct copy stops between
 	// chunks first).
 	LiveHandles int64
-	InFlight    int64        // reads the engine is working on
+	InFlight    int64        // reads the engine or the copy workers are working on
 	Peers       int          // peers currently known
 	LoopTurns   uint64       // event loop turns
 	Parks       uint64       // times the reactor slept

@@ -54,3 +54,41 @@ func TestStatsNotifsDroppedNoDropper(t *testing.T) {
 	require.Zero(t, r.Stats().NotifsDroppedByEngine)
 	require.NoError(t, r.Close())
 }
+
+// READs still queued for the loop when their peer is removed are dropped
+// with it: they end in ErrCanceled and count as canceled, as the peer's
+// READs in flight do, not as failed.
+func TestQueuedReadsDroppedWithPeerCountAsCanceled(t *testing.T) {
+	leakcheck.Check(t)
+	p := newPair(t, 16, Options{})
+	r := p.cons
+	started, posted := make(chan struct{}), make(chan struct{})
+	removed := make(chan error, 1)
+	go func() {
+		// RemovePeer's work, run while the READs wait on the ring.
+		removed <- r.do(func() error {
+			close(started)
+			<-posted
+			r.dropPeer(r.peer(p.pname), codeCanceled)
+			return nil
+		})
+	}()
+	<-started
+	const n = 8
+	hs := make([]uint64, n)
+	for i := range hs {
+		var err error
+		hs[i], err = r.Post(p.pname, []int{i}, []int{i}, []byte("n"))
+		require.NoError(t, err)
+	}
+	close(posted)
+	require.NoError(t, <-removed)
+	for _, h := range hs {
+		require.ErrorIs(t, waitEnd(t, r, h), ErrCanceled)
+		require.NoError(t, r.Release(h))
+	}
+	st := r.Stats()
+	require.Equal(t, uint64(n), st.ReadsCanceled)
+	require.Equal(t, uint64(0), st.ReadsFailed)
+	require.Equal(t, uint64(0), st.FailedBy[codeCanceled])
+}
