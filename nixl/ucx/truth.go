@@ -7,11 +7,16 @@ import "C"
 
 import (
 	"bufio"
+	"errors"
+	"io"
 	"os"
+	"runtime"
 	"sort"
 	"strconv"
 	"strings"
 	"unsafe"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/ecxfer/ecxfer/nixl"
 )
@@ -50,15 +55,10 @@ type span struct {
 	name       string
 }
 
-// readMaps returns the mappings of /proc/<who>/maps, sorted by address.
-func readMaps(who string) ([]span, error) {
-	f, err := os.Open("/proc/" + who + "/maps")
-	if err != nil {
-		return nil, err
-	}
-	defer f.Close()
+// parseMaps parses a maps file's text.
+func parseMaps(r io.Reader) ([]span, error) {
 	var out []span
-	sc := bufio.NewScanner(f)
+	sc := bufio.NewScanner(r)
 	sc.Buffer(make([]byte, 0, 4096), 1<<20)
 	for sc.Scan() {
 		// start-end perms offset dev inode [path]
@@ -88,9 +88,99 @@ func readMaps(who string) ([]span, error) {
 	return out, nil
 }
 
-// inOne reports whether [addr, addr+n) lies inside a single mapping.
-func inOne(maps []span, addr, n uint64) bool {
-	return within(maps, addr, n) != nil
+// procMaps finds the mappings of one process. Where the kernel has the
+// PROCMAP_QUERY ioctl (Linux 6.11), each lookup asks it for the one
+// mapping at an address; otherwise the whole maps text is read and parsed,
+// once. The text grows with every peer (each maps UCX's segments here), so
+// reading it for each new peer made adding n peers cost O(n^2): at 256
+// same-host peers, most of AddRemotePeer's time.
+type procMaps struct {
+	f     *os.File
+	query bool   // PROCMAP_QUERY answers
+	spans []span // the parsed text, once query is off
+	name  []byte // the kernel writes a mapping's path here
+}
+
+func openMaps(who string) (*procMaps, error) {
+	f, err := os.Open("/proc/" + who + "/maps")
+	if err != nil {
+		return nil, err
+	}
+	return &procMaps{f: f, query: true}, nil
+}
+
+func (m *procMaps) close() {
+	if m != nil {
+		_ = m.f.Close()
+	}
+}
+
+// within returns the mapping [addr, addr+n) lies inside, or nil.
+func (m *procMaps) within(addr, n uint64) (*span, error) {
+	if m.query {
+		sp, err := m.lookup(addr)
+		switch {
+		case err == nil:
+			if sp == nil || addr+n < addr || addr+n > sp.end {
+				return nil, nil
+			}
+			return sp, nil
+		case errors.Is(err, unix.ENOTTY) || errors.Is(err, unix.EINVAL):
+			m.query = false // a kernel without PROCMAP_QUERY: read the text
+		default:
+			return nil, err
+		}
+	}
+	if m.spans == nil {
+		spans, err := parseMaps(m.f)
+		if err != nil {
+			return nil, err
+		}
+		m.spans = spans
+	}
+	return within(m.spans, addr, n), nil
+}
+
+// procmapQuery is the kernel's struct procmap_query (linux/fs.h).
+type procmapQuery struct {
+	size, queryFlags, queryAddr                  uint64
+	vmaStart, vmaEnd, vmaFlags, vmaPageSize      uint64
+	vmaOffset, inode                             uint64
+	devMajor, devMinor, vmaNameSize, buildIDSize uint32
+	vmaNameAddr, buildIDAddr                     uint64
+}
+
+// procmapQueryIoctl is PROCMAP_QUERY: _IOWR('f', 17, struct procmap_query).
+const procmapQueryIoctl = 3<<30 | uint(unsafe.Sizeof(procmapQuery{}))<<16 | 'f'<<8 | 17
+
+// lookup asks the kernel for the mapping that covers addr: nil when none
+// does.
+func (m *procMaps) lookup(addr uint64) (*span, error) {
+	if m.name == nil {
+		m.name = make([]byte, unix.PathMax)
+	}
+	q := procmapQuery{size: uint64(unsafe.Sizeof(procmapQuery{})), queryAddr: addr,
+		vmaNameSize: uint32(len(m.name)), vmaNameAddr: uint64(uintptr(unsafe.Pointer(&m.name[0])))}
+	_, _, errno := unix.Syscall(unix.SYS_IOCTL, m.f.Fd(), uintptr(procmapQueryIoctl), uintptr(unsafe.Pointer(&q)))
+	runtime.KeepAlive(m.name)
+	switch errno {
+	case 0:
+	case unix.ENOENT:
+		return nil, nil
+	default:
+		return nil, errno
+	}
+	sp := &span{start: q.vmaStart, end: q.vmaEnd}
+	if k := int(q.vmaNameSize); k > 0 && k <= len(m.name) {
+		// NUL-terminated; the text shows the path up to its first blank
+		// (" (deleted)" follows a removed file's).
+		name := string(m.name[:k-1])
+		if i := strings.IndexByte(name, ' '); i >= 0 {
+			name = name[:i]
+		}
+		sp.name = name
+	}
+	return sp, nil
 }
 
 // within returns the mapping [addr, addr+n) lies inside, or nil.
@@ -117,13 +207,17 @@ func ucxSegment(name string) bool {
 // segment. Those regions are checked here; a region inside no single
 // mapping refuses the peer.
 func callerRegions(m *metadata) ([]bool, error) {
-	theirs, err := readMaps(strconv.FormatUint(m.Pid, 10))
+	theirs, err := openMaps(strconv.FormatUint(m.Pid, 10))
 	if err != nil {
 		return nil, nixl.Errorf(nixl.ErrInvalidParam, "ucx: peer %q (pid %d): cannot check its regions: %v", m.Name, m.Pid, err)
 	}
+	defer theirs.close()
 	caller := make([]bool, len(m.Region))
 	for i, r := range m.Region {
-		sp := within(theirs, r.Addr, r.Len)
+		sp, err := theirs.within(r.Addr, r.Len)
+		if err != nil {
+			return nil, nixl.Errorf(nixl.ErrInvalidParam, "ucx: peer %q (pid %d): cannot check its regions: %v", m.Name, m.Pid, err)
+		}
 		if sp == nil {
 			return nil, truthErr(m, i, r, "it is not mapped in the peer process")
 		}
@@ -136,7 +230,8 @@ func callerRegions(m *metadata) ([]bool, error) {
 // unpacked in rk, against the mappings behind them; regions marked in
 // caller were checked by callerRegions (their rkeys are not unpacked yet).
 func checkTruth(m *metadata, rk []C.ucp_rkey_h, caller []bool) error {
-	var self, theirs []span
+	var self, theirs *procMaps
+	defer func() { self.close(); theirs.close() }()
 	for i, r := range m.Region {
 		if caller != nil && caller[i] {
 			continue
@@ -145,22 +240,30 @@ func checkTruth(m *metadata, rk []C.ucp_rkey_h, caller []bool) error {
 		if C.ecx_rkey_ptr(rk[i], C.uint64_t(r.Addr), &ptr) == C.UCS_OK {
 			if self == nil {
 				var err error
-				if self, err = readMaps("self"); err != nil {
+				if self, err = openMaps("self"); err != nil {
 					return nixl.Errorf(nixl.ErrInvalidParam, "ucx: peer %q: cannot check its regions: %v", m.Name, err)
 				}
 			}
-			if !inOne(self, uint64(uintptr(ptr)), r.Len) {
+			sp, err := self.within(uint64(uintptr(ptr)), r.Len)
+			if err != nil {
+				return nixl.Errorf(nixl.ErrInvalidParam, "ucx: peer %q: cannot check its regions: %v", m.Name, err)
+			}
+			if sp == nil {
 				return truthErr(m, i, r, "the shared-memory segment behind it is smaller")
 			}
 			continue
 		}
 		if theirs == nil {
 			var err error
-			if theirs, err = readMaps(strconv.FormatUint(m.Pid, 10)); err != nil {
+			if theirs, err = openMaps(strconv.FormatUint(m.Pid, 10)); err != nil {
 				return nixl.Errorf(nixl.ErrInvalidParam, "ucx: peer %q (pid %d): cannot check its regions: %v", m.Name, m.Pid, err)
 			}
 		}
-		if !inOne(theirs, r.Addr, r.Len) {
+		sp, err := theirs.within(r.Addr, r.Len)
+		if err != nil {
+			return nixl.Errorf(nixl.ErrInvalidParam, "ucx: peer %q (pid %d): cannot check its regions: %v", m.Name, m.Pid, err)
+		}
+		if sp == nil {
 			return truthErr(m, i, r, "it is not mapped in the peer process")
 		}
 	}
