@@ -25,6 +25,7 @@ import ctypes
 import json
 import mmap
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -67,6 +68,10 @@ def block_bytes(i: int) -> bytes:
 
 
 def producer():
+    # Stop like any exit (atexit removes the region file) when the consumer
+    # says so, and by itself if the consumer is gone.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    parent = os.getppid()
     mm, base = region(f"encoder-{os.getpid()}")
     for i in ENCODING:  # the "embeddings"
         mm[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE] = block_bytes(i)
@@ -74,7 +79,7 @@ def producer():
     print(json.dumps({"md": base64.b64encode(t.get_agent_metadata()).decode(),
                       "desc": base64.b64encode(t.get_mem_descriptor()).decode()}), flush=True)
     steps = 0
-    while True:  # the engine's step loop
+    while os.getppid() == parent:  # the engine's step loop
         steps += 1
         for sender, msgs in t.get_new_notifs().items():
             for m in msgs:
@@ -82,10 +87,20 @@ def producer():
                 t.deregister()
                 return
         time.sleep(0.001)
+    t.deregister()
 
 
 def consumer():
     child = subprocess.Popen([sys.executable, __file__, "producer"], stdout=subprocess.PIPE, text=True)
+    try:
+        return read_from(child)
+    finally:
+        if child.poll() is None:  # this side failed: stop the producer too
+            child.terminate()
+            child.wait(30)
+
+
+def read_from(child) -> int:
     first = json.loads(child.stdout.readline())
     mm, base = region(f"prefill-{os.getpid()}")
     t = transport("prefill-0", base)

@@ -107,6 +107,32 @@ def test_example_runs():
     assert "'session-1:mm-hash-abc'" in r.stdout, r.stdout
 
 
+def test_example_failure_stops_producer():
+    """When the example's consumer fails (here: direct off over shared
+    memory, which the README says is refused), its producer stops too and
+    removes its region file; it used to poll forever."""
+    import glob
+    import subprocess
+
+    ex = str(HELPERS.parent / "examples" / "vllm_pair.py")
+    before = set(glob.glob("/dev/shm/vllm_ec_encoder-*.mmap"))
+    env = child_env()
+    env["ECXFER_OPTIONS"] = '{"direct": "off"}'
+    env.pop("UCX_TLS", None)
+    r = subprocess.run([sys.executable, ex], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert "ConfigError" in r.stderr, r.stderr
+    left = set(glob.glob("/dev/shm/vllm_ec_encoder-*.mmap")) - before
+    assert not left, f"the producer left {left}"
+    for d in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            with open(d, "rb") as f:
+                cmd = f.read().split(b"\0")
+        except OSError:
+            continue
+        assert not (ex.encode() in cmd and b"producer" in cmd), f"the producer still runs ({d})"
+
+
 def test_engine_refuses_shm_region(peers, monkeypatch):
     """With direct off, over shared memory, a producer's own /dev/shm region
     is refused at add_remote_peer with a ConfigError (a ValueError) that
