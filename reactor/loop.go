@@ -156,7 +156,12 @@ func (r *Reactor) parkMillis() int {
 			timeout = until
 		}
 	}
-	ms := (timeout + time.Millisecond - 1) / time.Millisecond
+	// Rounded up by remainder, not by adding 999,999 ns first: a
+	// ParkTimeout near the largest Duration would wrap negative.
+	ms := timeout / time.Millisecond
+	if timeout%time.Millisecond > 0 {
+		ms++
+	}
 	return int(min(max(ms, 1), 1<<30))
 }
 

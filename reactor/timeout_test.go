@@ -106,3 +106,22 @@ func TestParkMillis(t *testing.T) {
 	}))
 	require.Equal(t, 1, ms)
 }
+
+// A ParkTimeout meant as "as long as possible" is capped at 2^30 ms. Its
+// rounding used to wrap negative, and the idle loop then woke every 1 ms.
+func TestParkMillisLongest(t *testing.T) {
+	leakcheck.Check(t)
+	for _, tc := range []struct {
+		park time.Duration
+		want int
+	}{
+		{math.MaxInt64, 1 << 30},
+		{time.Millisecond + 1, 2},
+		{time.Nanosecond, 1},
+	} {
+		r, _ := startLoopback(t, "park", 4, Options{ParkTimeout: tc.park})
+		var ms int
+		require.NoError(t, r.do(func() error { ms = r.parkMillis(); return nil }))
+		require.Equal(t, tc.want, ms, "ParkTimeout %v", tc.park)
+	}
+}
