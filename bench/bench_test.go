@@ -118,6 +118,10 @@ func TestParseRunFlags(t *testing.T) {
 			require.True(t, c.Quiet)
 			require.False(t, c.References)
 		}},
+		{name: "wait spin", args: []string{"--wait", "block", "--wait-spin", "150us"}, check: func(t *testing.T, c Config) {
+			require.Equal(t, "block", c.Wait)
+			require.Equal(t, 150*time.Microsecond, c.Reactor.WaitSpin)
+		}},
 		{name: "connect", args: []string{"--connect", "10.0.0.2:7000"}, check: func(t *testing.T, c Config) {
 			require.Equal(t, "10.0.0.2:7000", c.Connect)
 		}},
@@ -137,6 +141,9 @@ func TestParseRunFlags(t *testing.T) {
 		{name: "connect loopback", args: []string{"--backend", "loopback", "--connect", "h:1"}, err: "--connect needs --backend ucx"},
 		{name: "connect no port", args: []string{"--connect", "host"}, err: `--connect "host"`},
 		{name: "bad wait", args: []string{"--wait", "sleep"}, err: `--wait "sleep"`},
+		{name: "negative wait spin", args: []string{"--wait", "block", "--wait-spin", "-1us"}, err: "--wait-spin -1µs out of range"},
+		{name: "wait spin too long", args: []string{"--wait", "block", "--wait-spin", "2s"}, err: "--wait-spin 2s out of range"},
+		{name: "wait spin while polling", args: []string{"--wait-spin", "100us"}, err: "--wait-spin is for --wait block"},
 		{name: "stray argument", args: []string{"latency"}, err: `unexpected argument "latency"`},
 		{name: "unknown flag", args: []string{"--fast"}, err: "flag provided but not defined"},
 	} {
@@ -432,10 +439,14 @@ func TestRunUCXDirectImage(t *testing.T) {
 func TestNotesSayHowCallersWait(t *testing.T) {
 	for wait, want := range map[string]string{
 		"poll":  "callers poll the READ's state",
-		"block": "reactor and direct callers block in Transport.Wait",
+		"block": "reactor and direct callers block in Transport.Wait;",
+		"spin":  "reactor and direct callers block in Transport.Wait (checking for 150µs before they sleep);",
 	} {
 		cfg := DefaultConfig()
 		cfg.Wait = wait
+		if wait == "spin" {
+			cfg.Wait, cfg.Reactor.WaitSpin = "block", 150*time.Microsecond
+		}
 		s := newSession(cfg)
 		s.addNotes()
 		require.True(t, slices.ContainsFunc(s.rep.Notes, func(n string) bool { return strings.HasPrefix(n, want) }),

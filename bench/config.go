@@ -197,6 +197,12 @@ func (c *Config) Validate() error {
 	if c.Wait != "poll" && c.Wait != "block" {
 		return fmt.Errorf("%w: --wait %q (want poll or block)", ErrUsage, c.Wait)
 	}
+	if s := c.Reactor.WaitSpin; s < 0 || s > time.Second {
+		return fmt.Errorf("%w: --wait-spin %v out of range 0..1s", ErrUsage, s)
+	}
+	if c.Reactor.WaitSpin > 0 && c.Wait != "block" {
+		return fmt.Errorf("%w: --wait-spin is for --wait block (polling callers never sleep)", ErrUsage)
+	}
 	if c.RemoteRegion < 0 || c.RemoteRegion > 1<<34 {
 		return fmt.Errorf("%w: producer region of %d bytes (want 0..16 GiB)", ErrUsage, c.RemoteRegion)
 	}
@@ -233,6 +239,7 @@ func ParseRunFlags(args []string, stderr io.Writer) (Config, error) {
 	fs.IntVar(&c.CopyWorkers, "copy-workers", 0, fmt.Sprintf("direct mode: copy threads for READs above --inline-bytes (0: %d)", ecxfer.DefaultCopyWorkers))
 	fs.IntVar(&c.InlineBytes, "inline-bytes", 0, fmt.Sprintf("direct mode: largest READ copied inside PostRead (0: %d, -1: none)", ecxfer.DefaultInlineBytes))
 	fs.StringVar(&c.Wait, "wait", c.Wait, "how reactor-mode callers wait: poll (CheckXferState loop) or block (Transport.Wait)")
+	fs.DurationVar(&c.Reactor.WaitSpin, "wait-spin", 0, "with --wait block: how long Transport.Wait checks the READ before it sleeps (0: the reactor's default, 50µs)")
 	noRefs := fs.Bool("no-refs", false, "skip the memcpy and ucx_perftest references")
 	fs.StringVar(&c.JSONFile, "json", "", "write results as JSON to this file")
 	fs.StringVar(&c.SVGFile, "svg", "", "write latency CDFs and throughput charts as SVG to this file")

@@ -28,7 +28,8 @@
 //
 // Callers wait the same way in every mode: a burst of back-to-back state
 // checks, then one check per runtime.Gosched (with Config.Wait "block",
-// reactor and direct callers block in Transport.Wait instead).
+// reactor and direct callers block in Transport.Wait instead, which checks
+// for Config.Reactor.WaitSpin before it sleeps).
 //
 // Each cell's Duration is split into Config.Rounds rounds; the modes run
 // in turn within a round, in reverse order every other round, and each row

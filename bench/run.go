@@ -155,6 +155,9 @@ func (s *session) addNotes() {
 	callers := "callers poll the READ's state, yielding between polls"
 	if cfg.Wait == "block" {
 		callers = "reactor and direct callers block in Transport.Wait; locked and raw callers poll the READ's state, yielding between polls"
+		if spin := cfg.Reactor.WaitSpin; spin > 0 {
+			callers = fmt.Sprintf("reactor and direct callers block in Transport.Wait (checking for %v before they sleep); locked and raw callers poll the READ's state, yielding between polls", spin)
+		}
 	}
 	s.rep.Notes = append(s.rep.Notes,
 		"latency READs carry no notification; image, fanin and notif READs carry one (as vLLM's do)",

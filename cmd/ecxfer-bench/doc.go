@@ -7,7 +7,7 @@
 //	ecxfer-bench run [--workloads latency,image,fanin,notif] [--modes reactor,direct,locked,raw]
 //	                 [--backend ucx|loopback|nixl] [--duration D] [--warmup D] [--rounds N]
 //	                 [--reactor-cpu N] [--numa-node N] [--idle spin|yield|park|hybrid]
-//	                 [--batch N] [--producer-idle S] [--wait poll|block]
+//	                 [--batch N] [--producer-idle S] [--wait poll|block] [--wait-spin D]
 //	                 [--copy-workers N] [--inline-bytes N]
 //	                 [--connect HOST:PORT] [--no-refs] [--json FILE] [--svg FILE]
 //	                 [--cpuprofile FILE] [--memprofile FILE] [--quiet]
