@@ -547,9 +547,11 @@ func (r *Reactor) onCancel(h uint64) {
 	if s.job != nil {
 		if s.job.running {
 			// endJob frees the slot when the copy ends; this entry is
-			// drained, so the slot may be claimed again then. A Wait
-			// blocked on the handle sees it released now.
+			// drained, so the slot may be claimed again then. The chunks
+			// not started yet are skipped, and Release, which waits for
+			// the slot to be freed, returns after the running ones.
 			s.cancelDrained = true
+			s.job.stop.Store(true)
 			r.ended = true
 			return
 		}

@@ -348,8 +348,12 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 		// few and reused; slots are many); the reactor hands it to the
 		// copy workers.
 		s.job = r.newJob(h, p, loc, localIdx, remoteIdx, notif)
+		s.pooled.Store(true)
 	} else {
 		s.job = nil
+		if s.pooled.Load() {
+			s.pooled.Store(false)
+		}
 		s.notif = fillMsg(s.notif, notif)
 		setIdx(&s.localIdx, &s.homeLocal, localIdx)
 		setIdx(&s.remoteIdx, &s.homeRemote, remoteIdx)
@@ -505,7 +509,9 @@ func (r *Reactor) State(h uint64) (State, error) {
 }
 
 // Release frees a handle. A finished transfer's slot is freed at once; an
-// in-flight one is canceled by the reactor. A second release of the same
+// in-flight one is canceled by the reactor. For a direct READ on the copy
+// pool Release returns only once its copy has stopped (awaitStopped), so
+// nothing writes its local blocks afterwards. A second release of the same
 // handle returns ErrBadHandle.
 func (r *Reactor) Release(h uint64) error {
 	if r.closing.Load() {
@@ -530,10 +536,32 @@ func (r *Reactor) Release(h uint64) error {
 					panic("reactor: cancel ring full: a slot was freed before its cancel entry was drained")
 				}
 				r.wake()
+				if s.pooled.Load() {
+					r.awaitStopped(h)
+				}
 				return nil
 			}
 		default:
 			return ErrBadHandle
+		}
+	}
+}
+
+// awaitStopped returns once the released READ h no longer holds
+// the slot: a direct READ's copy writes its local blocks until it stops,
+// and the slot is freed only then (endJob, onCancel). The chunks already
+// running finish; onCancel has the rest skipped.
+func (r *Reactor) awaitStopped(h uint64) {
+	w := r.addWaiter()
+	defer r.dropWaiter(w)
+	for {
+		if s, word := r.tab.lookup(h); s == nil || wordState(word) != stCanceling {
+			return
+		}
+		select {
+		case <-w.ch:
+		case <-r.done:
+			return
 		}
 	}
 }

@@ -79,6 +79,10 @@ type slot struct {
 	// run is the copy of a direct READ while the pool runs it, for callers
 	// that check the READ to help with (State). Written by the loop.
 	run atomic.Pointer[copypool.Job]
+	// pooled: the READ is a direct one for the copy workers (set by Post
+	// before the handle is published). Release waits for such a READ's
+	// copy to stop.
+	pooled atomic.Bool
 
 	// reactor-only
 	job  *dirJob // the copy of a direct READ, while it runs

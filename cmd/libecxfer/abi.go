@@ -238,7 +238,8 @@ func ecx_wait(t C.uint64_t, h C.uint64_t, timeoutNs C.int64_t) C.int {
 	return C.int(st)
 }
 
-// ecx_release frees a handle, canceling its READ if in flight.
+// ecx_release frees a handle, canceling its READ if in flight (a direct
+// READ on the copy workers: once its copy has stopped).
 //
 //export ecx_release
 func ecx_release(t C.uint64_t, h C.uint64_t) C.int {
