@@ -9,6 +9,7 @@ import "C"
 
 import (
 	"fmt"
+	"sync"
 	"time"
 	"unsafe"
 )
@@ -42,7 +43,8 @@ func bytesArg(p unsafe.Pointer, n C.int64_t) ([]byte, error) {
 	return unsafe.Slice((*byte)(p), int(n)), nil
 }
 
-// indexArg borrows n int64 indices at p for the duration of the call.
+// indexArg borrows n int64 indices at p for the duration of the call (to
+// be read once: see copyIdx).
 func indexArg(p *C.int64_t, n C.int64_t) ([]int, error) {
 	switch {
 	case n < 0 || n > maxLen/8:
@@ -53,6 +55,30 @@ func indexArg(p *C.int64_t, n C.int64_t) ([]int, error) {
 		return nil, fmt.Errorf("%w: null index array with count %d", errBadArg, int64(n))
 	}
 	return unsafe.Slice((*int)(unsafe.Pointer(p)), int(n)), nil
+}
+
+// idxCopies are the Go copies of a post's index lists. The caller's arrays
+// are read once, into these: another thread of the caller writing them
+// during the call (Python releases the GIL here) could otherwise change an
+// index between the reactor's check of it and its use, and an index never
+// checked would reach the copy or the engine. Copies of more than
+// keepIdx indices are not kept.
+var idxCopies = sync.Pool{New: func() any { return new([]int) }}
+
+const keepIdx = 1 << 14
+
+// copyIdx returns a Go copy of idx in a buffer from idxCopies; put it back
+// with putIdx when the call is done with it.
+func copyIdx(idx []int) *[]int {
+	b := idxCopies.Get().(*[]int)
+	*b = append((*b)[:0], idx...)
+	return b
+}
+
+func putIdx(b *[]int) {
+	if cap(*b) <= keepIdx {
+		idxCopies.Put(b)
+	}
 }
 
 // giveBytes hands the bytes get returns to the caller as malloc'd memory at
@@ -206,7 +232,10 @@ func ecx_post_read(t C.uint64_t, local *C.int64_t, nLocal C.int64_t, peer C.uint
 	if err != nil {
 		return C.int64_t(fail(err))
 	}
-	h, err := postRead(uint64(t), l, uint64(peer), r, msg)
+	lc, rc := copyIdx(l), copyIdx(r)
+	h, err := postRead(uint64(t), *lc, uint64(peer), *rc, msg)
+	putIdx(lc)
+	putIdx(rc)
 	if err != nil {
 		return C.int64_t(fail(err))
 	}

@@ -73,8 +73,12 @@ def _indices(x: Any):
     struct cannot pack, go through one array('q'), which says what is
     wrong with them."""
     if type(x) is array.array and x.typecode in _I64_CODES:
+        # The memoryview exports the array's buffer until the call is
+        # done: another thread's extend() cannot move it meanwhile (it
+        # raises BufferError instead).
+        pin = memoryview(x)
         addr, n = x.buffer_info()
-        return x, addr, n
+        return (x, pin), addr, n
     ai = getattr(x, "__array_interface__", None)
     if ai is not None and ai.get("typestr") == "<i8" and ai.get("strides") is None:
         shape = ai.get("shape") or (0,)

@@ -1,0 +1,84 @@
+"""Other threads of the caller changing what a call was given while the
+call runs (the GIL is released during library calls): the process must
+not crash, and an index nobody checked must not reach a copy or the
+engine."""
+
+import array
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import PYDIR, child_env
+from ecxfer import transport
+
+# One thread flips local index 7 between 7 and 2**40 while the main thread
+# posts READs with that array for two seconds. Each READ is either refused
+# as out of range or reads the index the library copied: DONE. The library
+# used to read the caller's array twice (check, then use), and a flip in
+# between crashed the process (a Go bounds panic on the direct path) or
+# ended the READ as an engine error.
+FLIPPER = r"""
+import array, json, sys, threading, time
+import ecxfer
+opts = json.loads(sys.argv[1])
+p = ecxfer.EcxferDataTransport("flip-prod", 0, 16, 64, 16 * 64, **opts)
+c = ecxfer.EcxferDataTransport("flip-cons", 0, 16, 64, 16 * 64, **opts)
+name = c.add_remote_peer(p.get_agent_metadata(), p.get_mem_descriptor())
+local = array.array("q", range(8))
+remote = list(range(8))
+stop = False
+def flip():
+    while not stop:
+        local[7] = 1 << 40
+        local[7] = 7
+threading.Thread(target=flip, daemon=True).start()
+out = {"posted": 0, "refused": 0, "other": [], "states": {}}
+end = time.monotonic() + 2
+while time.monotonic() < end:
+    try:
+        h = c.post_read(local, name, remote, b"")
+    except ecxfer.IndexRangeError:
+        out["refused"] += 1
+        continue
+    except Exception as e:
+        out["other"].append(repr(e))
+        continue
+    out["posted"] += 1
+    st = c.wait(h, 10)
+    out["states"][st] = out["states"].get(st, 0) + 1
+    if st != "DONE":
+        out["other"].append(repr(c.xfer_error(h)))
+    c.release_xfer_handle(h)
+stop = True
+c.deregister()
+p.deregister()
+print("@@ " + json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("opts", [{"direct": "on"}, {"backend": "loopback"}], ids=["direct", "loopback"])
+def test_indices_changed_during_post(opts):
+    r = subprocess.run(
+        [sys.executable, "-c", FLIPPER, json.dumps(opts)],
+        env=child_env(), capture_output=True, text=True, timeout=120, cwd=str(PYDIR),
+    )
+    assert r.returncode == 0, f"exit {r.returncode}: {r.stderr[-3000:]}"
+    out = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("@@ ")][-1][3:])
+    assert out["other"] == [], out["other"][:5]
+    assert out["posted"] > 0 and out["refused"] > 0, out
+    assert out["states"] == {"DONE": out["posted"]}
+
+
+def test_array_pinned_during_post():
+    """An array('q') passed in place cannot be resized (moved) by another
+    thread while the call holds its address."""
+    a = array.array("q", range(8))
+    keep, addr, n = transport._indices(a)
+    assert (addr, n) == a.buffer_info()
+    with pytest.raises(BufferError):
+        a.extend([8])
+    del keep
+    a.extend([8])
+    assert len(a) == 9
