@@ -90,6 +90,7 @@ def load() -> ctypes.CDLL:
 
 
 _load_lock = threading.Lock()
+_loading = False  # a thread is loading the library (under _load_lock)
 _after_fork = []  # callables run in a child forked after the library was loaded
 
 
@@ -99,11 +100,18 @@ def get():
     lib = globals().get("lib")
     if lib is not None:
         return lib
+    global _loading
     with _load_lock:
         lib = globals().get("lib")
         if lib is None:
-            lib = load()
-            globals()["lib"] = lib
+            # A fork from another thread from here on leaves a child
+            # with the library (half) loaded: _forked_child sees the flag.
+            _loading = True
+            try:
+                lib = load()
+                globals()["lib"] = lib
+            finally:
+                _loading = False
     return lib
 
 
@@ -139,8 +147,15 @@ class _Forked:
 
 
 def _forked_child() -> None:
-    if not loaded():
+    global _load_lock
+    # The parent's lock may have been held by a thread the child does not
+    # have (one loading the library): the child's first load would wait
+    # on it forever.
+    _load_lock = threading.Lock()
+    if not loaded() and not _loading:
         return  # nothing inherited: the child loads its own copy on first use
+    # Loaded, or being loaded when the parent forked: Go's runtime may be
+    # up (or starting) in the parent and is not in the child.
     globals()["lib"] = _Forked()
     for f in _after_fork:
         f()

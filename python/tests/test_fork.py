@@ -144,10 +144,40 @@ print("@@ " + json.dumps(out))
 '''
 
 
-def run(script):
+# Another thread loads the library (the first transport) while the main
+# thread forks. The child, whose copy of the library may be half started,
+# gets ForkedError, or loads its own copy if the fork came before the load
+# began; it never hangs. (The load lock used to be inherited held, and the
+# child's first transport waited on it forever.)
+FORK_WHILE_LOADING = PRELUDE + r'''
+import threading
+delay = float(sys.argv[1])
+loader = threading.Thread(target=_lib.get)
+loader.start()
+time.sleep(delay)
+
+def child():
+    try:
+        t = transport("child-0")
+    except ecxfer.ForkedError:
+        return "ForkedError"
+    st = roundtrip(t)
+    t.deregister()
+    return st
+
+out["child"] = run_child(child, deadline=20)
+loader.join()
+t = transport("parent-0")
+out["parent_state"] = roundtrip(t)
+t.deregister()
+print("@@ " + json.dumps(out))
+'''
+
+
+def run(script, *args):
     env = child_env({"ECXFER_VLLM": ""})
     env["PYTHONPATH"] = os.pathsep.join([STUB, str(PYDIR), str(HELPERS)])
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180, cwd="/")
+    r = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=180, cwd="/")
     assert r.returncode == 0, r.stderr
     return json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("@@ ")][-1][3:])
 
@@ -178,3 +208,15 @@ def test_fork_after_first_transport():
     # The child's deregister and its exit touched nothing of the parent's.
     assert out["parent_state"] == "DONE"
     assert out["parent_peers"] == 1
+
+
+def test_fork_while_another_thread_loads():
+    seen = set()
+    for delay in ("0", "0", "0", "0.0005", "0.001", "0.002"):
+        out = run(FORK_WHILE_LOADING, delay)
+        code, res = out["child"]
+        assert code == 0, (delay, code, res)
+        assert res in ("ForkedError", "DONE"), (delay, res)
+        seen.add(res)
+        assert out["parent_state"] == "DONE"
+    assert "ForkedError" in seen
