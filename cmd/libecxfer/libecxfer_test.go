@@ -322,3 +322,56 @@ func runLocked(f func() string) string {
 	defer runtime.UnlockOSThread()
 	return f()
 }
+
+// An add of a name from one thread while another thread removes it: the
+// add runs inside the removal (between the transport's removal and the
+// ids' update), the worst place. Whatever order they end in, a peer the
+// transport holds has a working id. (The add used to find the old id,
+// which the removal then forgot: the transport held the peer and
+// post_read with the id the add returned said unknown peer.)
+func TestAddDuringRemove(t *testing.T) {
+	leakcheck.Check(t)
+	opts := func(name string) []byte {
+		return fmt.Appendf(nil, `{"agent_name":%q,"backend":"loopback","block_size":64,"num_blocks":16}`, name)
+	}
+	p, err := newTransport(opts("arprod"), nil)
+	require.NoError(t, err)
+	c, err := newTransport(opts("arcons"), nil)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, deregister(p)) }()
+	defer func() { require.NoError(t, deregister(c)) }()
+	md, err := blob(p, blobAgentMetadata)
+	require.NoError(t, err)
+	desc, err := blob(p, blobMemDescriptor)
+	require.NoError(t, err)
+	_, _, err = addPeer(c, md, desc)
+	require.NoError(t, err)
+
+	var pid uint64
+	var addErr error
+	added := make(chan struct{})
+	testHookRemoved = func() {
+		testHookRemoved = nil
+		go func() {
+			defer close(added)
+			_, pid, addErr = addPeer(c, md, desc)
+		}()
+		// Give the add time to finish here, were nothing holding it.
+		select {
+		case <-added:
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+	require.NoError(t, removePeer(c, "arprod"))
+	<-added
+	require.NoError(t, addErr)
+	e, err := lookup(c)
+	require.NoError(t, err)
+	require.NotEmpty(t, e.t.PeerPath("arprod"), "the add came last: the transport holds the peer")
+	h, err := postRead(c, []int{1}, pid, []int{1}, nil)
+	require.NoError(t, err, "the id the add returned")
+	st, err := wait(c, uint64(h), 10*time.Second)
+	require.NoError(t, err)
+	require.Equal(t, stateDone, st)
+	require.NoError(t, release(c, uint64(h)))
+}

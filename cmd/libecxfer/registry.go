@@ -18,6 +18,9 @@ import (
 type entry struct {
 	t *ecxfer.Transport
 
+	// peerMu is held across each add and remove, transport call included:
+	// an add and a remove of one name from two threads must not leave the
+	// transport holding the peer while its id is forgotten.
 	peerMu   sync.Mutex
 	byName   map[string]uint64
 	peers    atomic.Pointer[map[uint64]string] // copy on write: PostRead reads it without a lock
@@ -128,12 +131,12 @@ func addPeer(id uint64, metadata, memDesc []byte) (string, uint64, error) {
 	if err != nil {
 		return "", 0, err
 	}
+	e.peerMu.Lock()
+	defer e.peerMu.Unlock()
 	name, err := e.t.AddRemotePeer(metadata, memDesc)
 	if err != nil {
 		return "", 0, err
 	}
-	e.peerMu.Lock()
-	defer e.peerMu.Unlock()
 	if pid, ok := e.byName[name]; ok {
 		return name, pid, nil
 	}
@@ -150,15 +153,22 @@ func addPeer(id uint64, metadata, memDesc []byte) (string, uint64, error) {
 	return name, pid, nil
 }
 
+// testHookRemoved, when set (tests), runs in removePeer between the
+// transport's removal and the ids' update.
+var testHookRemoved func()
+
 // removePeer removes the peer by name and forgets its id.
 func removePeer(id uint64, name string) error {
 	e, err := lookup(id)
 	if err != nil {
 		return err
 	}
-	err = e.t.RemoveRemotePeer(name)
 	e.peerMu.Lock()
 	defer e.peerMu.Unlock()
+	err = e.t.RemoveRemotePeer(name)
+	if testHookRemoved != nil {
+		testHookRemoved()
+	}
 	if pid, ok := e.byName[name]; ok {
 		delete(e.byName, name)
 		old := *e.peers.Load()
