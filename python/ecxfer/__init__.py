@@ -8,6 +8,7 @@ ecxfer's Go library, loaded through ctypes. Standard library only.
 
 from .errors import (
     BadArgumentError,
+    BadArgumentTypeError,
     BadDescriptorError,
     BadHandleError,
     BadMetadataError,
@@ -32,6 +33,7 @@ __all__ = [
     "EcxferDataTransport",
     "EcxferError",
     "BadArgumentError",
+    "BadArgumentTypeError",
     "BadDescriptorError",
     "BadHandleError",
     "BadMetadataError",

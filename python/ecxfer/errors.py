@@ -85,6 +85,12 @@ class BadArgumentError(EcxferError, ValueError):
     code = _lib.BAD_ARG
 
 
+class BadArgumentTypeError(BadArgumentError, TypeError):
+    """An argument of the wrong type: block indices that are not ints, a
+    notification that is neither bytes-like nor str, a timeout that is not
+    a number."""
+
+
 _BY_CODE = {
     c.code: c
     for c in (

@@ -4,6 +4,8 @@ import array
 import ctypes
 import json
 import logging
+import math
+import operator
 import os
 import struct
 import threading
@@ -12,6 +14,8 @@ from typing import Any
 
 from . import _lib
 from .errors import (
+    BadArgumentError,
+    BadArgumentTypeError,
     BadHandleError,
     ClosedError,
     ConfigError,
@@ -128,8 +132,64 @@ def _q_array(x):
         a = array.array("q", x)
     except OverflowError as e:
         raise IndexRangeError(f"ecxfer: block index out of range: {e}") from None
+    except TypeError as e:
+        raise BadArgumentTypeError(f"ecxfer: block indices must be ints: {e}") from None
     addr, n = a.buffer_info()
     return a, addr, n
+
+
+def _int_arg(name: str, v: Any, end: int) -> int:
+    """v as an int in [0, end), or ConfigError: ctypes would wrap a value
+    out of its C type's range silently (2**64 + 256 bytes would pass as
+    256)."""
+    try:
+        i = operator.index(v)
+    except TypeError:
+        raise ConfigError(f"ecxfer: bad config: {name} {v!r} is not an int") from None
+    if not 0 <= i < end:
+        raise ConfigError(f"ecxfer: bad config: {name} {i} out of range 0..{end - 1}")
+    return i
+
+
+def _blob_arg(name: str, v: Any) -> bytes:
+    """A bytes-like argument as bytes (an int would make that many zero
+    bytes, None a TypeError)."""
+    if type(v) is bytes:
+        return v
+    try:
+        return bytes(memoryview(v))
+    except TypeError:
+        raise BadArgumentTypeError(f"ecxfer: {name} is bytes, not {type(v).__name__}") from None
+
+
+def _notif_bytes(msg: Any) -> bytes:
+    """A notification as bytes: str is UTF-8 encoded, None is none, any
+    other bytes-like object is copied; anything else (an int would make
+    that many zero bytes) is refused."""
+    if msg is None:
+        return b""
+    if isinstance(msg, str):
+        return msg.encode()
+    try:
+        return bytes(memoryview(msg))
+    except TypeError:
+        raise BadArgumentTypeError(f"ecxfer: a notification is bytes or str, not {type(msg).__name__}") from None
+
+
+def _timeout_ns(timeout: Any, least: int) -> int:
+    """Seconds (None or infinite: no limit) as nanoseconds for the
+    library, at least least; -1 is no limit."""
+    if timeout is None:
+        return -1
+    try:
+        t = float(timeout)
+    except (TypeError, ValueError):
+        raise BadArgumentTypeError(f"ecxfer: timeout {timeout!r} is not a number of seconds") from None
+    if math.isnan(t):
+        raise BadArgumentError("ecxfer: timeout is NaN")
+    if t * 1e9 >= 2**63:
+        return -1  # beyond 292 years: no limit
+    return max(least, int(t * 1e9))
 
 
 def _options_from_env() -> dict:
@@ -139,9 +199,9 @@ def _options_from_env() -> dict:
     try:
         opts = json.loads(raw)
     except ValueError as e:
-        raise ValueError(f"ECXFER_OPTIONS is not JSON: {e}") from None
+        raise ConfigError(f"ecxfer: bad config: ECXFER_OPTIONS is not JSON: {e}") from None
     if not isinstance(opts, dict):
-        raise ValueError("ECXFER_OPTIONS must be a JSON object")
+        raise ConfigError("ecxfer: bad config: ECXFER_OPTIONS must be a JSON object")
     return opts
 
 
@@ -192,8 +252,8 @@ class EcxferDataTransport(_Base):
             opts.setdefault("copy_workers", num_threads)
         opts.update(agent_name=agent_name, block_size=int(block_size_bytes), num_blocks=int(num_blocks))
         raw = json.dumps(opts).encode()
-        region = int(base_ptr or 0)
-        size = int(total_size_bytes or 0)
+        region = _int_arg("base_ptr", base_ptr or 0, 1 << 64)
+        size = _int_arg("total_size_bytes", total_size_bytes or 0, 1 << 63)
         if region == 0:
             size = 0
         _bind()
@@ -226,8 +286,8 @@ class EcxferDataTransport(_Base):
         """Load a peer's metadata and msgpack block list; return its name.
         Bad input raises BadMetadataError or BadDescriptorError (both
         ValueError)."""
-        md = bytes(metadata)
-        desc = bytes(mem_descriptor)
+        md = _blob_arg("metadata", metadata)
+        desc = _blob_arg("mem_descriptor", mem_descriptor)
         name = ctypes.create_string_buffer(260)
         pid = ctypes.c_uint64()
         rc = _lib_.ecx_add_peer(self._t, md, len(md), desc, len(desc), name, len(name), ctypes.byref(pid))
@@ -260,7 +320,10 @@ class EcxferDataTransport(_Base):
         (UnknownPeerError) for an unknown agent, IndexError
         (IndexRangeError) for an index out of range, ClosedError after
         deregister()."""
-        n, m = len(local_indices), len(remote_indices)
+        try:
+            n, m = len(local_indices), len(remote_indices)
+        except TypeError as e:
+            raise BadArgumentTypeError(f"ecxfer: block indices are a sized sequence of ints: {e}") from None
         if n != m:
             raise IndexMismatchError(f"EC: local/remote block count mismatch ({n} vs {m})")
         pid = self._peers.get(agent_name)
@@ -273,7 +336,7 @@ class EcxferDataTransport(_Base):
         if ln != rn:  # a 2-D array has a len() other than its count
             raise IndexMismatchError(f"EC: local/remote block count mismatch ({ln} vs {rn})")
         if type(notif_msg) is not bytes:
-            notif_msg = notif_msg.encode() if isinstance(notif_msg, str) else bytes(notif_msg or b"")
+            notif_msg = _notif_bytes(notif_msg)
         h = _post(self._t, la, ln, pid, ra, rn, notif_msg, len(notif_msg))
         if h <= 0:
             raise from_code(h)
@@ -346,8 +409,7 @@ class EcxferDataTransport(_Base):
         seconds pass; return its state as check_xfer_state does."""
         if type(handle) is not int or handle <= 0 or handle >= 1 << 64:
             return "ERR"
-        ns = -1 if timeout is None else max(0, int(timeout * 1e9))
-        st = _lib_.ecx_wait(self._t, handle, ns)
+        st = _lib_.ecx_wait(self._t, handle, _timeout_ns(timeout, 0))
         if st >= 0:
             return _STATES[st]
         _lib.last_error()
@@ -356,8 +418,7 @@ class EcxferDataTransport(_Base):
     def wait_notifs(self, timeout: float | None = None) -> dict[str, list[bytes]]:
         """Like get_new_notifs, but block (without the GIL) up to timeout
         seconds (None: no limit) for the first notification."""
-        ns = -1 if timeout is None else max(1, int(timeout * 1e9))
-        return self._notifs(ns)
+        return self._notifs(_timeout_ns(timeout, 1))
 
     def stats(self) -> dict[str, int]:
         """The transport's counters (reads posted/done/failed, live

@@ -283,8 +283,11 @@ def test_options_from_environment(region, monkeypatch):
         EcxferDataTransport(agent_name="e1", **kw)
     EcxferDataTransport(agent_name="e2", idle="park", **kw).deregister()  # keywords win
     monkeypatch.setenv("ECXFER_OPTIONS", "not json")
-    with pytest.raises(ValueError, match="ECXFER_OPTIONS"):
+    with pytest.raises(ecxfer.ConfigError, match="ECXFER_OPTIONS"):  # a ValueError too
         EcxferDataTransport(agent_name="e3", **kw)
+    monkeypatch.setenv("ECXFER_OPTIONS", "[]")
+    with pytest.raises(ecxfer.ConfigError, match="JSON object"):
+        EcxferDataTransport(agent_name="e4", **kw)
 
 
 def test_nixl_backend_without_nixl(region, monkeypatch, tmp_path):
@@ -330,3 +333,48 @@ def test_num_threads_sets_copy_workers(region):
     for bad in (0, -1, 2.5, "2", True):
         with pytest.raises(ecxfer.ConfigError, match="num_threads"):
             EcxferDataTransport(agent_name="ntbad", num_threads=bad, **kw)
+
+
+def test_bad_arguments_are_ecxfer_errors(pair, region):
+    """Arguments of the wrong type or range raise ecxfer errors (the README
+    promises every exception is one), and nothing is silently bent into
+    something else."""
+    _, _, cons, _, peer, _ = pair
+    with pytest.raises(ecxfer.BadArgumentTypeError, match="ints"):
+        cons.post_read([1.0], peer, [0], b"")
+    with pytest.raises(TypeError):  # still a TypeError too
+        cons.post_read([None], peer, [0], b"")
+    with pytest.raises(ecxfer.BadArgumentTypeError, match="sized"):
+        cons.post_read(None, peer, None, b"")
+    # An int is not a notification (bytes(3) would send three zero bytes).
+    with pytest.raises(ecxfer.BadArgumentTypeError, match="notification"):
+        cons.post_read([0], peer, [0], 3)
+    h = cons.post_read([0], peer, [0], bytearray(b"s:h"))  # any bytes-like is
+    assert cons.wait(h, 10) == "DONE"
+    cons.release_xfer_handle(h)
+    assert cons.stats()["reads_posted"] == 1
+    with pytest.raises(ecxfer.BadArgumentTypeError, match="metadata"):
+        cons.add_remote_peer(None, b"")
+    with pytest.raises(ecxfer.BadArgumentTypeError, match="mem_descriptor"):
+        cons.add_remote_peer(b"x", 5)
+    # Timeouts: infinite is no limit, NaN and non-numbers are refused.
+    h = cons.post_read([1], peer, [1], b"")
+    assert cons.wait(h, float("inf")) == "DONE"
+    cons.release_xfer_handle(h)
+    with pytest.raises(ecxfer.BadArgumentError, match="NaN"):
+        cons.wait(h, float("nan"))
+    with pytest.raises(ecxfer.BadArgumentTypeError):
+        cons.wait_notifs("soon")
+    # ctypes would wrap these: 2**64 + 256 bytes passed as 256, a base of
+    # 2**64 as NULL (a region of the transport's own).
+    n, bs = 4, 4096
+    r = region(n * bs)
+    kw = dict(agent_name="range-0", num_blocks=n, block_size_bytes=bs)
+    with pytest.raises(ecxfer.ConfigError, match="total_size_bytes"):
+        EcxferDataTransport(base_ptr=r.addr, total_size_bytes=2**64 + 256, **kw)
+    with pytest.raises(ecxfer.ConfigError, match="base_ptr"):
+        EcxferDataTransport(base_ptr=2**64, total_size_bytes=n * bs, **kw)
+    with pytest.raises(ecxfer.ConfigError, match="base_ptr"):
+        EcxferDataTransport(base_ptr=-4096, total_size_bytes=n * bs, **kw)
+    with pytest.raises(ecxfer.ConfigError, match="base_ptr"):
+        EcxferDataTransport(base_ptr=1.5, total_size_bytes=n * bs, **kw)
