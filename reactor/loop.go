@@ -815,6 +815,7 @@ func (r *Reactor) teardown() error {
 	// Notifications a direct peer's socket has not taken yet are sent
 	// first, while the peers are still known alive (the engine's are
 	// already in its queues).
+	flushUntil := time.Now().Add(time.Second)
 	r.flushNotifs(time.Second)
 	for {
 		n := r.cancel.Drain(r.batch)
@@ -855,6 +856,10 @@ func (r *Reactor) teardown() error {
 	}
 	// Copies write into the local region, which goes with the engine.
 	r.waitDirect()
+	// An inline READ that passed Post's closing check before Close began
+	// may have ended DONE and queued its notification after the flush
+	// above: send those too, within what is left of the second.
+	r.flushNotifs(max(0, time.Until(flushUntil)))
 	if r.dir != nil {
 		r.dir.ns.close()
 	}
