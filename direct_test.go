@@ -930,6 +930,45 @@ func TestDirectAdvertMustNameTheMetadataProcess(t *testing.T) {
 	require.Equal(t, "direct-file", cons.PeerPath(name))
 }
 
+// A same-host producer's advertisement must name the file window the
+// producer itself maps at the advertised address: one naming another file
+// this process may read (another tenant's region), or the producer's own
+// file at another offset, is refused, and nothing of that file is read.
+// (It used to be mapped and read, its bytes handed out as the producer's.)
+func TestDirectAdvertMustBeTheProducersFile(t *testing.T) {
+	leakcheck.Check(t)
+	e := env{t: t, backend: "ucx"}
+	const bs, nb = 4096, 16
+	mem, _ := shmRegion(t, 2*bs*nb) // the region is the file's first half
+	prod := e.transport(uniqueName("fprod"), bs, nb, direct, func(c *Config) { c.Region = mem[:bs*nb] })
+	cons := e.transport(uniqueName("fcons"), bs, nb, direct)
+	other, otherPath := shmRegion(t, 2*bs*nb)
+	pattern.FillRegion(other, 42, bs)
+	var st unix.Stat_t
+	require.NoError(t, unix.Stat(otherPath, &st))
+	md, adv, err := shmview.Split(prod.AgentMetadata())
+	require.NoError(t, err)
+	require.NotNil(t, adv)
+	require.Equal(t, shmview.KindFile, adv.Kind)
+
+	foreign := *adv
+	foreign.Path, foreign.Dev, foreign.Ino, foreign.Offset = otherPath, st.Dev, st.Ino, 0
+	shifted := *adv
+	shifted.Offset += bs
+	for name, forged := range map[string]*shmview.Advert{"another file": &foreign, "another offset": &shifted} {
+		before := shmview.Mapped()
+		_, err = cons.AddRemotePeer(shmview.Wrap(md, forged), prod.MemDescriptor())
+		require.Error(t, err, name)
+		require.ErrorContains(t, err, "process", name)
+		require.ErrorContains(t, err, "maps", name)
+		require.Zero(t, cons.Stats().Peers, name)
+		require.Equal(t, before, shmview.Mapped(), "%s: a view stayed mapped", name)
+	}
+	name, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+	require.NoError(t, err)
+	require.Equal(t, "direct-file", cons.PeerPath(name))
+}
+
 // An inline READ's notification leaves from PostRead itself, after the
 // READ is published DONE: the consumer's reactor, idle between sporadic
 // READs, is not in its way.

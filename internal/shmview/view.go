@@ -6,11 +6,13 @@ import (
 	"fmt"
 	"os"
 	"slices"
+	"strconv"
 	"sync/atomic"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/ecxfer/ecxfer/descriptors"
+	"github.com/ecxfer/ecxfer/internal/procmaps"
 )
 
 // ErrIdentity reports a file that is not the one advertised, or too small
@@ -37,7 +39,8 @@ var mapped atomic.Int64
 func Mapped() int64 { return mapped.Load() }
 
 // Open maps an advertised file region read-only. The opened file must have
-// the advertised identity and hold the whole window.
+// the advertised identity and hold the whole window, and the advertised
+// process must map that window at the advertised address.
 func Open(a *Advert) (*View, error) {
 	if err := a.Validate(); err != nil {
 		return nil, err
@@ -72,6 +75,9 @@ func Open(a *Advert) (*View, error) {
 		return nil, fmt.Errorf("%w: %s is not a regular file", ErrIdentity, a.Path)
 	case st.Size < 0 || uint64(st.Size) < a.Offset+a.Size:
 		return nil, fmt.Errorf("%w: %s has %d bytes, window ends at %d", ErrIdentity, a.Path, st.Size, a.Offset+a.Size)
+	}
+	if err := a.mappedBy(); err != nil {
+		return nil, err
 	}
 	// Reopened through the O_PATH descriptor: the same inode, whatever
 	// the path names by now.
@@ -227,4 +233,33 @@ func (v *View) Populate(descs descriptors.List) uint64 {
 		total += s[1] - s[0]
 	}
 	return total
+}
+
+// mappedBy checks that the advertised process maps the advertised file
+// window at Base: every mapping of [Base, Base+Size) in it is of that file
+// (device and inode) at the matching offset. Otherwise the advertisement
+// could point this process at any file it may read (another tenant's
+// region, a file of its own) and READs would hand that out as the
+// producer's blocks. A process whose mappings cannot be read is refused.
+func (a *Advert) mappedBy() error {
+	m, err := procmaps.Open(strconv.FormatUint(uint64(a.PID), 10))
+	if err != nil {
+		return fmt.Errorf("%w: cannot read the mappings of process %d: %v", ErrIdentity, a.PID, err)
+	}
+	defer m.Close()
+	for addr, end := a.Base, a.Base+a.Size; addr < end; {
+		sp, err := m.At(addr)
+		if err != nil {
+			return fmt.Errorf("%w: cannot read the mappings of process %d: %v", ErrIdentity, a.PID, err)
+		}
+		if sp == nil {
+			return fmt.Errorf("%w: process %d maps nothing at %#x, inside its advertised region", ErrIdentity, a.PID, addr)
+		}
+		if sp.Dev != a.Dev || sp.Ino != a.Ino || sp.Offset+(addr-sp.Start) != a.Offset+(addr-a.Base) {
+			return fmt.Errorf("%w: process %d maps (%#x, %d) at offset %d at %#x, advertised %s (%#x, %d) at offset %d",
+				ErrIdentity, a.PID, sp.Dev, sp.Ino, sp.Offset+(addr-sp.Start), addr, a.Path, a.Dev, a.Ino, a.Offset+(addr-a.Base))
+		}
+		addr = sp.End
+	}
+	return nil
 }
