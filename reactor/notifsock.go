@@ -305,14 +305,20 @@ func (ns *notifSock) flush() (sent bool, failed int) {
 	return sent, failed
 }
 
-// recv reads every datagram waiting and hands each to deliver; malformed
-// ones are counted in bad, ones without our key in keyless. The caller
-// holds recvMu.
+// maxRecvDgrams bounds the datagrams one recv reads: the socket's address
+// is public, and a local process sending keyless datagrams as fast as it
+// can would otherwise keep a NewNotifs caller (or the reactor's turn) in
+// recv for as long as it kept sending. What is left is read next time.
+const maxRecvDgrams = 1024
+
+// recv reads the datagrams waiting, at most maxRecvDgrams, and hands each
+// to deliver; malformed ones are counted in bad, ones without our key in
+// keyless. The caller holds recvMu.
 func (ns *notifSock) recv(deliver func(sender string, msg []byte)) (got, bad, keyless int) {
 	if ns.rfd < 0 {
 		return 0, 0, 0
 	}
-	for {
+	for range maxRecvDgrams {
 		// MSG_TRUNC: n is the datagram's real length, so one longer than
 		// the buffer (no sender of ours writes one) is seen, not cut.
 		// recvfrom without an address: unix.Recvfrom allocates one per call.
@@ -340,4 +346,5 @@ func (ns *notifSock) recv(deliver func(sender string, msg []byte)) (got, bad, ke
 		}
 		got += k
 	}
+	return got, bad, keyless
 }

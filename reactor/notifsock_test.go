@@ -201,6 +201,44 @@ func TestNotifSockTruncated(t *testing.T) {
 	}
 }
 
+// recv stops after maxRecvDgrams datagrams, however fast they keep coming
+// (here each delivery sends the next), and leaves the rest for next time.
+func TestNotifSockRecvBounded(t *testing.T) {
+	rx, err := ListenNotify()
+	if err != nil {
+		t.Fatal(err)
+	}
+	recv, err := newNotifSock(rx.fd, rx.Key, "producer")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer recv.close()
+	fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_DGRAM, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fd)
+	to := &unix.SockaddrUnix{Name: shmview.NotifyAddr(uint32(unix.Getpid()), rx.Token)}
+	dgram := appendNotifDgram(nil, &rx.Key, "c", []byte("again"))
+	if err := unix.Sendto(fd, dgram, 0, to); err != nil {
+		t.Fatal(err)
+	}
+	delivered := 0
+	again := func(string, []byte) {
+		delivered++
+		if err := unix.Sendto(fd, dgram, 0, to); err != nil {
+			t.Fatal(err)
+		}
+	}
+	got, bad, keyless := recv.recv(again)
+	if got != maxRecvDgrams || delivered != maxRecvDgrams || bad != 0 || keyless != 0 {
+		t.Fatalf("got %d, delivered %d, bad %d, keyless %d; want %d delivered", got, delivered, bad, keyless, maxRecvDgrams)
+	}
+	if got, _, _ := recv.recv(func(string, []byte) {}); got != 1 {
+		t.Fatalf("the datagram left behind: got %d, want 1", got)
+	}
+}
+
 // One producer that stops reading its socket holds back its own
 // notifications only: another producer gets each of its notifications at
 // the first send, while the stalled one's wait in order, and arrive, in
