@@ -56,4 +56,3 @@ func TestLyingMetadata(t *testing.T) {
 		require.Equal(t, prod.Name(), got)
 	}
 }
-
