@@ -191,6 +191,8 @@ type Transport struct {
 	md      []byte
 	memDesc []byte
 	closed  atomic.Bool
+	// deregistered is closed when the first Deregister has finished.
+	deregistered chan struct{}
 
 	direct bool           // the direct path is on
 	host   shmview.Host   // this process's host, for the same-host check
@@ -218,7 +220,7 @@ func New(cfg Config) (*Transport, error) {
 	if err != nil {
 		return nil, err
 	}
-	t := &Transport{cfg: cfg, agent: agent}
+	t := &Transport{cfg: cfg, agent: agent, deregistered: make(chan struct{})}
 	if err := t.startDirect(); err != nil {
 		_ = agent.Close()
 		return nil, err
@@ -525,9 +527,13 @@ func (t *Transport) AgentName() string { return t.cfg.AgentName }
 // reporting the final figures.
 func (t *Transport) Deregister() error {
 	if t.closed.Swap(true) {
-		<-t.r.Done()
+		// Returns once the first call has finished all of it (copy
+		// workers joined, region let go), not just the reactor: a caller
+		// may unmap its Config.Region when this returns.
+		<-t.deregistered
 		return nil
 	}
+	defer close(t.deregistered)
 	err := t.r.Close()
 	t.closePool()
 	t.region.Store(nil)

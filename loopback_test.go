@@ -530,3 +530,47 @@ func TestWaitNotifsClosed(t *testing.T) {
 		t.Fatal("WaitNotifs did not return after Deregister")
 	}
 }
+
+// After Deregister, PeerStats still reports the peers the transport had,
+// with their final counters, as Stats does (it used to return none).
+func TestPeerStatsAfterDeregister(t *testing.T) {
+	_, cons, pname := loopbackPair(t, 1024, 8)
+	h, err := cons.PostRead([]int{0}, pname, []int{1}, []byte("n"))
+	require.NoError(t, err)
+	st, err := wait(t, cons, h)
+	require.NoError(t, err)
+	require.Equal(t, StateDone, st)
+	require.NoError(t, cons.ReleaseXferHandle(h))
+	before := cons.PeerStats(nil)
+	require.Len(t, before, 1)
+	require.NoError(t, cons.Deregister())
+	after := cons.PeerStats(nil)
+	require.Equal(t, before, after)
+	require.Equal(t, uint64(1), after[0].ReadsDone)
+	require.Equal(t, uint64(1024), after[0].BytesRead)
+}
+
+// A Deregister called while another is tearing down returns only once the
+// first has finished everything, the copy workers and the region included
+// (it used to return when the reactor thread had exited, and a caller could
+// unmap its region under the copy workers).
+func TestSecondDeregisterWaitsForTheFirst(t *testing.T) {
+	leakcheck.Check(t)
+	for range 50 {
+		tr, err := New(Config{AgentName: uniqueName("dd"), Backend: "loopback", BlockSize: 4096, NumBlocks: 4,
+			Direct: DirectOn, CopyWorkers: 8})
+		require.NoError(t, err)
+		first := make(chan struct{})
+		go func() {
+			defer close(first)
+			require.NoError(t, tr.Deregister())
+			require.Nil(t, tr.Region())
+		}()
+		for !tr.closed.Load() {
+			runtime.Gosched()
+		}
+		require.NoError(t, tr.Deregister())
+		require.Nil(t, tr.Region(), "the second Deregister returned before the first had finished")
+		<-first
+	}
+}

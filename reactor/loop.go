@@ -869,6 +869,7 @@ func (r *Reactor) teardown() error {
 		r.unwatchPeer(p)
 	}
 	empty := map[string]*Peer{}
+	r.final.Store(r.peers.Load()) // PeerStats keeps reporting them
 	r.peers.Store(&empty)
 	if loc := r.loc.Load(); loc != nil {
 		_ = r.agent.ReleaseDlist(loc.dlist)

@@ -51,7 +51,11 @@ type peerCounters struct {
 
 // PeerStats appends the known peers' state and counters to dst.
 func (r *Reactor) PeerStats(dst []PeerStat) []PeerStat {
-	for _, p := range *r.peers.Load() {
+	peers := r.peers.Load()
+	if f := r.final.Load(); f != nil {
+		peers = f // closed: the peers it had, with their final figures
+	}
+	for _, p := range *peers {
 		st := "up"
 		if p.pc.dead.Load() {
 			st = "dead"

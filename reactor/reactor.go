@@ -120,7 +120,9 @@ type Reactor struct {
 	closing   atomic.Bool
 	done      chan struct{}
 
-	peers    atomic.Pointer[map[string]*Peer]
+	peers atomic.Pointer[map[string]*Peer]
+	// final is the peers as teardown found them, for PeerStats after Close.
+	final    atomic.Pointer[map[string]*Peer]
 	loc      atomic.Pointer[local]
 	timeout  atomic.Int64 // ns; 0 = none
 	inflight atomic.Int64
