@@ -51,7 +51,10 @@
 // AddRemotePeer, before any engine call); malformed metadata, descriptor
 // lists and control messages are refused with typed errors by strict,
 // bounded, fuzzed decoders, never crash us and never make us allocate
-// without bound; peer names must be 1 to 256 printable ASCII bytes without
+// without bound, with one exception: the UCX worker address and packed
+// remote keys inside ucx metadata go to UCX's own parsers, which take no
+// length and trust their input, so metadata forged with a valid checksum
+// can crash the process inside UCX (README, "Known limits"); peer names must be 1 to 256 printable ASCII bytes without
 // spaces. A peer that stalls its reads through the engine sees them end in
 // ErrTimeout (READs on the direct path are memory copies, not timed out);
 // one that dies, in ErrRemoteDisconnect. So: metadata is a capability. Exchange it only over
