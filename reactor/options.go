@@ -79,11 +79,14 @@ type Options struct {
 
 	// BatchSize is the most submissions one loop turn takes (default 64).
 	BatchSize int
-	// SubmitRing is the submission ring's capacity (default 4096).
+	// SubmitRing is the submission ring's capacity (default 4096, at most
+	// 2^20).
 	SubmitRing int
 	// Handles is the handle table's capacity: the most transfers that can
 	// be posted and not yet released (default 4096; rounded up to a power
-	// of two, at least 256). Post returns ErrBusy when all are taken, or
+	// of two, at least 256, at most 2^20: a slot and its places on the
+	// rings take about 300 bytes, so 2^20 of them about 300 MiB). Post
+	// returns ErrBusy when all are taken, or
 	// when the submission ring is full (possible when SubmitRing is
 	// smaller than Handles).
 	Handles int
@@ -145,6 +148,10 @@ func (o Options) Check() error {
 	return nil
 }
 
+// maxTable bounds Handles and SubmitRing. The old bound, 2^24, let a
+// config ask for a table of gigabytes, allocated at Start.
+const maxTable = 1 << 20
+
 func (o Options) withDefaults() (Options, error) {
 	if o.SpinFor == 0 {
 		o.SpinFor = 50 * time.Microsecond
@@ -179,10 +186,10 @@ func (o Options) withDefaults() (Options, error) {
 		return o, fmt.Errorf("%w: idle strategy %d", errUnsupportedOption, o.Idle)
 	case o.BatchSize < 0 || o.BatchSize > 1<<16:
 		return o, fmt.Errorf("%w: batch size %d (1..65536)", errUnsupportedOption, o.BatchSize)
-	case o.SubmitRing < 0 || o.SubmitRing > 1<<24:
-		return o, fmt.Errorf("%w: submit ring %d (1..2^24)", errUnsupportedOption, o.SubmitRing)
-	case o.Handles < 0 || o.Handles > 1<<24:
-		return o, fmt.Errorf("%w: handle table %d (1..2^24)", errUnsupportedOption, o.Handles)
+	case o.SubmitRing < 0 || o.SubmitRing > maxTable:
+		return o, fmt.Errorf("%w: submit ring %d (1..2^20)", errUnsupportedOption, o.SubmitRing)
+	case o.Handles < 0 || o.Handles > maxTable:
+		return o, fmt.Errorf("%w: handle table %d (1..2^20)", errUnsupportedOption, o.Handles)
 	case o.MaxNotif < 0 || o.MaxNotif > MaxNotifLimit:
 		return o, fmt.Errorf("%w: max notification %d (1..%d)", errUnsupportedOption, o.MaxNotif, MaxNotifLimit)
 	case o.PinCPU && o.CPU < 0:

@@ -141,6 +141,8 @@ func TestOptions(t *testing.T) {
 	bad := []Options{
 		{BatchSize: -1},
 		{Handles: 1 << 25},
+		{Handles: 1<<20 + 1},
+		{SubmitRing: 1<<20 + 1},
 		{SubmitRing: -3},
 		{Idle: 9},
 		{SpinFor: -1},
