@@ -130,6 +130,9 @@ type xfer struct {
 	state   enginekit.XferState
 	gen     uint64 // bumped on every post
 	err     error
+	// rounds: part of the post went out after PostXfer, from Progress,
+	// without the pidfd poll PostXfer does first (see drainC).
+	rounds bool
 }
 
 const compBufLen = 256

@@ -145,6 +145,9 @@ int ecx_rkey_ptr(ucp_rkey_h rkey, uint64_t raddr, void **out);
 int ecx_post(ecx_ctx_t *c, uint64_t id, ucp_ep_h ep, int op,
              const ecx_range_t *r, uint32_t n, ucp_rkey_h *rkeys,
              const void *notif, uint32_t notif_len, ecx_post_t **out);
+/* Whether part of a post waits for later rounds (posted by ecx_progress);
+ * p must be valid (see ecx_post). */
+int ecx_post_in_rounds(const ecx_post_t *p);
 /* Cancels a post: it will not be reported. */
 void ecx_post_cancel(ecx_ctx_t *c, ecx_post_t *p);
 /* Sends a notification outside any transfer (fire and forget). */

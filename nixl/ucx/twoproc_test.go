@@ -253,3 +253,40 @@ func TestTwoProcessKill(t *testing.T) {
 		})
 	}
 }
+
+// A READ of 32 MiB from a same-host peer's segment goes out in 4 MiB
+// rounds, the later ones from Progress. The peer is killed and reaped
+// right after PostXfer: the rounds posted after that copy what the dead
+// process left behind, so the READ must not end DONE. (It did: only
+// PostXfer polled the pidfd, and Progress only every 64th call after
+// LivenessPoll.)
+func TestMultiRoundReadAfterDeath(t *testing.T) {
+	const block, blocks = 1 << 20, 32
+	idx := make([]int, blocks)
+	for i := range idx {
+		idx[i] = i
+	}
+	for run := range 3 {
+		ch := startChild(t, childOpts{name: "prod", seed: 3, block: block, blocks: blocks, alloc: true})
+		c := newConsumer(t, Config{Name: "cons"}, blocks, block)
+		c.connect(t, ch)
+		id, err := c.a.MakeXfer(nixl.Read, c.local, idx, c.remote, idx, nil)
+		require.NoError(t, err)
+		require.NoError(t, c.a.PostXfer(id))
+		require.True(t, c.a.xfers[id].rounds, "run %d: the READ went out in one round", run)
+		ch.kill() // SIGKILL and reaped: the pidfd is readable from here on
+		var comp [4]nixl.Completion
+		var got *nixl.Completion
+		for calls := 0; got == nil && calls < 100000; calls++ {
+			_, _ = c.a.Progress()
+			for _, cp := range comp[:c.a.PollCompletions(comp[:])] {
+				if cp.ID == id {
+					got = &cp
+				}
+			}
+		}
+		require.NotNil(t, got, "run %d: the READ never ended", run)
+		require.ErrorIs(t, got.Err, nixl.ErrRemoteDisconnect, "run %d", run)
+		require.NoError(t, c.a.ReleaseXfer(id))
+	}
+}

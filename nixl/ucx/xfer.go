@@ -11,6 +11,8 @@ import (
 	"sort"
 	"unsafe"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/ecxfer/ecxfer/descriptors"
 	"github.com/ecxfer/ecxfer/nixl"
 	"github.com/ecxfer/ecxfer/nixl/internal/enginekit"
@@ -189,11 +191,21 @@ func (a *Agent) PostXfer(id nixl.XferID) error {
 		return ucsErr(st, "ucx: post")
 	}
 	x.post = *a.postOut
+	// Only same-host peers need to know (drainC); a cgo call less for others.
+	x.rounds = p.pidfd >= 0 && C.ecx_post_in_rounds(x.post) != 0
 	x.state = enginekit.Inflight
 	x.err = nil
 	x.gen++
 	p.inflight[x.id] = x
 	return nil
+}
+
+// exited reports whether the process behind a pidfd has exited (the pidfd
+// is readable).
+func exited(pidfd int) bool {
+	fds := [1]unix.PollFd{{Fd: int32(pidfd), Events: unix.POLLIN}}
+	n, err := unix.Poll(fds[:], 0)
+	return err == nil && n > 0 && fds[0].Revents&unix.POLLIN != 0
 }
 
 // drainC moves completions from the C queue to the pending queue.
@@ -210,6 +222,12 @@ func (a *Agent) drainC() {
 			x.state = enginekit.Done
 			if e.status != 0 {
 				x.err = ucsErr(C.int(e.status), fmt.Sprintf("ucx: xfer %d", x.id))
+			} else if x.rounds && x.peer.pidfd >= 0 && exited(x.peer.pidfd) {
+				// Gets from a same-host peer's segment are copies of
+				// whatever it holds: the rounds posted after the peer died
+				// read what the dead process left. DONE only if the peer
+				// outlived the whole READ.
+				x.err = nixl.Errorf(nixl.ErrRemoteDisconnect, "ucx: xfer %d: peer %q (pid %d) exited during the transfer", x.id, x.peer.name, x.peer.pid)
 			}
 			delete(x.peer.inflight, x.id)
 			a.pending.Push(x.id, x.gen, x.err)
