@@ -17,6 +17,7 @@ import (
 
 	"github.com/ecxfer/ecxfer/descriptors"
 	"github.com/ecxfer/ecxfer/internal/procinfo"
+	"github.com/ecxfer/ecxfer/internal/procmaps"
 	"github.com/ecxfer/ecxfer/nixl"
 	"github.com/ecxfer/ecxfer/nixl/internal/enginekit"
 )
@@ -241,11 +242,12 @@ func (a *Agent) connect(p *peer, m *metadata) error {
 	if n := len(m.Region); n > 0 {
 		p.rkeys = (*C.ucp_rkey_h)(C.calloc(C.size_t(n), C.size_t(unsafe.Sizeof(C.ucp_rkey_h(nil)))))
 		var caller []bool
+		var spans []procmaps.Span
 		if m.Host == a.host {
 			// Caller memory is checked against the peer's mappings now
 			// and its rkeys unpacked at the first transfer (see
 			// unpackDeferred).
-			if caller, err = callerRegions(m); err != nil {
+			if caller, spans, err = callerRegions(m); err != nil {
 				a.closeEp(p, n)
 				return err
 			}
@@ -264,7 +266,7 @@ func (a *Agent) connect(p *peer, m *metadata) error {
 			}
 		}
 		if m.Host == a.host {
-			if err := checkTruth(m, unsafe.Slice(p.rkeys, n), caller); err != nil {
+			if err := checkTruth(m, unsafe.Slice(p.rkeys, n), caller, spans); err != nil {
 				a.closeEp(p, n)
 				return err
 			}
@@ -336,6 +338,15 @@ func (a *Agent) unpackDeferred(p *peer) error {
 			return err
 		}
 		p.deferred[i] = nil
+		// Caller memory is reached by emulated gets; a key that maps
+		// shared memory here would read a segment instead, one the
+		// region check never saw (it checked the peer's mapping only).
+		var ptr unsafe.Pointer
+		if C.ecx_rkey_ptr(unsafe.Slice(p.rkeys, len(p.regions))[i], C.uint64_t(p.regionAddr(i)), &ptr) == C.UCS_OK {
+			err := nixl.Errorf(nixl.ErrInvalidParam, "ucx: peer %q region %d: memory of its own carries a shared-memory key", p.name, i)
+			a.failPeer(p, err, false)
+			return err
+		}
 	}
 	p.deferred = nil
 	return nil

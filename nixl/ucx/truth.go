@@ -51,30 +51,38 @@ func ucxSegment(name string) bool {
 // which regions are caller memory: inside one mapping that is not a UCX
 // segment. Those regions are checked here; a region inside no single
 // mapping refuses the peer.
-func callerRegions(m *metadata) ([]bool, error) {
+func callerRegions(m *metadata) ([]bool, []procmaps.Span, error) {
 	theirs, err := procmaps.Open(strconv.FormatUint(m.Pid, 10))
 	if err != nil {
-		return nil, nixl.Errorf(nixl.ErrInvalidParam, "ucx: peer %q (pid %d): cannot check its regions: %v", m.Name, m.Pid, err)
+		return nil, nil, nixl.Errorf(nixl.ErrInvalidParam, "ucx: peer %q (pid %d): cannot check its regions: %v", m.Name, m.Pid, err)
 	}
 	defer theirs.Close()
 	caller := make([]bool, len(m.Region))
+	spans := make([]procmaps.Span, len(m.Region))
 	for i, r := range m.Region {
 		sp, err := theirs.Within(r.Addr, r.Len)
 		if err != nil {
-			return nil, nixl.Errorf(nixl.ErrInvalidParam, "ucx: peer %q (pid %d): cannot check its regions: %v", m.Name, m.Pid, err)
+			return nil, nil, nixl.Errorf(nixl.ErrInvalidParam, "ucx: peer %q (pid %d): cannot check its regions: %v", m.Name, m.Pid, err)
 		}
 		if sp == nil {
-			return nil, truthErr(m, i, r, "it is not mapped in the peer process")
+			return nil, nil, truthErr(m, i, r, "it is not mapped in the peer process")
 		}
 		caller[i] = !ucxSegment(sp.Name)
+		spans[i] = *sp
 	}
-	return caller, nil
+	return caller, spans, nil
 }
 
 // checkTruth checks the regions of m, a peer on this host whose rkeys are
 // unpacked in rk, against the mappings behind them; regions marked in
-// caller were checked by callerRegions (their rkeys are not unpacked yet).
-func checkTruth(m *metadata, rk []C.ucp_rkey_h, caller []bool) error {
+// caller were checked by callerRegions (their rkeys are not unpacked yet),
+// which found the peer's mapping of each region (theirs). A shared-memory
+// rkey must attach here the very segment the peer maps at the region's
+// address, at the same offset: the key is the peer's word too, and one
+// naming another process's segment (System V ids are listed in
+// /proc/sysvipc/shm) would make READs of the peer's region return that
+// process's memory.
+func checkTruth(m *metadata, rk []C.ucp_rkey_h, caller []bool, theirSpans []procmaps.Span) error {
 	var self, theirs *procmaps.Maps
 	defer func() { self.Close(); theirs.Close() }()
 	for i, r := range m.Region {
@@ -95,6 +103,10 @@ func checkTruth(m *metadata, rk []C.ucp_rkey_h, caller []bool) error {
 			}
 			if sp == nil {
 				return truthErr(m, i, r, "the shared-memory segment behind it is smaller")
+			}
+			if ts := theirSpans[i]; sp.Dev != ts.Dev || sp.Ino != ts.Ino ||
+				uint64(uintptr(ptr))-sp.Start+sp.Offset != r.Addr-ts.Start+ts.Offset {
+				return truthErr(m, i, r, "its key attaches another shared-memory segment than the one the peer maps there")
 			}
 			continue
 		}

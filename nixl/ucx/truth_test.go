@@ -1,11 +1,16 @@
 package ucx
 
 import (
+	"bytes"
+	"encoding/binary"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
+	"github.com/ecxfer/ecxfer/descriptors"
+	"github.com/ecxfer/ecxfer/internal/procmaps"
 	"github.com/ecxfer/ecxfer/nixl"
 )
 
@@ -55,4 +60,112 @@ func TestLyingMetadata(t *testing.T) {
 		require.NoError(t, err, prod.Name())
 		require.Equal(t, prod.Name(), got)
 	}
+}
+
+// segmentAt returns the mapping of this process that holds addr.
+func segmentAt(t *testing.T, addr uint64) procmaps.Span {
+	t.Helper()
+	m, err := procmaps.Open("self")
+	require.NoError(t, err)
+	defer m.Close()
+	sp, err := m.At(addr)
+	require.NoError(t, err)
+	require.NotNil(t, sp)
+	return *sp
+}
+
+// withKey re-encodes md with region 0's packed rkey rewritten by edit.
+func withKey(t *testing.T, md []byte, edit func(rk []byte) []byte) []byte {
+	t.Helper()
+	m, err := decodeMetadata(md)
+	require.NoError(t, err)
+	m.Region[0].Rkey = edit(bytes.Clone(m.Region[0].Rkey))
+	out, err := encodeMetadata(m)
+	require.NoError(t, err)
+	return out
+}
+
+// A peer's metadata that names its own UCX segment (address and length
+// true, so the mapping checks pass) but whose rkey carries another agent's
+// System V id is refused: the key must attach the segment the peer maps
+// there. (It loaded, and READs of the peer returned the other agent's
+// memory.)
+func TestForgedSegmentKeyRefused(t *testing.T) {
+	const n = 1 << 20
+	victim := newTestAgent(t, Config{Name: "victim"})
+	_, vbuf, err := victim.AllocMem(n, nixl.DRAM, 0)
+	require.NoError(t, err)
+	forger := newTestAgent(t, Config{Name: "forger"})
+	_, fbuf, err := forger.AllocMem(n, nixl.DRAM, 0)
+	require.NoError(t, err)
+	vs, fs := segmentAt(t, addrOf(vbuf)), segmentAt(t, addrOf(fbuf))
+	if !strings.HasPrefix(fs.Name, "/SYSV") || !strings.HasPrefix(vs.Name, "/SYSV") {
+		t.Skipf("UCX allocated %q and %q here, not System V segments", fs.Name, vs.Name)
+	}
+	md, err := forger.LocalMetadata()
+	require.NoError(t, err)
+	var own, other [4]byte
+	binary.LittleEndian.PutUint32(own[:], uint32(fs.Ino)) // a System V mapping's inode is its id
+	binary.LittleEndian.PutUint32(other[:], uint32(vs.Ino))
+	forged := withKey(t, md, func(rk []byte) []byte {
+		require.Equal(t, 1, bytes.Count(rk, own[:]), "the segment id once in the key")
+		return bytes.Replace(rk, own[:], other[:], 1)
+	})
+	cons := newTestAgent(t, Config{Name: "cons"})
+	_, err = cons.LoadRemoteMetadata(forged)
+	require.ErrorIs(t, err, nixl.ErrInvalidParam)
+	require.ErrorContains(t, err, "another shared-memory segment")
+	name, err := cons.LoadRemoteMetadata(md)
+	require.NoError(t, err, "the true metadata")
+	require.Equal(t, "forger", name)
+}
+
+// A region in the peer's own memory (caller memory, reached with emulated
+// gets) whose rkey is another agent's shared-memory key is refused at its
+// first transfer, when the key is unpacked, and the peer with it: such a
+// key would make gets copy from a segment the region check never saw
+// (past its end, here). (READs of it ran.)
+func TestCallerMemoryWithSegmentKeyRefused(t *testing.T) {
+	const n = 1 << 20
+	victim := newTestAgent(t, Config{Name: "victim"})
+	_, vbuf, err := victim.AllocMem(n, nixl.DRAM, 0)
+	require.NoError(t, err)
+	vmd, err := victim.LocalMetadata()
+	require.NoError(t, err)
+	vm, err := decodeMetadata(vmd)
+	require.NoError(t, err)
+	forger := newTestAgent(t, Config{Name: "forger"})
+	fbuf := mmapBuf(t, 2*n)
+	_, err = forger.RegisterMem(fbuf, nixl.DRAM, 0)
+	require.NoError(t, err)
+	md, err := forger.LocalMetadata()
+	require.NoError(t, err)
+	var va, fa [8]byte
+	binary.LittleEndian.PutUint64(va[:], addrOf(vbuf))
+	binary.LittleEndian.PutUint64(fa[:], addrOf(fbuf))
+	forged := withKey(t, md, func([]byte) []byte {
+		rk := vm.Region[0].Rkey
+		require.Equal(t, 1, bytes.Count(rk, va[:]), "the owner's address once in the key")
+		return bytes.Replace(bytes.Clone(rk), va[:], fa[:], 1)
+	})
+
+	cons := newTestAgent(t, Config{Name: "cons"})
+	cbuf := mmapBuf(t, n)
+	_, err = cons.RegisterMem(cbuf, nixl.DRAM, 0)
+	require.NoError(t, err)
+	name, err := cons.LoadRemoteMetadata(forged)
+	require.NoError(t, err, "caller memory: its key waits for the first transfer")
+	local, err := cons.PrepDlist("", descriptors.List{{Addr: addrOf(cbuf), Len: 4096}}, nixl.DRAM)
+	require.NoError(t, err)
+	remote, err := cons.PrepDlist(name, descriptors.List{{Addr: addrOf(fbuf) + n, Len: 4096}}, nixl.DRAM)
+	require.NoError(t, err)
+	id, err := cons.MakeXfer(nixl.Read, local, []int{0}, remote, []int{0}, nil)
+	require.NoError(t, err)
+	err = cons.PostXfer(id)
+	require.ErrorIs(t, err, nixl.ErrInvalidParam)
+	require.ErrorContains(t, err, "carries a shared-memory key")
+	require.NoError(t, cons.ReleaseXfer(id))
+	// The peer is gone with it.
+	_, err = cons.MakeXfer(nixl.Read, local, []int{0}, remote, []int{0}, nil)
+	require.ErrorIs(t, err, nixl.ErrRemoteDisconnect)
 }

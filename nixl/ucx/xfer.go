@@ -50,6 +50,16 @@ func (a *Agent) PrepDlist(peerName string, descs descriptors.List, mem nixl.MemT
 	return a.dlists.Add(d, &a.ids), nil
 }
 
+// regionAddr returns the address of the region whose rkey is p.rkeys[i].
+func (p *peer) regionAddr(i int) uint64 {
+	for _, r := range p.regions {
+		if int(r.rkey) == i {
+			return r.addr
+		}
+	}
+	return 0
+}
+
 // regionAt returns the index in p.regions of the region containing addr.
 func (p *peer) regionAt(addr uint64) int {
 	return sort.Search(len(p.regions), func(i int) bool { return p.regions[i].addr > addr }) - 1
