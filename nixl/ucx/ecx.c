@@ -728,11 +728,6 @@ static uint32_t post_rounds(ecx_ctx_t *c)
     return events;
 }
 
-int ecx_post_in_rounds(const ecx_post_t *p)
-{
-    return p->on_posting;
-}
-
 int ecx_post(ecx_ctx_t *c, uint64_t id, ucp_ep_h ep, int op,
              const ecx_range_t *r, uint32_t n, ucp_rkey_h *rkeys,
              const void *notif, uint32_t notif_len, ecx_post_t **out)
@@ -753,6 +748,7 @@ int ecx_post(ecx_ctx_t *c, uint64_t id, ucp_ep_h ep, int op,
 
     post_some(p);
     *out = p;
+    c->last_in_rounds = p->next < p->nranges;
     if (p->next < p->nranges) {
         /* The rest goes out in later rounds, after older posts' rests. */
         for (tail = &c->posting; *tail != NULL; tail = &(*tail)->posting_next) {

@@ -92,6 +92,8 @@ typedef struct ecx_ctx {
     ecx_close_t *closing;   /* endpoint closes in progress */
     ecx_post_t *posting;    /* posts with ranges not yet posted */
     uint64_t budget;        /* bytes left to post this round */
+    uint8_t last_in_rounds; /* the last ecx_post left ranges for later
+                               rounds (read by Go without a call) */
 
     uint64_t nlive;          /* posts alive */
     uint64_t notif_dropped;  /* notifications received and not queued */
@@ -145,9 +147,6 @@ int ecx_rkey_ptr(ucp_rkey_h rkey, uint64_t raddr, void **out);
 int ecx_post(ecx_ctx_t *c, uint64_t id, ucp_ep_h ep, int op,
              const ecx_range_t *r, uint32_t n, ucp_rkey_h *rkeys,
              const void *notif, uint32_t notif_len, ecx_post_t **out);
-/* Whether part of a post waits for later rounds (posted by ecx_progress);
- * p must be valid (see ecx_post). */
-int ecx_post_in_rounds(const ecx_post_t *p);
 /* Cancels a post: it will not be reported. */
 void ecx_post_cancel(ecx_ctx_t *c, ecx_post_t *p);
 /* Sends a notification outside any transfer (fire and forget). */

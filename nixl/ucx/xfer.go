@@ -201,8 +201,7 @@ func (a *Agent) PostXfer(id nixl.XferID) error {
 		return ucsErr(st, "ucx: post")
 	}
 	x.post = *a.postOut
-	// Only same-host peers need to know (drainC); a cgo call less for others.
-	x.rounds = p.pidfd >= 0 && C.ecx_post_in_rounds(x.post) != 0
+	x.rounds = a.c.last_in_rounds != 0
 	x.state = enginekit.Inflight
 	x.err = nil
 	x.gen++
