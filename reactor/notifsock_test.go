@@ -168,26 +168,32 @@ func TestNotifSockBacklog(t *testing.T) {
 	}
 }
 
-// A datagram longer than the receive buffer is counted as malformed, not
-// delivered cut short.
-func TestNotifSockTruncated(t *testing.T) {
+// notifSockPair is a producer's notification socket (rx, read through
+// recv) and a plain datagram socket fd to send to it at address to; all
+// closed at the test's end.
+func notifSockPair(t *testing.T) (rx *NotifySocket, recv *notifSock, fd int, to *unix.SockaddrUnix) {
+	t.Helper()
 	rx, err := ListenNotify()
 	if err != nil {
 		t.Fatal(err)
 	}
-	recv, err := newNotifSock(rx.fd, rx.Key, "producer")
-	if err != nil {
+	if recv, err = newNotifSock(rx.fd, rx.Key, "producer"); err != nil {
 		t.Fatal(err)
 	}
-	defer recv.close()
+	t.Cleanup(recv.close)
+	if fd, err = unix.Socket(unix.AF_UNIX, unix.SOCK_DGRAM, 0); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Close(fd) })
+	return rx, recv, fd, &unix.SockaddrUnix{Name: shmview.NotifyAddr(uint32(unix.Getpid()), rx.Token)}
+}
+
+// A datagram longer than the receive buffer is counted as malformed, not
+// delivered cut short.
+func TestNotifSockTruncated(t *testing.T) {
+	rx, recv, fd, to := notifSockPair(t)
 	recv.rbuf = recv.rbuf[:64]
 	// (a datagram longer than the buffer)
-	fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_DGRAM, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unix.Close(fd)
-	to := &unix.SockaddrUnix{Name: shmview.NotifyAddr(uint32(unix.Getpid()), rx.Token)}
 	if err := unix.Sendto(fd, appendNotifDgram(nil, &rx.Key, "c", make([]byte, 100)), 0, to); err != nil {
 		t.Fatal(err)
 	}
@@ -204,21 +210,7 @@ func TestNotifSockTruncated(t *testing.T) {
 // recv stops after maxRecvDgrams datagrams, however fast they keep coming
 // (here each delivery sends the next), and leaves the rest for next time.
 func TestNotifSockRecvBounded(t *testing.T) {
-	rx, err := ListenNotify()
-	if err != nil {
-		t.Fatal(err)
-	}
-	recv, err := newNotifSock(rx.fd, rx.Key, "producer")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer recv.close()
-	fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_DGRAM, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unix.Close(fd)
-	to := &unix.SockaddrUnix{Name: shmview.NotifyAddr(uint32(unix.Getpid()), rx.Token)}
+	rx, recv, fd, to := notifSockPair(t)
 	dgram := appendNotifDgram(nil, &rx.Key, "c", []byte("again"))
 	if err := unix.Sendto(fd, dgram, 0, to); err != nil {
 		t.Fatal(err)
