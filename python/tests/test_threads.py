@@ -67,7 +67,10 @@ def test_indices_changed_during_post(opts):
     assert r.returncode == 0, f"exit {r.returncode}: {r.stderr[-3000:]}"
     out = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("@@ ")][-1][3:])
     assert out["other"] == [], out["other"][:5]
-    assert out["posted"] > 0 and out["refused"] > 0, out
+    # How many READs are refused depends on how often the flip lands while
+    # a call runs (the old code failed here within the two seconds: a
+    # crash, or engine errors); every READ posted must end DONE.
+    assert out["posted"] > 0, out
     assert out["states"] == {"DONE": out["posted"]}
 
 
