@@ -35,7 +35,7 @@
 //
 // Their shared bookkeeping (region sets, completion queues, argument checks
 // and error wording) lives in nixl/internal/enginekit. Only packages under
-// nixl/ may use cgo.
+// nixl/, and cmd/libecxfer (the C ABI for Python), may use cgo.
 //
 // # Optional interfaces
 //

@@ -30,9 +30,13 @@
 // small machine it is the first to suffer from anything else running, and
 // a run marked DISTURBED should be repeated on a quiet machine.
 //
-// Modes: reactor is ecxfer's Transport; locked is vLLM's design (one mutex
-// around direct engine calls, the engine progressed only inside a caller's
-// status check); raw is one goroutine driving the engine with no locking,
-// the floor. The table compares reads/s and p99 against locked and GB/s
-// against single-thread memcpy of the same block size.
+// Modes: reactor is ecxfer's Transport on the engine path; direct is the
+// same Transport reading a same-host producer's region directly (copy
+// workers, or inline in PostRead for small READs); locked is vLLM's design
+// (one mutex around direct engine calls; the producer's engine progressed
+// by a goroutine as messages arrive, as NIXL's progress thread does); raw
+// is one goroutine driving the engine with no locking, the floor. The
+// table compares reads/s and p99 against locked and GB/s against the
+// better of one-thread and copy-worker-count memcpy of the same block
+// size.
 package main

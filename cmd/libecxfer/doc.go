@@ -6,8 +6,9 @@
 // # Conventions
 //
 // Transports and peers cross as integers: ecx_new returns a transport id,
-// ecx_add_peer a peer id (the same name always has the same id within one
-// transport), ecx_post_read a READ handle. 0 is never a valid id or handle.
+// ecx_add_peer a peer id (a peer replaced under the same name keeps its id;
+// one added again after ecx_remove_peer gets a new one), ecx_post_read a
+// READ handle. 0 is never a valid id or handle.
 //
 // Byte strings cross as pointer plus length. Inputs are borrowed for the
 // duration of the call only: nothing keeps a pointer the caller passed in,
@@ -16,17 +17,21 @@
 // ecx_notifs, ecx_stats, ecx_runtime) are malloc'd, owned by the caller
 // from then on, and freed with ecx_free.
 //
-// Errors are negative codes (the ECX_E* values below, stable across
-// versions; 0 is success) and a message. The message of the last failing
+// Errors are negative codes (the code* constants in codes.go, which the
+// Python package mirrors in _lib.py; stable across versions; 0 is success)
+// and a message. The message of the last failing
 // call is kept per OS thread, like errno: ecx_last_error on the same thread
 // copies it out and clears it. A call that succeeds leaves it alone.
 //
 // Index lists are arrays of int64 (the layout of Python's array('q') and
-// numpy's int64); they are read in place and not kept.
+// numpy's int64); each is read once, into the library's own copy, and not
+// kept: another thread may write it during the call without slipping an
+// unchecked index through.
 //
 // ecx_wait and ecx_notifs block up to their timeout; ecx_new, ecx_add_peer,
 // ecx_remove_peer and ecx_deregister wait for the transport's reactor
-// thread to do their work; ecx_post_read waits for room only with the
+// thread to do their work; ecx_release of a READ the copy workers are
+// running waits for its copy to stop; ecx_post_read waits for room only with the
 // wait_when_busy option; the other calls never block. The Python package
 // calls the library through ctypes, which releases the GIL for the
 // duration of every call.

@@ -13,8 +13,9 @@
 //
 //   - Find locates the file behind a caller region (vLLM's region is a
 //     MAP_SHARED mapping of a /dev/shm file) in /proc/self/maps.
-//   - Alloc creates an engine-owned region as a memfd that peers can map
-//     through /proc/<pid>/fd/<fd>.
+//   - Alloc creates a region as a memfd that peers can map through
+//     /proc/<pid>/fd/<fd> (tests use it; the transport's engine-allocated
+//     regions are UCX's System V segments, read as direct-sysv).
 //   - Advert is what the producer publishes about its region (host, process,
 //     file identity, offset, size), appended to the engine's metadata by
 //     Wrap and taken off again by Split. DecodeAdvert is strict: the bytes

@@ -32,8 +32,9 @@ type Config struct {
 	// Name is the agent's name as peers know it (1..256 bytes).
 	Name string
 	// LibPath is the shim library to load. Empty: $ECXFER_NIXL_LIB, else
-	// the library next to NIXL's under $NIXL_PREFIX, else the dynamic
-	// loader's search path.
+	// the library next to NIXL's under $NIXL_PREFIX, then $VIRTUAL_ENV,
+	// then the nearest .venv from the working directory up, else the
+	// dynamic loader's search path.
 	LibPath string
 	// BackendParams override NIXL's defaults for its UCX backend (keys as
 	// NIXL names them, e.g. "ucx_error_handling_mode": "none"). Keys and

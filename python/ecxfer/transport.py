@@ -217,7 +217,8 @@ class EcxferDataTransport(_Base):
     (unless that option is given). 1, vLLM's default, keeps ecxfer's
     default. The engine itself always has one reactor thread.
 
-    options reach the Go Config: backend ("ucx", the default, or "nixl"),
+    options reach the Go Config: backend ("ucx", the default, "nixl", or
+    "loopback", in-process and for tests only),
     xfer_timeout_s, pin_cpu, numa_node, idle ("hybrid", "spin", "yield",
     "park"), spin_for_us, yield_for_us, park_timeout_us, wait_spin_us,
     batch_size, submit_ring, handles, wait_when_busy, max_notif, direct
