@@ -361,8 +361,11 @@ class EcxferDataTransport(_Base):
         return "ERR"
 
     def release_xfer_handle(self, handle: Any) -> None:
-        """Free a handle, canceling its READ if still in flight. Never
-        raises: a failure (a second release, a bad handle) is logged."""
+        """Free a handle, canceling its READ if still in flight. A READ the
+        copy workers are running (a large same-host one) is released once
+        its copy has stopped, so its blocks may take other data as soon as
+        this returns. Never raises: a failure (a second release, a bad
+        handle) is logged."""
         try:
             if type(handle) is not int or handle <= 0 or handle >= 1 << 64:
                 raise BadHandleError(f"ecxfer: not a handle: {handle!r}")
