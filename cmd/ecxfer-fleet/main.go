@@ -190,6 +190,9 @@ func consumers(ctx context.Context, fs *flag.FlagSet, args []string) error {
 		if r.Notifs != int(r.Reads) {
 			fmt.Printf("  (%d of %d notifications matched)\n", r.Notifs, r.Reads)
 		}
+		if r.Early > 0 {
+			fmt.Printf("  (%d notifications reached the producer before the consumer stamped DONE, counted as 0 µs)\n", r.Early)
+		}
 	}
 	return nil
 }

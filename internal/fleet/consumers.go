@@ -320,11 +320,11 @@ func consumerChild(c *ctrl.Conn) error {
 		return err
 	}
 	start := time.Now()
-	reads, verified, times, err := r.measure(time.Duration(g.Ints["ns"]), id, bs, seed)
+	reads, verified, checking, times, err := r.measure(time.Duration(g.Ints["ns"]), id, bs, seed)
 	if err != nil {
 		return err
 	}
-	el := time.Since(start)
+	el := time.Since(start) - checking // the READs' time, as the harness counts it
 	err = c.Send(ctrl.Message{Kind: "result", Data: times, Ints: map[string]int64{
 		"reads": int64(reads), "bytes": int64(reads) * int64(k*bs), "verified": int64(verified), "ns": int64(el)}})
 	if err != nil {
@@ -362,9 +362,9 @@ func (r *fleetReader) read(notif []byte) (int64, error) {
 
 // measure READs for dur, each with a notification naming consumer id and
 // the READ's sequence number, verifies every 16th READ's blocks and
-// returns the counts and the (sequence, DONE time) records of the first
-// maxTimed READs.
-func (r *fleetReader) measure(dur time.Duration, id uint32, bs int, seed uint64) (reads, verified uint64, times []byte, err error) {
+// returns the counts, the time the verification took, and the (sequence,
+// DONE time) records of the first maxTimed READs.
+func (r *fleetReader) measure(dur time.Duration, id uint32, bs int, seed uint64) (reads, verified uint64, checking time.Duration, times []byte, err error) {
 	var notif [8]byte
 	binary.LittleEndian.PutUint32(notif[:4], id)
 	start := time.Now()
@@ -372,7 +372,7 @@ func (r *fleetReader) measure(dur time.Duration, id uint32, bs int, seed uint64)
 		binary.LittleEndian.PutUint32(notif[4:], seq)
 		doneAt, err := r.read(notif[:])
 		if err != nil {
-			return 0, 0, nil, fmt.Errorf("READ %d: %w", seq, err)
+			return 0, 0, 0, nil, fmt.Errorf("READ %d: %w", seq, err)
 		}
 		if len(times) < maxTimed*12 {
 			times = binary.LittleEndian.AppendUint32(times, seq)
@@ -380,14 +380,16 @@ func (r *fleetReader) measure(dur time.Duration, id uint32, bs int, seed uint64)
 		}
 		reads++
 		if seq%16 == 0 {
+			t0 := time.Now()
 			region := r.t.Region()
 			for i, b := range r.remote {
 				if ok, off := pattern.Check(region[i*bs:(i+1)*bs], seed, b); !ok {
-					return 0, 0, nil, fmt.Errorf("READ %d block %d: wrong byte at %d", seq, b, off)
+					return 0, 0, 0, nil, fmt.Errorf("READ %d block %d: wrong byte at %d", seq, b, off)
 				}
 			}
 			verified++
+			checking += time.Since(t0)
 		}
 	}
-	return reads, verified, times, nil
+	return reads, verified, checking, times, nil
 }

@@ -10,6 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"os"
 	"os/exec"
 	"runtime"
@@ -152,12 +153,13 @@ func ReadMem() Mem {
 	return m
 }
 
-// quantile of sorted durations (nearest rank).
+// quantile of sorted durations (nearest rank: the smallest value with at
+// least q of the values at or below it).
 func quantile(s []time.Duration, q float64) time.Duration {
 	if len(s) == 0 {
 		return 0
 	}
-	i := int(q*float64(len(s))+0.5) - 1
+	i := int(math.Ceil(q*float64(len(s)))) - 1
 	i = max(0, min(len(s)-1, i))
 	return s[i]
 }

@@ -54,3 +54,18 @@ func TestConsumers(t *testing.T) {
 	t.Logf("%d reads, %.2f GB/s, notif p50 %v p99 %v (%d early), producer CPU %v (%v/GB)",
 		res.Reads, res.GBps(), res.NotifP50, res.NotifP99, res.Early, res.ProducerCPU, res.ProducerCPUPerGB)
 }
+
+// quantile is the nearest rank: the smallest value with at least q of the
+// values at or below it (p99 of 256 values is the 254th, not the 253rd).
+func TestQuantile(t *testing.T) {
+	s := make([]time.Duration, 256)
+	for i := range s {
+		s[i] = time.Duration(i + 1)
+	}
+	require.Equal(t, time.Duration(128), quantile(s, 0.5))
+	require.Equal(t, time.Duration(254), quantile(s, 0.99))
+	require.Equal(t, time.Duration(256), quantile(s, 1))
+	require.Equal(t, time.Duration(1), quantile(s, 0))
+	require.Equal(t, time.Duration(7), quantile([]time.Duration{7}, 0.99))
+	require.Zero(t, quantile(nil, 0.5))
+}
