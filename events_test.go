@@ -246,3 +246,45 @@ func TestEngineErrorsFolded(t *testing.T) {
 	}
 	require.Equal(t, uint64(fails), total)
 }
+
+// READs that time out one after another, each in its own loop turn, are
+// folded like engine errors: a producer that hangs does not log a record
+// per READ, and every timeout is still counted in some record.
+func TestTimeoutsFolded(t *testing.T) {
+	warmPoller()
+	leakcheck.Check(t)
+	log := newEventLog()
+	_, cons, pname := loopbackPair(t, 512, 64, func(c *Config) {
+		c.Logger = slog.New(log)
+		c.XferTimeout = 20 * time.Millisecond
+	})
+	engine(t, cons).SetDelay(time.Hour)
+	const n = 40
+	var hs []Handle
+	for i := range n {
+		h, err := cons.PostRead([]int{i}, pname, []int{i}, nil)
+		require.NoError(t, err)
+		hs = append(hs, h)
+		time.Sleep(2 * time.Millisecond) // a READ per few loop turns
+	}
+	for _, h := range hs {
+		_, err := wait(t, cons, h)
+		require.ErrorIs(t, err, ErrTimeout)
+		require.NoError(t, cons.ReleaseXferHandle(h))
+	}
+	engine(t, cons).SetDelay(0)
+	// At most one record per second while they expired (a slow machine
+	// may stretch the posts over a second or two).
+	require.LessOrEqual(t, len(log.named(EventReadTimeout)), 3, "a record per READ")
+	// The pending ones are written when their second is up.
+	require.Eventually(t, func() bool {
+		var total int64
+		for _, ev := range log.named(EventReadTimeout) {
+			total += ev.attrs["count"].Int64()
+		}
+		return total == n
+	}, 10*time.Second, 10*time.Millisecond, "every timed-out READ is counted once")
+	for _, ev := range log.named(EventReadTimeout) {
+		require.Equal(t, pname, ev.attrs["peer"].String())
+	}
+}

@@ -13,7 +13,7 @@ import (
 // with the event name as the record's message and the details as
 // attributes. They are rare by construction: nothing is logged per READ,
 // and repeated events of one kind (timeouts, engine errors) are folded
-// into one record per loop turn or per second with a count.
+// into at most one record per second, with a count.
 const (
 	// EventReactorStart: the loop started. Attributes: pinned, cpu,
 	// numa_node (when bound), idle, spin_for, yield_for, park_timeout,
@@ -39,8 +39,9 @@ const (
 	// is replaced). Attributes: peer, why.
 	EventPeerDead = "ecxfer.peer.dead"
 	// EventReadTimeout: READs reached XferTimeout and ended in ErrTimeout.
-	// One record per loop turn that expired any. Attributes: count, peer
-	// (of the first one), timeout.
+	// At most one record per second, folded like EventEngineError.
+	// Attributes: count (timeouts since the last record), peer (of the
+	// first of them), timeout.
 	EventReadTimeout = "ecxfer.read.timeout"
 	// EventEngineError: engine calls failed. At most one record per
 	// second: failures within a second of a record are folded into the
@@ -58,19 +59,44 @@ const (
 // events is the loop's logging state. Every method is a no-op without a
 // logger, and none allocates then.
 type events struct {
-	log        *slog.Logger
-	errAt      int64 // r.now() of the last engine error record
-	errLogged  bool  // errAt is set
-	errPending uint64
-	// errOp and errMsg are the latest engine error not logged yet: the
-	// record that folds the pending ones in names it.
-	errOp, errMsg string
+	log *slog.Logger
+	// errs folds engine errors (a: op, b: error of the latest), tmo
+	// timeouts (a: peer of the first).
+	errs, tmo fold
 	// oversized holds the senders whose oversized notification was
 	// logged; bounded so that a stream of invented names cannot grow it.
 	// Under oversizedMu: a caller draining the notification socket
 	// (Reactor.Notifs) logs too.
 	oversizedMu sync.Mutex
 	oversized   map[string]struct{}
+}
+
+// fold is one kind of event logged at most once per second: the events
+// of the second after a record are counted and written as one record
+// when that second is up, even if no event follows.
+type fold struct {
+	at      int64 // r.now() of the last record
+	logged  bool  // at is set
+	pending uint64
+	a, b    string // what the pending record names
+}
+
+// ready reports whether the pending events are to be written at now.
+func (f *fold) ready(now int64, force bool) bool {
+	return f.pending > 0 && (force || !f.logged || now-f.at >= int64(time.Second))
+}
+
+// take marks a record written at now and returns the count it carries.
+func (f *fold) take(now int64) uint64 {
+	n := f.pending
+	f.at, f.logged, f.pending = now, true, 0
+	return n
+}
+
+// due is the time at which the pending events are to be written, and
+// false when none are pending.
+func (f *fold) due() (int64, bool) {
+	return f.at + int64(time.Second), f.pending > 0
 }
 
 // maxOversizedSenders bounds events.oversized.
@@ -173,15 +199,17 @@ func (r *Reactor) peerDead(p *Peer, why string) {
 	r.logPeer(EventPeerDead, p.Name, slog.String("why", why))
 }
 
+// logTimeouts counts n READs that timed out, the first of them from
+// peer, and logs them folded (see fold). Loop thread only.
 func (r *Reactor) logTimeouts(n int, peer string) {
 	if r.ev.log == nil || n == 0 {
 		return
 	}
-	r.logEvent(slog.LevelWarn, EventReadTimeout,
-		slog.Int("count", n),
-		slog.String("peer", peer),
-		slog.Duration("timeout", time.Duration(r.timeout.Load())),
-	)
+	if r.ev.tmo.pending == 0 {
+		r.ev.tmo.a = peer
+	}
+	r.ev.tmo.pending += uint64(n)
+	r.flushEvents(false)
 }
 
 // engineError counts a failed engine call and logs it. Loop thread only.
@@ -190,42 +218,54 @@ func (r *Reactor) engineError(op string, err error) {
 	r.logEngineError(op, err)
 }
 
-// logEngineError logs an engine failure, at most one record per second:
-// the failures of the second after a record are folded into the next one
-// (with their count, naming the latest), which flushEngineErrors writes
-// once the second has passed even if no failure follows. Loop thread only.
+// logEngineError logs an engine failure folded (see fold): a record names
+// the latest failure and counts those since the last. Loop thread only.
 func (r *Reactor) logEngineError(op string, err error) {
 	if r.ev.log == nil {
 		return
 	}
-	r.ev.errPending++
-	r.ev.errOp, r.ev.errMsg = op, "<nil>"
+	r.ev.errs.pending++
+	r.ev.errs.a, r.ev.errs.b = op, "<nil>"
 	if err != nil {
-		r.ev.errMsg = err.Error()
+		r.ev.errs.b = err.Error()
 	}
-	r.flushEngineErrors(false)
+	r.flushEvents(false)
 }
 
-// flushEngineErrors writes the record of the pending engine errors when a
-// second has passed since the last one, or at once with force. Loop
-// thread only.
-func (r *Reactor) flushEngineErrors(force bool) {
-	if r.ev.errPending == 0 {
+// flushEvents writes the records of folded events whose second is up, or
+// all pending ones with force. Loop thread only.
+func (r *Reactor) flushEvents(force bool) {
+	if r.ev.errs.pending == 0 && r.ev.tmo.pending == 0 {
 		return
 	}
 	now := r.now()
-	if !force && r.ev.errLogged && now-r.ev.errAt < int64(time.Second) {
-		return
+	if f := &r.ev.errs; f.ready(now, force) {
+		op, msg := f.a, f.b
+		n := f.take(now)
+		r.logEvent(slog.LevelError, EventEngineError,
+			slog.String("op", op), slog.String("error", msg), slog.Uint64("count", n))
 	}
-	r.ev.errAt, r.ev.errLogged = now, true
-	n := r.ev.errPending
-	r.ev.errPending = 0
-	r.logEvent(slog.LevelError, EventEngineError,
-		slog.String("op", r.ev.errOp), slog.String("error", r.ev.errMsg), slog.Uint64("count", n))
+	if f := &r.ev.tmo; f.ready(now, force) {
+		peer := f.a
+		n := f.take(now)
+		r.logEvent(slog.LevelWarn, EventReadTimeout,
+			slog.Int64("count", int64(n)),
+			slog.String("peer", peer),
+			slog.Duration("timeout", time.Duration(r.timeout.Load())),
+		)
+	}
 }
 
-// engineErrorsDue is the time (ns on r.now's clock) at which pending
-// engine errors are to be logged, and false when none are pending.
-func (r *Reactor) engineErrorsDue() (int64, bool) {
-	return r.ev.errAt + int64(time.Second), r.ev.errPending > 0
+// eventsDue is the time (ns on r.now's clock) at which pending folded
+// events are to be logged, and false when none are pending.
+func (r *Reactor) eventsDue() (int64, bool) {
+	d1, ok1 := r.ev.errs.due()
+	d2, ok2 := r.ev.tmo.due()
+	switch {
+	case ok1 && ok2:
+		return min(d1, d2), true
+	case ok1:
+		return d1, true
+	}
+	return d2, ok2
 }

@@ -40,7 +40,7 @@ func (r *Reactor) run(ready chan<- error, setup Setup) {
 	defer func() {
 		cpu := threadCPU()
 		r.finalCPU.Store(int64(cpu))
-		r.flushEngineErrors(true)
+		r.flushEvents(true)
 		r.logStop(cpu)
 	}()
 
@@ -150,8 +150,8 @@ func (r *Reactor) parkMillis() int {
 			timeout = until
 		}
 	}
-	if due, ok := r.engineErrorsDue(); ok {
-		// Folded engine errors are logged when their second is up.
+	if due, ok := r.eventsDue(); ok {
+		// Folded events are logged when their second is up.
 		if until := time.Duration(due - r.now()); until < timeout {
 			timeout = until
 		}
@@ -240,8 +240,8 @@ func (r *Reactor) turn() bool {
 		r.ended = false
 		r.broadcast()
 	}
-	if r.ev.errPending > 0 {
-		r.flushEngineErrors(false)
+	if r.ev.errs.pending > 0 || r.ev.tmo.pending > 0 {
+		r.flushEvents(false)
 	}
 	r.lastWork = work
 	return work
