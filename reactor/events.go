@@ -169,8 +169,13 @@ func (r *Reactor) logStop(cpu time.Duration) {
 	)
 }
 
-// threadCPU is the calling OS thread's user+system time, 0 if unknown.
+// threadCPU is the calling OS thread's user+system time, 0 if unknown:
+// from schedstat as ThreadCPU reads it (getrusage's figure is cut to
+// microseconds and would put the exported counter below its last value).
 func threadCPU() time.Duration {
+	if t, err := schedstatCPU("/proc/thread-self/schedstat"); err == nil {
+		return t
+	}
 	var ru unix.Rusage
 	if err := unix.Getrusage(unix.RUSAGE_THREAD, &ru); err != nil {
 		return 0

@@ -92,3 +92,27 @@ func TestQueuedReadsDroppedWithPeerCountAsCanceled(t *testing.T) {
 	require.Equal(t, uint64(0), st.ReadsFailed)
 	require.Equal(t, uint64(0), st.FailedBy[codeCanceled])
 }
+
+// The reactor thread's CPU time (ecxfer_reactor_cpu_seconds_total, a
+// counter) never goes down when the loop stops: the figure stored at the
+// stop is read the way the live ones are, not cut to microseconds.
+func TestThreadCPUMonotonicAtStop(t *testing.T) {
+	leakcheck.Check(t)
+	for i := range 5 {
+		la, err := loopback.New("stats-cpu")
+		require.NoError(t, err)
+		r, err := Start(la, Options{Idle: IdleSpin}, noSetup)
+		require.NoError(t, err)
+		time.Sleep(20 * time.Millisecond)
+		var last time.Duration
+		for range 50 {
+			last, err = r.ThreadCPU()
+			require.NoError(t, err)
+		}
+		require.Positive(t, last)
+		require.NoError(t, r.Close())
+		final, err := r.ThreadCPU()
+		require.NoError(t, err)
+		require.GreaterOrEqual(t, final, last, "round %d: the counter went down at the stop", i)
+	}
+}
