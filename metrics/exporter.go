@@ -89,11 +89,17 @@ func (e *Exporter) Remove(t *ecxfer.Transport) bool {
 	return ok
 }
 
-// Close stops serving and waits for the server to exit.
+// Close stops serving and waits for the server to exit. Scrapes in
+// progress get up to a second to finish; then every connection is closed,
+// including ones a client opened and sent nothing on (Shutdown alone
+// would wait for those). Cutting them short is not an error.
 func (e *Exporter) Close() error {
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 	defer cancel()
 	err := e.srv.Shutdown(ctx)
+	if errors.Is(err, context.DeadlineExceeded) {
+		err = e.srv.Close()
+	}
 	<-e.done
 	if errors.Is(err, http.ErrServerClosed) {
 		err = nil

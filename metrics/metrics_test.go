@@ -3,6 +3,8 @@ package metrics_test
 import (
 	"context"
 	"fmt"
+	"io"
+	"net"
 	"os"
 	"runtime"
 	"strings"
@@ -474,4 +476,20 @@ func TestDirectPathMetrics(t *testing.T) {
 	require.Equal(t, 2.0, got["ecxfer_copy_workers"])
 	require.Greater(t, got["ecxfer_copy_busy_seconds_total"], 0.0)
 	require.Equal(t, float64(n), vals["ecxfer_reads_inline_total"])
+}
+
+// Close returns promptly and without error while a client holds a
+// connection it has sent nothing on, and that connection is closed.
+func TestExporterCloseWithIdleClient(t *testing.T) {
+	leakcheck.Check(t)
+	ex, err := metrics.Listen("127.0.0.1:0")
+	require.NoError(t, err)
+	c, err := net.Dial("tcp", ex.Addr())
+	require.NoError(t, err)
+	defer c.Close()
+	time.Sleep(50 * time.Millisecond) // the server has accepted it
+	require.NoError(t, ex.Close(), "Close gave up on the idle client")
+	require.NoError(t, c.SetReadDeadline(time.Now().Add(5*time.Second)))
+	_, err = c.Read(make([]byte, 1))
+	require.ErrorIs(t, err, io.EOF, "the server side of the connection is still open")
 }
