@@ -3,6 +3,7 @@ package libnixl
 import (
 	"bytes"
 	"encoding/binary"
+	"unicode/utf8"
 
 	"github.com/ecxfer/ecxfer/nixl"
 )
@@ -103,6 +104,11 @@ func parseMD(b []byte) (peerMD, error) {
 		// NIXL's C API hands names back as C strings: this one would come
 		// back cut at the NUL, as the name of another agent.
 		return md, nixl.Errorf(nixl.ErrInvalidParam, "libnixl: metadata agent name %q has a NUL byte", name)
+	}
+	if !utf8.Valid(name) {
+		// The other engines refuse such names too: a peer name is a
+		// string everywhere above (errors, events, metric labels).
+		return md, nixl.Errorf(nixl.ErrInvalidParam, "libnixl: metadata agent name %q is not UTF-8", name)
 	}
 	md.name = string(name)
 	regions, err := r.rest()

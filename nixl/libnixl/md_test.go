@@ -72,6 +72,7 @@ func TestParseMDBad(t *testing.T) {
 		"magic only":  []byte(mdMagic),
 		"empty name":  newMDWriter().rec("Agent", nil).b,
 		"nul in name": sampleMD("prod\x00x"),
+		"not utf-8":   sampleMD("prod-\xff\xfe"),
 		"other tag":   newMDWriter().rec("Agnet", []byte("x")).b,
 		"huge len":    append([]byte(mdMagic+"Agent"), 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f),
 	}
