@@ -49,6 +49,7 @@ import (
 	"math/rand"
 	"os"
 	"os/exec"
+	"os/signal"
 	"regexp"
 	"runtime"
 	"runtime/pprof"
@@ -120,6 +121,10 @@ func main() {
 	}
 	if maxRestarts < 0 || (maxRestarts > 0 && *restart <= 0) {
 		fmt.Fprintln(os.Stderr, "ecxfer-soak: --restarts needs a positive count and --restart interval")
+		os.Exit(2)
+	}
+	if *duration <= 0 || *restart < 0 || *rssBound < 0 {
+		fmt.Fprintln(os.Stderr, "ecxfer-soak: --duration must be positive, --restart and --rss-bound not negative")
 		os.Exit(2)
 	}
 	if *producers < 1 || *workers < 1 || *bs < 8 {
@@ -418,6 +423,12 @@ func soak(duration time.Duration, nprod, nwork int, restart time.Duration, bs, r
 		_ = r.Close()
 		_ = w.Close()
 	}
+	// SIGINT or SIGTERM ends the run early but through the same teardown,
+	// so that the producers stop and their /dev/shm files go. Before the
+	// baseline: the first Notify starts the signal package's goroutine.
+	sig := make(chan os.Signal, 1)
+	signal.Notify(sig, os.Interrupt, syscall.SIGTERM)
+	defer signal.Stop(sig)
 	var ex *metrics.Exporter
 	if metricsAddr != "" {
 		var err error
@@ -448,6 +459,18 @@ func soak(duration time.Duration, nprod, nwork int, restart time.Duration, bs, r
 	}
 
 	start := time.Now()
+	interrupted := make(chan os.Signal, 1)
+	runDone, watched := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(watched)
+		select {
+		case v := <-sig:
+			fmt.Fprintf(os.Stderr, "ecxfer-soak: %v: stopping\n", v)
+			s.stop.Store(true)
+			interrupted <- v
+		case <-runDone:
+		}
+	}()
 	var wg sync.WaitGroup
 	for w := 0; w < nwork; w++ {
 		wg.Add(1)
@@ -463,6 +486,8 @@ func soak(duration time.Duration, nprod, nwork int, restart time.Duration, bs, r
 	}()
 	smp := s.monitor(start)
 	s.stop.Store(true)
+	close(runDone)
+	<-watched
 	end := time.Now()
 	wg.Wait()
 	<-restartDone
@@ -493,6 +518,17 @@ func soak(duration time.Duration, nprod, nwork int, restart time.Duration, bs, r
 	leakErr := base.Wait(10 * time.Second)
 	fmt.Printf("ecxfer-soak: torn down in %v\n", time.Since(end).Round(time.Millisecond))
 	s.report(time.Since(start), st, smp)
+	select {
+	case v := <-interrupted:
+		// A cut run's figures are not the soak's verdict, but what its
+		// teardown left behind is.
+		if leakErr != nil {
+			fmt.Printf("ecxfer-soak: leak after the interrupted run: %v\n", leakErr)
+		}
+		fmt.Printf("ecxfer-soak: interrupted by %v after %v\n", v, time.Since(start).Round(time.Millisecond))
+		return false
+	default:
+	}
 	s.check(st, smp, leakErr)
 	if n := s.failures.Load(); n > 0 {
 		fmt.Printf("ecxfer-soak: FAIL (%d checks)\n", n)
@@ -521,7 +557,11 @@ func (s *soakRun) start(nprod int) error {
 		var hello ctrl.Message
 		p.cmd, p.stdin, p.exited, hello, err = startProducer(p.name, p.seed, s.bs, p.region)
 		if err == nil {
-			_, err = cons.AddRemotePeer(hello.Metadata, hello.MemDesc)
+			if _, err = cons.AddRemotePeer(hello.Metadata, hello.MemDesc); err != nil {
+				p.stop(false)
+			}
+		} else {
+			_ = os.Remove(shmPath(p.name)) // it may have got as far as creating it
 		}
 		if err != nil {
 			for _, q := range s.prods[:i] {
@@ -593,7 +633,9 @@ func (s *soakRun) monitor(start time.Time) samples {
 			time.Sleep(10 * time.Millisecond)
 		}
 	} else {
-		time.Sleep(warm)
+		for time.Since(start) < warm && !s.stop.Load() {
+			time.Sleep(10 * time.Millisecond)
+		}
 	}
 	smp.rss0 = rssBytes()
 	s.replacing.Lock()

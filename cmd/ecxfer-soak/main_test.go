@@ -3,11 +3,14 @@ package main
 import (
 	"bufio"
 	"bytes"
+	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"regexp"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -134,4 +137,35 @@ func TestSoakMetrics(t *testing.T) {
 	require.Contains(t, ev, ecxfer.EventPeerAdded)
 	require.Contains(t, ev, ecxfer.EventReactorStop)
 	require.True(t, strings.Contains(ev, ecxfer.EventPeerReplaced), "a restart every second replaces the producer:\n%s", ev)
+}
+
+// TestSoakSignalTearsDown stops a soak with SIGTERM: it tears down as at
+// the end of a run (its producers' /dev/shm region files are removed),
+// says it was interrupted and exits non-zero.
+func TestSoakSignalTearsDown(t *testing.T) {
+	cmd := exec.Command(os.Args[0], "--regions", "shm", "--duration", "5m", "--producers", "2", "--workers", "2", "--restart", "0")
+	cmd.Env = append(os.Environ(), mainEnv+"=1")
+	var out, stderr syncBuf
+	cmd.Stdout, cmd.Stderr = &out, &stderr
+	require.NoError(t, cmd.Start())
+	pat := fmt.Sprintf("/dev/shm/soak-producer-%d-*.mmap", cmd.Process.Pid)
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		m, _ := filepath.Glob(pat)
+		for _, f := range m {
+			_ = os.Remove(f)
+		}
+	})
+	require.Eventually(t, func() bool { m, _ := filepath.Glob(pat); return len(m) == 2 },
+		60*time.Second, 10*time.Millisecond, "each producer maps a /dev/shm file:\n%s\n%s", out.String(), stderr.String())
+	time.Sleep(300 * time.Millisecond) // let the workers read
+	require.NoError(t, cmd.Process.Signal(syscall.SIGTERM))
+	err := cmd.Wait()
+	var ee *exec.ExitError
+	require.ErrorAs(t, err, &ee, "an interrupted soak is not a pass:\n%s", out.String())
+	require.Equal(t, 1, ee.ExitCode())
+	require.Contains(t, out.String(), "ecxfer-soak: interrupted by terminated")
+	require.NotContains(t, out.String(), "leak after", "the teardown left something behind")
+	left, _ := filepath.Glob(pat)
+	require.Empty(t, left, "the producers' region files are left behind")
 }
