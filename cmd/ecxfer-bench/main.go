@@ -9,6 +9,7 @@ import (
 	"net"
 	"os"
 	"os/signal"
+	"sync"
 	"syscall"
 	"time"
 
@@ -120,17 +121,56 @@ func serveCmd(args []string, stderr io.Writer) int {
 		hook = followTransport(ex, stderr)
 		fmt.Fprintf(stderr, "ecxfer-bench serve: metrics on http://%s/metrics\n", ex.Addr())
 	}
+	// SIGINT or SIGTERM closes the listener and the run's connection, so
+	// the run's producer is closed and the exporter shut down on the way
+	// out, as after --once.
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	var mu sync.Mutex
+	var cur net.Conn
+	go func() {
+		<-ctx.Done()
+		mu.Lock()
+		defer mu.Unlock()
+		_ = l.Close()
+		if cur != nil {
+			_ = cur.Close()
+		}
+	}()
 	fmt.Fprintf(stderr, "ecxfer-bench serve: listening on %s\n", l.Addr())
 	for {
 		c, err := l.Accept()
+		if ctx.Err() != nil {
+			if c != nil {
+				_ = c.Close()
+			}
+			fmt.Fprintln(stderr, "ecxfer-bench serve: interrupted")
+			return 0
+		}
 		if err != nil {
 			fmt.Fprintf(stderr, "ecxfer-bench serve: %v\n", err)
 			return 1
 		}
+		mu.Lock()
+		if ctx.Err() != nil { // the signal came after Accept
+			mu.Unlock()
+			_ = c.Close()
+			fmt.Fprintln(stderr, "ecxfer-bench serve: interrupted")
+			return 0
+		}
+		cur = c
+		mu.Unlock()
 		fmt.Fprintf(stderr, "ecxfer-bench serve: run from %s\n", c.RemoteAddr())
 		// One run at a time: two runs at once would measure each other.
 		err = bench.ServeHooked(ctrl.New(c, c), *backend, hook)
+		mu.Lock()
+		cur = nil
+		mu.Unlock()
 		_ = c.Close()
+		if ctx.Err() != nil {
+			fmt.Fprintln(stderr, "ecxfer-bench serve: interrupted")
+			return 0
+		}
 		if err != nil {
 			fmt.Fprintf(stderr, "ecxfer-bench serve: %v\n", err)
 		} else {

@@ -6,6 +6,7 @@ import (
 	"os/exec"
 	"regexp"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -117,4 +118,10 @@ func TestServeMetrics(t *testing.T) {
 	require.Greater(t, only(t, after["ecxfer_reactor_loop_turns_total"], "ecxfer_reactor_loop_turns_total"), 0.0)
 	require.Greater(t, only(t, after["ecxfer_reactor_cpu_seconds_total"], "ecxfer_reactor_cpu_seconds_total"), 0.0)
 	require.Zero(t, only(t, after["ecxfer_reads_done_total"], "ecxfer_reads_done_total"), "a producer reads nothing")
+
+	// SIGTERM ends serve cleanly: it closes its listener and exporter and
+	// exits 0.
+	require.NoError(t, cmd.Process.Signal(syscall.SIGTERM))
+	require.NoError(t, cmd.Wait(), "serve: %s", serveErr.String())
+	require.Contains(t, serveErr.String(), "ecxfer-bench serve: interrupted")
 }
