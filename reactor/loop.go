@@ -316,9 +316,11 @@ func (r *Reactor) submit(h uint64) {
 		return // released and freed already
 	}
 	s.cancelDrained = false
+	s.queued = false
 	if wordState(w) == stCanceling {
 		// Released before it was posted; onCancel frees the slot when it
 		// drains the release's cancel entry.
+		r.st.canceled.Add(1)
 		r.dropJob(s)
 		s.trim()
 		return
@@ -435,8 +437,21 @@ func (r *Reactor) finish(h uint64, s *slot, code uint64) bool {
 
 // fail ends a transfer that never reached the engine.
 func (r *Reactor) fail(h uint64, s *slot, code uint64) {
-	r.countFailed(s.peer, code)
+	r.countEnd(s, code)
 	r.finish(h, s, code)
+}
+
+// countEnd counts a READ about to end with the failure code: as canceled
+// when the caller has released it already (finish will not publish the
+// failure, and the caller asked for it to stop), as failed otherwise. A
+// release racing this call between the check and finish is counted
+// failed.
+func (r *Reactor) countEnd(s *slot, code uint64) {
+	if code == codeCanceled || wordState(s.word.Load()) == stCanceling {
+		r.st.canceled.Add(1)
+		return
+	}
+	r.countFailed(s.peer, code)
 }
 
 func (r *Reactor) complete(c nixl.Completion) {
@@ -450,7 +465,7 @@ func (r *Reactor) complete(c nixl.Completion) {
 	s := &r.tab.slots[h&r.tab.mask]
 	if c.Err != nil {
 		code := codeOf(c.Err)
-		r.countFailed(s.peer, code)
+		r.countEnd(s, code)
 		switch code {
 		case codeRemoteDisconnect:
 			r.peerDead(s.peer, c.Err.Error())
@@ -518,11 +533,7 @@ func (r *Reactor) abort(h uint64, code uint64) {
 	delete(r.xfers, s.xfer)
 	r.inflight.Add(-1)
 	_ = r.agent.ReleaseXfer(s.xfer)
-	if code == codeCanceled {
-		r.st.canceled.Add(1)
-	} else {
-		r.countFailed(s.peer, code)
-	}
+	r.countEnd(s, code)
 	r.finish(h, s, code)
 }
 
@@ -535,6 +546,12 @@ func (r *Reactor) onCancel(h uint64) {
 	s, w := r.tab.lookup(h)
 	if s == nil || wordState(w) != stCanceling {
 		return
+	}
+	if s.queued {
+		// Released before the loop took its submission: it was never
+		// posted, and submit will not find the slot once it is freed.
+		s.queued = false
+		r.st.canceled.Add(1)
 	}
 	if id := s.xfer; id != 0 {
 		if got, ok := r.xfers[id]; ok && got == h {

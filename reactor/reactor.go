@@ -336,6 +336,7 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 	claimed := r.tab.claimedWord(h)
 	s.start = r.now()
 	s.peer = p
+	s.queued = true
 	s.hasNotif = len(notif) > 0
 	bytes := loc.bytes(localIdx)
 	s.bytes = bytes

@@ -116,3 +116,69 @@ func TestThreadCPUMonotonicAtStop(t *testing.T) {
 		require.GreaterOrEqual(t, final, last, "round %d: the counter went down at the stop", i)
 	}
 }
+
+// A READ released before the loop took its submission was never posted:
+// it counts as canceled, as the same READ dropped with its peer does, so
+// posted READs all end in exactly one of done, failed and canceled.
+func TestReleasedQueuedReadCountsCanceled(t *testing.T) {
+	leakcheck.Check(t)
+	p := newPair(t, 16, Options{})
+	r := p.cons
+	var h uint64
+	// Posted and released inside a control operation: both entries wait
+	// on their rings while the loop is busy here.
+	require.NoError(t, r.do(func() error {
+		var err error
+		if h, err = r.Post(p.pname, []int{0}, []int{0}, nil); err != nil {
+			return err
+		}
+		return r.Release(h)
+	}))
+	require.Eventually(t, func() bool { return r.tab.live.Load() == 0 }, 5*time.Second, time.Millisecond)
+	st := r.Stats()
+	require.Equal(t, uint64(1), st.ReadsCanceled, "released while queued")
+	require.Zero(t, st.ReadsFailed)
+	require.Zero(t, st.ReadsDone)
+
+	// Posted, then released after the loop took it to the engine.
+	p.consEng.SetDelay(time.Hour)
+	h, err := r.Post(p.pname, []int{0}, []int{0}, nil)
+	require.NoError(t, err)
+	inFlight(t, r, 1)
+	require.NoError(t, r.Release(h))
+	require.Eventually(t, func() bool { return r.Stats().ReadsCanceled == 2 }, 5*time.Second, time.Millisecond)
+	p.consEng.SetDelay(0)
+	require.Zero(t, r.Stats().ReadsFailed)
+}
+
+// A READ the caller released in flight whose release the loop has not
+// seen yet when its peer is replaced counts as canceled, not as failed
+// with the peer: the caller stopped it, and it is never published ERR.
+func TestReleasedThenReplacedCountsCanceled(t *testing.T) {
+	leakcheck.Check(t)
+	p := newPair(t, 16, Options{})
+	r := p.cons
+	p.consEng.SetDelay(time.Hour)
+	h, err := r.Post(p.pname, []int{0}, []int{0}, nil)
+	require.NoError(t, err)
+	inFlight(t, r, 1)
+	var md []byte
+	require.NoError(t, p.prod.do(func() error {
+		var err error
+		md, err = p.prodEng.LocalMetadata()
+		return err
+	}))
+	descs := p.prod.loc.Load().descs[:8] // a new block list replaces the peer
+	require.NoError(t, r.do(func() error {
+		if err := r.Release(h); err != nil {
+			return err
+		}
+		_, err := r.addPeer(md, descs, nil)
+		return err
+	}))
+	require.Eventually(t, func() bool { return r.tab.live.Load() == 0 }, 5*time.Second, time.Millisecond)
+	p.consEng.SetDelay(0)
+	st := r.Stats()
+	require.Zero(t, st.ReadsFailed, "counted failed by reason %v", st.FailedBy)
+	require.Equal(t, uint64(1), st.ReadsCanceled)
+}

@@ -90,8 +90,12 @@ type slot struct {
 	// cancelDrained: onCancel drained this transfer's cancel entry while
 	// its direct copy ran, and left freeing the slot to endJob.
 	cancelDrained bool
-	bytes         uint64
-	_             cpu.CacheLinePad
+	// queued: the READ's submission entry is on the ring, not yet taken
+	// by submit (set by Post before it pushes the entry). A READ released
+	// then was never posted, and onCancel or submit counts it canceled.
+	queued bool
+	bytes  uint64
+	_      cpu.CacheLinePad
 }
 
 // slotKeep bounds the index and notification buffers a slot keeps between
