@@ -43,8 +43,10 @@ type Options struct {
 	// Chunk is the smallest piece a job is cut into, in bytes (default
 	// 256 KiB). A job is cut into at most 4 pieces per worker.
 	Chunk int
-	// Queue is how many chunks may wait (default 1024). A submitter that
-	// finds the queue full runs the chunk itself.
+	// Queue is how many chunks may wait (default 1024). A job that finds
+	// the queue full goes on an overflow list the workers take from
+	// between entries: Submit never copies on its caller (the reactor
+	// thread) and never waits.
 	Queue int
 }
 
@@ -69,8 +71,15 @@ type Job struct {
 
 // Pool is a set of copy workers.
 type Pool struct {
-	opts    Options
-	ch      chan *Job // one entry per chunk; a worker takes whatever is left
+	opts Options
+	// ch has up to one entry per chunk: a worker that takes one copies
+	// the job's chunks until none is left, and more entries let more
+	// workers join in.
+	ch chan *Job
+	// over holds jobs that found ch full, under overMu; workers take them
+	// between entries of ch and before blocking on it.
+	overMu  sync.Mutex
+	over    []*Job
 	wg      sync.WaitGroup
 	mu      sync.RWMutex // held shared by Submit, exclusively by Close
 	closed  bool
@@ -129,14 +138,53 @@ func (p *Pool) work(i int, ready chan<- error) {
 	}
 	debug.SetPanicOnFault(true)
 	ready <- nil
-	for j := range p.ch {
-		// An entry whose chunk a helper took already (or that outlived
-		// its submission) finds nothing to claim.
-		t0 := time.Now()
-		if j.runOne() {
-			p.busy.Add(int64(time.Since(t0)))
+	for {
+		// The overflow first: a job lands there only while ch is full,
+		// so a worker is busy with ch's entries and looks here after
+		// each; a worker about to block finds it here.
+		for j := p.takeOver(); j != nil; j = p.takeOver() {
+			p.drain(j)
 		}
+		j, ok := <-p.ch
+		if !ok {
+			// Closed: Submit appended nothing since (Close waited for
+			// it), so what is on the overflow now is the last of it.
+			for j := p.takeOver(); j != nil; j = p.takeOver() {
+				p.drain(j)
+			}
+			return
+		}
+		// An entry whose chunks others took already (or that outlived
+		// its submission) finds nothing to claim.
+		p.drain(j)
 	}
+}
+
+// drain copies j's chunks until none is left to take.
+func (p *Pool) drain(j *Job) {
+	for {
+		t0 := time.Now()
+		if !j.runOne() {
+			return
+		}
+		p.busy.Add(int64(time.Since(t0)))
+	}
+}
+
+// takeOver pops the oldest job of the overflow list, nil when empty.
+func (p *Pool) takeOver() *Job {
+	p.overMu.Lock()
+	defer p.overMu.Unlock()
+	if len(p.over) == 0 {
+		return nil
+	}
+	j := p.over[0]
+	p.over[0] = nil
+	p.over = p.over[1:]
+	if len(p.over) == 0 {
+		p.over = p.over[:0:0] // let the array go once drained
+	}
+	return j
 }
 
 // BusyTime returns the time the workers have spent copying, summed over
@@ -205,13 +253,13 @@ func (p *Pool) Chunks(total int) int {
 }
 
 // Submit cuts bytes [0, total) of j into chunks and queues them. It does
-// not wait for the copy; j.Done reports the end. On a closed pool Done is
-// called at once with ErrClosed.
+// not wait for the copy, nor copy anything itself; j.Done reports the end.
+// On a closed pool Done is called at once with ErrClosed.
 func (p *Pool) Submit(j *Job, total int) {
 	n := p.Chunks(total)
 	p.mu.RLock()
+	defer p.mu.RUnlock()
 	if p.closed {
-		p.mu.RUnlock()
 		j.fail(ErrClosed)
 		j.pending.Store(1)
 		j.chunkDone()
@@ -220,16 +268,22 @@ func (p *Pool) Submit(j *Job, total int) {
 	j.pending.Store(int32(n))
 	j.total.Store(int64(total))
 	j.claim.Store(uint64(n) << 32)
-	for range n {
+	for i := range n {
 		select {
 		case p.ch <- j:
+			continue
 		default:
-			// The queue is full: copying here is slower for this caller
-			// but never leaves it waiting for the workers.
-			j.runOne()
 		}
+		if i == 0 {
+			// Not one entry: the job waits on the overflow list. With
+			// one or more, whoever takes an entry copies every chunk
+			// left, so the job finishes without the rest.
+			p.overMu.Lock()
+			p.over = append(p.over, j)
+			p.overMu.Unlock()
+		}
+		break
 	}
-	p.mu.RUnlock()
 }
 
 // Close stops the workers after the queued chunks have run. Idempotent.

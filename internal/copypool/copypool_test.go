@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -83,13 +84,74 @@ func TestFirstErrorWins(t *testing.T) {
 	}
 }
 
-func TestQueueFullRunsInline(t *testing.T) {
-	p, err := New(Options{Workers: 1, Chunk: 1, Queue: 1})
+// A job that finds the queue full is not copied by its submitter (the
+// reactor thread, which must keep turning): it waits on the overflow
+// list, and the worker copies all of it once free; a job with only some
+// of its entries queued is finished by whoever takes them.
+func TestQueueFullOverflows(t *testing.T) {
+	leakcheck.Check(t)
+	p, err := New(Options{Workers: 1, Chunk: 1, Queue: 2})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer p.Close()
-	// Hold the only worker, then fill the one queue place.
+	// Hold the only worker, then fill the queue's two places.
+	block, started := make(chan struct{}), make(chan struct{})
+	release := sync.OnceFunc(func() { close(block) })
+	defer release() // before Close, which waits for the worker
+	holder := newCopyJob(nil, nil)
+	holder.Run = func(lo, hi int) error { close(started); <-block; return nil }
+	p.Submit(&holder.Job, 1)
+	<-started
+	var submitter atomic.Bool // set while Submit runs on this goroutine
+	var onSubmitter atomic.Int32
+	count := func(ran *atomic.Int32) func(lo, hi int) error {
+		return func(lo, hi int) error {
+			if submitter.Load() {
+				onSubmitter.Add(1)
+			}
+			ran.Add(1)
+			return nil
+		}
+	}
+	var ranPart, ranOver atomic.Int32
+	part := newCopyJob(nil, nil) // 4 chunks, one place left: one entry
+	part.Run = count(&ranPart)
+	over := newCopyJob(nil, nil) // no place left: the overflow list
+	over.Run = count(&ranOver)
+	submitter.Store(true)
+	p.Submit(&part.Job, 4)
+	p.Submit(&over.Job, 3)
+	submitter.Store(false)
+	if n := onSubmitter.Load(); n != 0 {
+		t.Fatalf("Submit copied %d chunks itself", n)
+	}
+	select {
+	case <-part.done:
+		t.Fatal("a job finished while the only worker was held")
+	case <-over.done:
+		t.Fatal("a job finished while the only worker was held")
+	default:
+	}
+	release()
+	<-holder.done
+	for _, j := range []*copyJob{part, over} {
+		if err := <-j.done; err != nil {
+			t.Fatal(err)
+		}
+	}
+	if ranPart.Load() != 4 || ranOver.Load() != 3 {
+		t.Fatalf("chunks copied: %d of 4, %d of 3", ranPart.Load(), ranOver.Load())
+	}
+}
+
+// Jobs on the overflow list when the pool closes are still copied.
+func TestCloseRunsOverflow(t *testing.T) {
+	leakcheck.Check(t)
+	p, err := New(Options{Workers: 1, Chunk: 1, Queue: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
 	block, started := make(chan struct{}), make(chan struct{})
 	holder := newCopyJob(nil, nil)
 	holder.Run = func(lo, hi int) error { close(started); <-block; return nil }
@@ -98,21 +160,17 @@ func TestQueueFullRunsInline(t *testing.T) {
 	filler := newCopyJob(nil, nil)
 	filler.Run = func(lo, hi int) error { return nil }
 	p.Submit(&filler.Job, 1)
-	// Every chunk of this job finds the queue full and runs here, so it
-	// is done before the worker is let go.
-	j := newCopyJob(nil, nil)
-	ran := 0
-	j.Run = func(lo, hi int) error { ran++; return nil }
-	p.Submit(&j.Job, 4)
-	select {
-	case err := <-j.done:
-		if err != nil || ran != 4 {
-			t.Fatalf("inline job: %v, %d chunks", err, ran)
-		}
-	default:
-		t.Fatal("Submit returned before running the chunks the full queue refused")
-	}
+	over := newCopyJob(nil, nil)
+	var ran atomic.Int32
+	over.Run = func(lo, hi int) error { ran.Add(1); return nil }
+	p.Submit(&over.Job, 2)
+	closed := make(chan struct{})
+	go func() { p.Close(); close(closed) }()
 	close(block)
+	<-closed
+	if err := <-over.done; err != nil || ran.Load() != 2 {
+		t.Fatalf("overflow job at Close: %v, %d of 2 chunks", err, ran.Load())
+	}
 	<-holder.done
 	<-filler.done
 }
