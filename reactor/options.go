@@ -84,8 +84,9 @@ type Options struct {
 	SubmitRing int
 	// Handles is the handle table's capacity: the most transfers that can
 	// be posted and not yet released (default 4096; rounded up to a power
-	// of two, at least 256, at most 2^20: a slot and its places on the
-	// rings take about 300 bytes, so 2^20 of them about 300 MiB). Post
+	// of two, at least 256, at most 2^20: a slot, the index buffers it
+	// keeps and its places on the rings take about 600 bytes, so 2^20 of
+	// them about 600 MiB). Post
 	// returns ErrBusy when all are taken, or
 	// when the submission ring is full (possible when SubmitRing is
 	// smaller than Handles).
