@@ -85,7 +85,12 @@ type Agent interface {
 	// AllocMem allocates and registers length bytes owned by the engine.
 	AllocMem(length int, mem MemType, devID uint64) (MemID, []byte, error)
 	// DeregisterMem releases a region. Fails with ErrNotAllowed while a
-	// prepared list or an in-flight transfer still uses it.
+	// prepared list or an in-flight transfer still uses it, including a
+	// released transfer whose operations the engine could not cancel and
+	// that may still write it. It does not revoke what peers loaded: a
+	// peer holding this agent's metadata may still address the region,
+	// so a region is deregistered once no peer will read it (as NIXL's
+	// own agents require).
 	DeregisterMem(id MemID) error
 
 	// LocalMetadata serializes what a peer needs to reach this agent's

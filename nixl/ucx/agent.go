@@ -162,6 +162,12 @@ type Agent struct {
 	compBuf  *C.ecx_completion_t
 	postOut  **C.ecx_post_t // ecx_post's out parameter, in C memory
 	spare    []*xfer        // released requests kept for reuse
+	// orphans holds, by request, the local regions of cancelled posts
+	// whose gets UCX has not called back yet (it cannot cancel them):
+	// each holds a reference, so DeregisterMem refuses to unmap memory a
+	// late reply would still write. Dropped when ecx_drain reports the
+	// post's end.
+	orphans  map[nixl.XferID][]*memRegion
 	rangeBuf []descriptors.Range
 	pollfds  []unix.PollFd
 	calls    uint32
@@ -206,6 +212,7 @@ func New(cfg Config) (*Agent, error) {
 		peerTags: map[uint64]*peer{},
 		dlists:   enginekit.NewLists[*dlist](),
 		xfers:    map[nixl.XferID]*xfer{},
+		orphans:  map[nixl.XferID][]*memRegion{},
 	}
 	var ma, mi C.uint32_t
 	C.ecx_version(&ma, &mi)

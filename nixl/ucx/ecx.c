@@ -30,7 +30,7 @@ struct ecx_post {
     uint32_t nreqs;       /* slots in reqs: ops, then one for flush/AM */
     int32_t status;       /* first failure */
     uint8_t phase;
-    uint8_t orphaned; /* cancelled: never reported, freed when quiet */
+    uint8_t orphaned; /* cancelled: its end reported as ECX_ORPHAN_END */
     uint8_t silent;   /* fire-and-forget notification: never reported */
     uint8_t queued;   /* on the completion queue */
     uint32_t notif_len;
@@ -203,7 +203,9 @@ static void send_am(ecx_post_t *p)
 static void advance(ecx_post_t *p)
 {
     if (p->orphaned) {
-        post_free(p);
+        /* ecx_drain reports its end: Go holds the memory it wrote
+         * registered until then. */
+        comp_push(p);
         return;
     }
     if (p->phase == PH_DATA && p->status == UCS_OK && p->notif_len > 0) {
@@ -761,7 +763,7 @@ int ecx_post(ecx_ctx_t *c, uint64_t id, ucp_ep_h ep, int op,
     return UCS_OK;
 }
 
-void ecx_post_cancel(ecx_ctx_t *c, ecx_post_t *p)
+int ecx_post_cancel(ecx_ctx_t *c, ecx_post_t *p)
 {
     uint32_t i;
     p->orphaned = 1;
@@ -772,19 +774,22 @@ void ecx_post_cancel(ecx_ctx_t *c, ecx_post_t *p)
         p->next = p->nranges;
         if (p->outstanding == 0) {
             post_free(p);
-            return;
+            return 1;
         }
     }
     if (p->queued || p->outstanding == 0) {
         /* Queued: freed by ecx_drain. Quiet: on the ready list, freed by
-         * advance. */
-        return;
+         * ecx_drain after advance. Either way nothing is outstanding. */
+        return 1;
     }
     for (i = 0; i < p->nreqs; i++) {
         if (p->reqs[i] != NULL) {
             ucp_request_cancel(c->worker, p->reqs[i]);
         }
     }
+    /* A request UCX completed inside the cancel is on the ready list now,
+     * and reported as an orphan's end like any other. */
+    return 0;
 }
 
 int ecx_send_notif(ecx_ctx_t *c, ucp_ep_h ep, const void *msg, uint32_t len)
@@ -852,12 +857,10 @@ uint32_t ecx_drain(ecx_ctx_t *c, ecx_completion_t *out, uint32_t max)
         if (c->comp_head == NULL) {
             c->comp_tail = NULL;
         }
-        if (!p->orphaned) {
-            out[n].id = p->id;
-            out[n].status = p->status;
-            out[n].pad = 0;
-            n++;
-        }
+        out[n].id = p->id;
+        out[n].status = p->status;
+        out[n].pad = p->orphaned ? ECX_ORPHAN_END : 0;
+        n++;
         post_free(p);
     }
     return n;

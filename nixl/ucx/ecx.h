@@ -46,8 +46,11 @@ typedef struct ecx_range {
 typedef struct ecx_completion {
     uint64_t id;
     int32_t status; /* ucs_status_t */
-    int32_t pad;
+    int32_t pad;    /* 0, or ECX_ORPHAN_END */
 } ecx_completion_t;
+
+/* pad of a cancelled post whose last UCX operation has now called back. */
+#define ECX_ORPHAN_END 1
 
 /* One received notification: header (sender name) then payload. */
 typedef struct ecx_notif {
@@ -147,8 +150,11 @@ int ecx_rkey_ptr(ucp_rkey_h rkey, uint64_t raddr, void **out);
 int ecx_post(ecx_ctx_t *c, uint64_t id, ucp_ep_h ep, int op,
              const ecx_range_t *r, uint32_t n, ucp_rkey_h *rkeys,
              const void *notif, uint32_t notif_len, ecx_post_t **out);
-/* Cancels a post: it will not be reported. */
-void ecx_post_cancel(ecx_ctx_t *c, ecx_post_t *p);
+/* Cancels a post: its completion will not be reported. Returns 1 when no
+ * UCX operation of it is outstanding (nothing of it will touch memory
+ * again), 0 when some are: UCX cannot call gets back, and ecx_drain
+ * reports the end of those with ECX_ORPHAN_END in pad. */
+int ecx_post_cancel(ecx_ctx_t *c, ecx_post_t *p);
 /* Sends a notification outside any transfer (fire and forget). */
 int ecx_send_notif(ecx_ctx_t *c, ucp_ep_h ep, const void *msg, uint32_t len);
 

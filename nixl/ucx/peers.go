@@ -394,10 +394,7 @@ func (a *Agent) failPeer(p *peer, err error, leaving bool) {
 }
 
 func (a *Agent) failXfer(x *xfer, err error) {
-	if x.post != nil {
-		C.ecx_post_cancel(a.c, x.post)
-		x.post = nil
-	}
+	a.cancelPost(x)
 	x.state = enginekit.Done
 	x.err = err
 	a.pending.Push(x.id, x.gen, err)

@@ -223,6 +223,10 @@ func (a *Agent) drainC() {
 	for a.c.comp_head != nil {
 		n := int(C.ecx_drain(a.c, a.compBuf, compBufLen))
 		for _, e := range buf[:n] {
+			if e.pad == C.ECX_ORPHAN_END {
+				a.orphanEnded(nixl.XferID(e.id))
+				continue
+			}
 			x := a.xfers[nixl.XferID(e.id)]
 			if x == nil || x.state != enginekit.Inflight {
 				continue
@@ -279,7 +283,9 @@ func (a *Agent) XferStatus(id nixl.XferID) (bool, error) {
 // ReleaseXfer implements nixl.Agent. An in-flight request is cancelled: its
 // outstanding UCX operations are asked to cancel and the C side frees the
 // request once every one of them has called back; no notification is sent.
-// Gets already on the wire may still land in local memory.
+// Gets already on the wire may still land in local memory: until the last
+// has called back, the request's local regions stay referenced and
+// DeregisterMem refuses them.
 func (a *Agent) ReleaseXfer(id nixl.XferID) error {
 	if a.closed {
 		return errClosed
@@ -288,10 +294,7 @@ func (a *Agent) ReleaseXfer(id nixl.XferID) error {
 	if x == nil {
 		return kit.XferNotFound(id)
 	}
-	if x.post != nil {
-		C.ecx_post_cancel(a.c, x.post)
-		x.post = nil
-	}
+	a.cancelPost(x)
 	delete(x.peer.inflight, id)
 	a.freeXfer(x)
 	delete(a.xfers, id)
@@ -302,6 +305,28 @@ func (a *Agent) ReleaseXfer(id nixl.XferID) error {
 		C.free(unsafe.Pointer(x.ranges))
 	}
 	return nil
+}
+
+// cancelPost cancels x's post, if it has one in C. Gets UCX cannot cancel
+// keep x's local regions referenced until they call back (orphanEnded).
+func (a *Agent) cancelPost(x *xfer) {
+	if x.post == nil {
+		return
+	}
+	if C.ecx_post_cancel(a.c, x.post) == 0 && len(x.mems) > 0 {
+		enginekit.AddRefs(x.mems, 1)
+		a.orphans[x.id] = x.mems
+	}
+	x.post = nil
+}
+
+// orphanEnded drops the references a cancelled post held: UCX has called
+// back its last operation, so nothing writes its local memory any more.
+func (a *Agent) orphanEnded(id nixl.XferID) {
+	if ms, ok := a.orphans[id]; ok {
+		enginekit.AddRefs(ms, -1)
+		delete(a.orphans, id)
+	}
 }
 
 // maxSpare bounds the released requests kept for reuse.
