@@ -239,11 +239,28 @@ func (a *Agent) connect(p *peer, m *metadata) error {
 	if st != 0 {
 		return ucsErr(st, "ucx: ep_create")
 	}
+	// The peer's regions and keys are checked against its mappings when
+	// it is on this host, and also when its metadata says otherwise but
+	// UCX reaches it over shared memory (error mode NONE): a false claim
+	// of another host must not skip the checks.
+	verify := m.Host == a.host
+	if !verify && C.ecx_ep_shm_lanes(p.ep) == 1 {
+		if m.Host.Boot != a.host.Boot || m.Host.PidNS != a.host.PidNS {
+			// Another machine cannot be reached over shared memory, and
+			// in another pid namespace its pid names no process of ours
+			// to check against.
+			a.closeEp(p, 0)
+			return kit.Errorf(nixl.ErrInvalidParam,
+				"peer %q: metadata names another host or pid namespace, but UCX reaches it over shared memory, "+
+					"where its keys cannot be checked (use error mode auto or peer, or UCX_TLS without shared memory)", m.Name)
+		}
+		verify = true
+	}
 	if n := len(m.Region); n > 0 {
 		p.rkeys = (*C.ucp_rkey_h)(C.calloc(C.size_t(n), C.size_t(unsafe.Sizeof(C.ucp_rkey_h(nil)))))
 		var caller []bool
 		var spans []procmaps.Span
-		if m.Host == a.host {
+		if verify {
 			// Caller memory is checked against the peer's mappings now
 			// and its rkeys unpacked at the first transfer (see
 			// unpackDeferred).
@@ -265,7 +282,7 @@ func (a *Agent) connect(p *peer, m *metadata) error {
 				return err
 			}
 		}
-		if m.Host == a.host {
+		if verify {
 			if err := checkTruth(m, unsafe.Slice(p.rkeys, n), caller, spans); err != nil {
 				a.closeEp(p, n)
 				return err

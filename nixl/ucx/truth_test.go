@@ -120,6 +120,62 @@ func TestForgedSegmentKeyRefused(t *testing.T) {
 	require.Equal(t, "forger", name)
 }
 
+// The same forged key in metadata that also claims another host or
+// network namespace, loaded in error mode NONE (where UCX reaches a
+// same-host peer over shared memory whatever its metadata says): refused
+// too. (The host check skipped the key checks, and READs of the forger
+// returned the victim's memory.)
+func TestForgedSegmentKeyClaimingOtherHostRefused(t *testing.T) {
+	const n = 1 << 20
+	victim := newTestAgent(t, Config{Name: "victim"})
+	_, vbuf, err := victim.AllocMem(n, nixl.DRAM, 0)
+	require.NoError(t, err)
+	forger := newTestAgent(t, Config{Name: "forger"})
+	_, fbuf, err := forger.AllocMem(n, nixl.DRAM, 0)
+	require.NoError(t, err)
+	vs, fs := segmentAt(t, addrOf(vbuf)), segmentAt(t, addrOf(fbuf))
+	if !strings.HasPrefix(fs.Name, "/SYSV") || !strings.HasPrefix(vs.Name, "/SYSV") {
+		t.Skipf("UCX allocated %q and %q here, not System V segments", fs.Name, vs.Name)
+	}
+	md, err := forger.LocalMetadata()
+	require.NoError(t, err)
+	var own, other [4]byte
+	binary.LittleEndian.PutUint32(own[:], uint32(fs.Ino))
+	binary.LittleEndian.PutUint32(other[:], uint32(vs.Ino))
+	for _, c := range []struct {
+		claim string
+		edit  func(h *hostID)
+		want  string
+	}{
+		{"another machine", func(h *hostID) { h.Boot = "another-host" }, "names another host"},
+		{"another network namespace", func(h *hostID) { h.NetNS++ }, "another shared-memory segment"},
+	} {
+		t.Run(c.claim, func(t *testing.T) {
+			m, err := decodeMetadata(md)
+			require.NoError(t, err)
+			m.Region[0].Rkey = bytes.Replace(bytes.Clone(m.Region[0].Rkey), own[:], other[:], 1)
+			c.edit(&m.Host)
+			forged, err := encodeMetadata(m)
+			require.NoError(t, err)
+			cons := newTestAgent(t, Config{Name: "cons", ErrMode: ErrModeNone})
+			_, err = cons.LoadRemoteMetadata(forged)
+			require.ErrorIs(t, err, nixl.ErrInvalidParam)
+			require.ErrorContains(t, err, c.want)
+		})
+	}
+	// The true metadata claiming another network namespace is checked
+	// and loads.
+	m, err := decodeMetadata(md)
+	require.NoError(t, err)
+	m.Host.NetNS++
+	other2, err := encodeMetadata(m)
+	require.NoError(t, err)
+	cons := newTestAgent(t, Config{Name: "cons", ErrMode: ErrModeNone})
+	name, err := cons.LoadRemoteMetadata(other2)
+	require.NoError(t, err)
+	require.Equal(t, "forger", name)
+}
+
 // A region in the peer's own memory (caller memory, reached with emulated
 // gets) whose rkey is another agent's shared-memory key is refused at its
 // first transfer, when the key is unpacked, and the peer with it: such a
