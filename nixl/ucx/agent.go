@@ -167,7 +167,10 @@ type Agent struct {
 	// each holds a reference, so DeregisterMem refuses to unmap memory a
 	// late reply would still write. Dropped when ecx_drain reports the
 	// post's end.
-	orphans  map[nixl.XferID][]*memRegion
+	orphans map[nixl.XferID][]*memRegion
+	// staged holds the peers staged and neither committed nor aborted;
+	// Close closes them with the rest.
+	staged   map[*staged]struct{}
 	rangeBuf []descriptors.Range
 	pollfds  []unix.PollFd
 	calls    uint32
@@ -213,6 +216,7 @@ func New(cfg Config) (*Agent, error) {
 		dlists:   enginekit.NewLists[*dlist](),
 		xfers:    map[nixl.XferID]*xfer{},
 		orphans:  map[nixl.XferID][]*memRegion{},
+		staged:   map[*staged]struct{}{},
 	}
 	var ma, mi C.uint32_t
 	C.ecx_version(&ma, &mi)
@@ -360,6 +364,11 @@ func (a *Agent) Close() error {
 	for name, p := range a.peers {
 		a.failPeer(p, errClosed, true)
 		delete(a.peers, name)
+	}
+	for st := range a.staged {
+		st.ended = true
+		a.failPeer(st.p, errClosed, true)
+		delete(a.staged, st)
 	}
 	deadline := time.Now().Add(closeWait)
 	for C.ecx_closing(a.c) > 0 && time.Now().Before(deadline) {

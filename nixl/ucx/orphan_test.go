@@ -1,6 +1,8 @@
 package ucx
 
 import (
+	"bytes"
+	"os"
 	"testing"
 	"time"
 
@@ -69,4 +71,41 @@ func TestDeregisterWaitsForCancelledGets(t *testing.T) {
 			require.NoError(t, cons.DeregisterMem(mem), "still refused once the gets have called back")
 		})
 	}
+}
+
+// Close with a peer staged and neither committed nor aborted closes it
+// like a loaded one: its pidfd, endpoint and keys (with their System V
+// attachments) go. (They stayed until the process exited.)
+func TestCloseWithStagedPeer(t *testing.T) {
+	prod := newTestAgent(t, Config{Name: "producer"})
+	_, _, err := prod.AllocMem(1<<20, nixl.DRAM, 0)
+	require.NoError(t, err)
+	md, err := prod.LocalMetadata()
+	require.NoError(t, err)
+	restarted := newTestAgent(t, Config{Name: "producer"})
+	_, _, err = restarted.AllocMem(1<<20, nixl.DRAM, 0)
+	require.NoError(t, err)
+	md2, err := restarted.LocalMetadata()
+	require.NoError(t, err)
+
+	fds, sysv := fdCount(t), sysvMaps(t)
+	cons, err := New(Config{Name: "consumer"})
+	require.NoError(t, err)
+	_, err = cons.LoadRemoteMetadata(md)
+	require.NoError(t, err)
+	st, err := cons.StageRemoteMetadata(md2)
+	require.NoError(t, err)
+	require.Greater(t, sysvMaps(t), sysv, "the staged peer's key attached its segment")
+	require.NoError(t, cons.Close())
+	require.Equal(t, fds, fdCount(t), "descriptors left after Close with a staged peer")
+	require.Equal(t, sysv, sysvMaps(t), "System V attachments left after Close with a staged peer")
+	st.Commit() // after Close: does nothing
+	st.Abort()
+}
+
+// sysvMaps counts this process's System V shared-memory mappings.
+func sysvMaps(t *testing.T) int {
+	b, err := os.ReadFile("/proc/self/maps")
+	require.NoError(t, err)
+	return bytes.Count(b, []byte("/SYSV"))
 }

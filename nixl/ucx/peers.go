@@ -118,7 +118,9 @@ func (a *Agent) StageRemoteMetadata(md []byte) (nixl.StagedPeer, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &staged{a: a, old: old, p: p}, nil
+	st := &staged{a: a, old: old, p: p}
+	a.staged[st] = struct{}{}
+	return st, nil
 }
 
 // staged is a peer loaded beside the one it is to replace.
@@ -156,9 +158,11 @@ func (s *staged) Commit() {
 	}
 	s.ended = true
 	a := s.a
-	if a.peers[s.old.name] == s.old {
-		a.failPeer(s.old, kit.Invalidated(s.old.name), false)
-		a.dlists.Invalidate(s.old)
+	delete(a.staged, s)
+	// The peer it replaces, or whatever was loaded under the name since.
+	if cur := a.peers[s.p.name]; cur != nil {
+		a.failPeer(cur, kit.Invalidated(cur.name), false)
+		a.dlists.Invalidate(cur)
 	}
 	a.peers[s.p.name] = s.p
 }
@@ -168,6 +172,7 @@ func (s *staged) Abort() {
 		return
 	}
 	s.ended = true
+	delete(s.a.staged, s)
 	s.a.failPeer(s.p, kit.Invalidated(s.p.name), false)
 	s.a.dlists.Invalidate(s.p)
 }
