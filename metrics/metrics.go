@@ -23,7 +23,7 @@
 //
 // The metrics (types in brackets):
 //
-//	ecxfer_reads_posted_total           [counter]   READs started: handed to the engine or copied on the direct path
+//	ecxfer_reads_posted_total           [counter]   READs accepted (PostRead returned a handle); each ends in one of done, failed, canceled
 //	ecxfer_reads_done_total             [counter]   READs finished with every byte landed
 //	ecxfer_reads_failed_total{reason}   [counter]   READs ended in ERR, by reason
 //	ecxfer_reads_canceled_total         [counter]   READs released in flight or dropped with their peer
@@ -125,7 +125,7 @@ func NewCollector(t *ecxfer.Transport, opts ...Option) prometheus.Collector {
 	d := func(name, help string, labels ...string) *prometheus.Desc {
 		return prometheus.NewDesc(name, help, labels, cl)
 	}
-	c.readsPosted = d("ecxfer_reads_posted_total", "READs started: handed to the engine or copied on the direct path.")
+	c.readsPosted = d("ecxfer_reads_posted_total", "READs accepted (PostRead returned a handle); each ends in one of done, failed, canceled.")
 	c.readsDone = d("ecxfer_reads_done_total", "READs finished with every byte landed.")
 	c.readsFailed = d("ecxfer_reads_failed_total", "READs that ended in ERR, by reason.", "reason")
 	c.readsCanceled = d("ecxfer_reads_canceled_total", "READs released in flight or dropped with their peer.")

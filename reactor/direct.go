@@ -376,6 +376,7 @@ func (r *Reactor) postInline(h uint64, s *slot, p *Peer, localIdx, remoteIdx []i
 			r.wake() // the loop reports it (pollPeers)
 		}
 	}
+	r.st.posted.Add(1) // its handle is returned, DONE or ERR
 	if code != 0 {
 		if code == codeCanceled {
 			r.st.canceled.Add(1)
@@ -387,7 +388,6 @@ func (r *Reactor) postInline(h uint64, s *slot, p *Peer, localIdx, remoteIdx []i
 	}
 	d.reads.Add(1)
 	d.inlineReads.Add(1)
-	r.st.posted.Add(1)
 	r.countDone(p, s.bytes)
 	r.st.latency.Add(time.Duration(r.now() - s.start))
 	s.word.Store(w&^stateMask | stDone)
@@ -614,7 +614,6 @@ func (r *Reactor) submitDirect(h uint64, s *slot, p *Peer) {
 	d.active = append(d.active, j)
 	j.live, j.running = true, true
 	r.inflight.Add(1)
-	r.st.posted.Add(1)
 	s.run.Store(&j.Job)
 	d.pool.Submit(&j.Job, int(j.total))
 }

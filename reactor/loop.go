@@ -371,7 +371,6 @@ func (r *Reactor) submit(h uint64) {
 	s.xfer = id
 	r.xfers[id] = h
 	r.inflight.Add(1)
-	r.st.posted.Add(1)
 	// Every posting is recorded, with the timeout on or off: the timeout
 	// can be set later and then applies to this transfer too.
 	if r.pLen == len(r.postings) {

@@ -389,6 +389,10 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 		r.tab.free(s, claimed)
 		return 0, ErrClosed
 	}
+	// Counted once the handle is the caller's: every READ counted here
+	// ends counted once more, as done, failed or canceled (possibly a
+	// moment before this line: the loop may have taken it already).
+	r.st.posted.Add(1)
 	return h, nil
 }
 

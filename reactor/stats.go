@@ -27,7 +27,7 @@ type counters struct {
 
 // Stats is a snapshot of the reactor's counters, taken without stopping it.
 type Stats struct {
-	ReadsPosted    uint64 // started: handed to the engine or copied on the direct path
+	ReadsPosted    uint64 // accepted: Post returned a handle; each ends counted once below
 	ReadsDone      uint64 // finished with every byte landed
 	ReadsFailed    uint64 // finished in ERR (engine error, disconnect, timeout, close), not canceled
 	ReadsCanceled  uint64 // released in flight, or dropped with their peer
