@@ -711,7 +711,10 @@ func TestDirectReleaseWakesWait(t *testing.T) {
 	leakcheck.Check(t)
 	e := env{t: t, backend: "ucx"}
 	const bs, nb = 32768, 880
-	opts := []func(*Config){direct, func(c *Config) { c.Reactor.WaitSpin = time.Microsecond }}
+	// One copy worker: a READ is cut into four chunks, and the one the
+	// worker is copying when Wait, having helped with the rest, blocks
+	// leaves a window of a few ms for the release.
+	opts := []func(*Config){direct, func(c *Config) { c.Reactor.WaitSpin = time.Microsecond; c.CopyWorkers = 1 }}
 	prod := e.transport(uniqueName("wprod"), bs, nb, opts...)
 	cons := e.transport(uniqueName("wcons"), bs, nb, opts...)
 	pname, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
@@ -746,6 +749,7 @@ func TestDirectReleaseWakesWait(t *testing.T) {
 			released++
 		}
 	}
+	t.Logf("%d of 20 READs released while their Wait was blocked", released)
 	require.Positive(t, released, "no READ was released while its Wait was blocked")
 	// A release of a READ whose copy runs returns once the copy stopped.
 	require.Zero(t, cons.Stats().LiveHandles)
