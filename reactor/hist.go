@@ -13,8 +13,9 @@ const (
 	histBuckets = (41 - histSub) << histSub
 )
 
-// Histogram counts latencies without locks. Add is called by the reactor;
-// any goroutine may read a snapshot.
+// Histogram counts latencies without locks. Add is called by the reactor
+// and by callers that copy a small direct READ inside Post; atomics only,
+// so any goroutine may add or read a snapshot.
 type Histogram struct {
 	counts [histBuckets]atomic.Uint64
 	sum    atomic.Uint64 // of the values counted, in ns

@@ -76,7 +76,8 @@ func (r *Reactor) PeerStats(dst []PeerStat) []PeerStat {
 	return dst
 }
 
-// countFailed counts a READ that ended in ERR with code. Loop thread only.
+// countFailed counts a READ that ended in ERR with code. Atomics only: the
+// loop calls it, and so does Post for a small direct READ it copies.
 func (r *Reactor) countFailed(p *Peer, code uint64) {
 	r.st.failed.Add(1)
 	if code < numCodes {

@@ -314,7 +314,10 @@ func (r *Reactor) do(fn func() error) error {
 // SetTimeout sets the age after which an in-flight transfer ends in
 // ErrTimeout; 0 disables it. A change applies at once to every transfer in
 // flight, each measured from its post.
-func (r *Reactor) SetTimeout(d time.Duration) { r.timeout.Store(int64(d)) }
+func (r *Reactor) SetTimeout(d time.Duration) {
+	r.timeout.Store(int64(d))
+	r.wake() // a parked loop computed its sleep from the old timeout
+}
 
 // Post queues a READ of remoteIdx blocks of peer into localIdx blocks and
 // returns its handle. It validates everything first and posts nothing on

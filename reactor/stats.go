@@ -76,11 +76,16 @@ type Stats struct {
 
 // Stats returns the counters.
 func (r *Reactor) Stats() Stats {
+	// Ends before posts, parts before wholes: a READ counted between two
+	// loads then shows in the whole only, never done > posted or inline >
+	// direct in one snapshot (short of a READ that ends before Post has
+	// counted it, a window of a few instructions).
+	ended := [3]uint64{r.st.done.Load(), r.st.failed.Load(), r.st.canceled.Load()}
 	st := Stats{
+		ReadsDone:      ended[0],
+		ReadsFailed:    ended[1],
+		ReadsCanceled:  ended[2],
 		ReadsPosted:    r.st.posted.Load(),
-		ReadsDone:      r.st.done.Load(),
-		ReadsFailed:    r.st.failed.Load(),
-		ReadsCanceled:  r.st.canceled.Load(),
 		BytesRead:      r.st.bytes.Load(),
 		NotifsSent:     r.st.notifsSent.Load(),
 		NotifsReceived: r.st.notifsReceived.Load(),
@@ -100,7 +105,8 @@ func (r *Reactor) Stats() Stats {
 		NotifsOversized:       r.st.notifsOversized.Load(),
 	}
 	if d := r.dir; d != nil {
-		st.DirectReads, st.InlineReads = d.reads.Load(), d.inlineReads.Load()
+		st.InlineReads = d.inlineReads.Load()
+		st.DirectReads = d.reads.Load()
 		if d.pool != nil {
 			st.CopyWorkers, st.CopyBusyTime = d.pool.Workers(), d.pool.BusyTime()
 		}

@@ -7,8 +7,10 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/ecxfer/ecxfer/internal/leakcheck"
+	"github.com/ecxfer/ecxfer/nixl/loopback"
 )
 
 // waitEnd waits up to 5 s for h to leave StateProc and returns its error;
@@ -124,4 +126,51 @@ func TestParkMillisLongest(t *testing.T) {
 		require.NoError(t, r.do(func() error { ms = r.parkMillis(); return nil }))
 		require.Equal(t, tc.want, ms, "ParkTimeout %v", tc.park)
 	}
+}
+
+// quietFDAgent is a loopback agent whose event descriptor never fires
+// and always arms, as UCX's does while its gets wait for a peer: the loop
+// then parks for ParkTimeout or until the next deadline it knows of,
+// where loopback's own fd, busy with the transfer in flight, would keep
+// it napping 1 ms at a time.
+type quietFDAgent struct {
+	*loopback.Agent
+	fd int
+}
+
+func (a *quietFDAgent) EventFD() int       { return a.fd }
+func (a *quietFDAgent) Arm() (bool, error) { return true, nil }
+
+// A timeout set while the loop is parked takes effect then, not when the
+// loop next wakes: SetTimeout wakes it to recompute its sleep.
+func TestSetTimeoutWakesParkedLoop(t *testing.T) {
+	leakcheck.Check(t)
+	prod, prodEng := startLoopback(t, "prod", 16, Options{})
+	efd, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = unix.Close(efd) })
+	la, err := loopback.New(uniqueName("cons"))
+	require.NoError(t, err)
+	eng := &quietFDAgent{Agent: la, fd: efd}
+	cons, err := Start(eng, Options{Idle: IdlePark, ParkTimeout: time.Minute}, blockSetup(64, 16))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = cons.Close() })
+	var md []byte
+	require.NoError(t, prod.do(func() error {
+		var err error
+		md, err = prodEng.LocalMetadata()
+		return err
+	}))
+	pname, err := cons.AddPeer(md, prod.loc.Load().descs)
+	require.NoError(t, err)
+
+	la.SetDelay(time.Hour) // nothing completes on its own
+	h, err := cons.Post(pname, []int{0}, []int{0}, nil)
+	require.NoError(t, err)
+	inFlight(t, cons, 1)
+	// Parked for up to ParkTimeout: nothing else would wake it.
+	require.Eventually(t, func() bool { return cons.sleeping.Load() }, 5*time.Second, 100*time.Microsecond)
+	cons.SetTimeout(time.Millisecond)
+	require.ErrorIs(t, waitEnd(t, cons, h), ErrTimeout, "the parked loop slept through the new timeout")
+	require.NoError(t, cons.Release(h))
 }
