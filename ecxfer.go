@@ -101,7 +101,8 @@ type Config struct {
 	// added, replaced, removed or dead, READs timed out, engine errors,
 	// the reactor's start and stop), never one per READ. Records carry an
 	// "agent" attribute with AgentName. Nil means silent. It is handed to
-	// the reactor unless Reactor.Logger is already set.
+	// the reactor unless Reactor.Logger is already set, which is then used
+	// as given (without the "agent" attribute unless it has one).
 	Logger *slog.Logger
 
 	// Direct chooses whether READs of peers on this host bypass the
