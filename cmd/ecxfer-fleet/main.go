@@ -30,6 +30,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"os"
@@ -69,13 +70,24 @@ func run(args []string) int {
 		err = consumers(ctx, fs, args[1:])
 	case "tcp-serve":
 		listen := fs.String("listen", "", "address to listen on (host:port)")
-		if err = fs.Parse(args[1:]); err == nil {
+		if err = parse(fs, args[1:]); err == nil && *listen == "" {
+			err = usageError("--listen HOST:PORT is required")
+		}
+		if err == nil {
 			err = fleet.TCPServe(ctx, *listen, os.Stderr)
 		}
 	case "tcp-probe":
 		connect := fs.String("connect", "", "address of a tcp-serve (host:port)")
 		dur := fs.Duration("duration", 2*time.Second, "how long to stream")
-		if err = fs.Parse(args[1:]); err == nil {
+		if err = parse(fs, args[1:]); err == nil {
+			switch {
+			case *connect == "":
+				err = usageError("--connect HOST:PORT is required")
+			case *dur <= 0:
+				err = usageError("--duration must be positive")
+			}
+		}
+		if err == nil {
 			var r *fleet.TCPResult
 			if r, err = fleet.TCPProbe(*connect, *dur); err == nil {
 				fmt.Printf("tcp link: %.2f GB/s (%.1f Gbit/s) one stream over %v; RTT p50 %.1f µs, p99 %.1f µs (%d ping-pongs)\n",
@@ -89,11 +101,44 @@ func run(args []string) int {
 	if err == flag.ErrHelp {
 		return 0
 	}
+	var ue usageError
+	if errors.As(err, &ue) {
+		fmt.Fprintf(os.Stderr, "ecxfer-fleet %s: %v\n", args[0], err)
+		return 2
+	}
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "ecxfer-fleet %s: %v\n", args[0], err)
 		return 1
 	}
 	return 0
+}
+
+// usageError is a bad command line: exit status 2.
+type usageError string
+
+func (e usageError) Error() string { return string(e) }
+
+// parse parses args and refuses arguments left over. Flag errors are
+// usage errors (the flag package has printed them).
+func parse(fs *flag.FlagSet, args []string) error {
+	if err := fs.Parse(args); err != nil {
+		if err == flag.ErrHelp {
+			return err
+		}
+		return usageError(err.Error())
+	}
+	if fs.NArg() > 0 {
+		return usageError(fmt.Sprintf("unexpected arguments %q", fs.Args()))
+	}
+	return nil
+}
+
+// positive refuses a flag value below 1.
+func positive(name string, v int) error {
+	if v < 1 {
+		return usageError(fmt.Sprintf("--%s %d: must be at least 1", name, v))
+	}
+	return nil
 }
 
 func us(d time.Duration) float64 { return float64(d) / 1e3 }
@@ -106,8 +151,16 @@ func peers(ctx context.Context, fs *flag.FlagSet, args []string) error {
 	fs.IntVar(&cfg.Procs, "procs", 8, "processes holding them")
 	fs.IntVar(&cfg.BlockSize, "block", 4096, "block size")
 	fs.IntVar(&cfg.NumBlocks, "blocks", 16, "blocks per agent")
-	if err := fs.Parse(args); err != nil {
+	if err := parse(fs, args); err != nil {
 		return err
+	}
+	for _, f := range []struct {
+		name string
+		v    int
+	}{{"agents", cfg.Agents}, {"procs", cfg.Procs}, {"block", cfg.BlockSize}, {"blocks", cfg.NumBlocks}} {
+		if err := positive(f.name, f.v); err != nil {
+			return err
+		}
 	}
 	r, err := fleet.Peers(ctx, cfg)
 	if err != nil {
@@ -154,12 +207,34 @@ func consumers(ctx context.Context, fs *flag.FlagSet, args []string) error {
 	cns := fs.String("consumer-netns", "", "network namespace of the consumers")
 	cdev := fs.String("consumer-dev", "", "their network device for UCX")
 	idle := fs.String("idle", "hybrid", "every reactor's idle strategy: hybrid, spin, yield or park")
-	if err := fs.Parse(args); err != nil {
+	if err := parse(fs, args); err != nil {
 		return err
+	}
+	for _, f := range []struct {
+		name string
+		v    int
+	}{{"block", cfg.BlockSize}, {"blocks", cfg.NumBlocks}, {"per-read", cfg.BlocksPerRead}} {
+		if err := positive(f.name, f.v); err != nil {
+			return err
+		}
+	}
+	if cfg.BlocksPerRead > cfg.NumBlocks {
+		return usageError(fmt.Sprintf("--per-read %d: more than the producer's %d blocks", cfg.BlocksPerRead, cfg.NumBlocks))
+	}
+	if cfg.Duration <= 0 {
+		return usageError("--duration must be positive")
 	}
 	var err error
 	if cfg.Idle, err = reactor.ParseIdle(*idle); err != nil {
-		return err
+		return usageError(err.Error())
+	}
+	var counts []int
+	for _, s := range strings.Split(*ns, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(s))
+		if err != nil || n <= 0 {
+			return usageError(fmt.Sprintf("--consumers %q: positive counts, comma-separated", *ns))
+		}
+		counts = append(counts, n)
 	}
 	where := "same host (shared memory)"
 	if *pns != "" || *cns != "" {
@@ -175,11 +250,7 @@ func consumers(ctx context.Context, fs *flag.FlagSet, args []string) error {
 	fmt.Printf("consumers: one producer, %d × %d B scattered blocks per READ, each with a notification; %s; idle %s\n",
 		cfg.BlocksPerRead, cfg.BlockSize, where, cfg.Idle)
 	fmt.Printf("  %9s  %8s  %7s  %12s  %12s  %14s  %9s\n", "consumers", "reads", "GB/s", "notif p50 µs", "notif p99 µs", "prod CPU ms/GB", "verified")
-	for _, s := range strings.Split(*ns, ",") {
-		n, err := strconv.Atoi(strings.TrimSpace(s))
-		if err != nil || n <= 0 {
-			return fmt.Errorf("--consumers %q", *ns)
-		}
+	for _, n := range counts {
 		cfg.Consumers = n
 		r, err := fleet.Consumers(ctx, cfg)
 		if err != nil {
