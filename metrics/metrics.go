@@ -32,11 +32,14 @@
 //	ecxfer_handles_live                 [gauge]     handles posted and not yet released (a released in-flight READ's until it has ended)
 //	ecxfer_busy_refusals_total          [counter]   PostRead calls refused with ErrBusy
 //	ecxfer_notifications_sent_total     [counter]   notifications sent with finished READs
+//	                                                (or queued for a full producer socket)
 //	ecxfer_notifications_received_total [counter]   notifications received from peers
 //	ecxfer_notifications_dropped_total{reason}
-//	                                    [counter]   notifications dropped on receipt: oversized
+//	                                    [counter]   notifications dropped: on receipt, oversized
 //	                                                (longer than MaxNotif) or engine (the engine
-//	                                                could not hand them over)
+//	                                                could not hand them over); on the way out,
+//	                                                undelivered (queued for a full producer
+//	                                                socket, then the producer exited)
 //	ecxfer_engine_errors_total          [counter]   engine calls that failed
 //	ecxfer_peers{path,state}            [gauge]     known peers by path (engine, direct-file,
 //	                                                direct-sysv, direct-proc) and state (up, dead)
@@ -136,7 +139,7 @@ func NewCollector(t *ecxfer.Transport, opts ...Option) prometheus.Collector {
 	c.notifsSent = d("ecxfer_notifications_sent_total", "Notifications sent with finished READs.")
 	c.notifsReceived = d("ecxfer_notifications_received_total", "Notifications received from peers.")
 	c.engineErrors = d("ecxfer_engine_errors_total", "Engine calls that failed.")
-	c.notifsDropped = d("ecxfer_notifications_dropped_total", "Notifications dropped on receipt, by reason.", "reason")
+	c.notifsDropped = d("ecxfer_notifications_dropped_total", "Notifications dropped, by reason: on receipt (oversized, engine) or queued and never sent (undelivered).", "reason")
 	c.readsDirect = d("ecxfer_reads_direct_total", "READs of direct peers that copied every byte.")
 	c.readsInline = d("ecxfer_reads_inline_total", "READs of direct peers the caller copied inside PostRead.")
 	c.copyWorkers = d("ecxfer_copy_workers", "Copy workers of the direct path.")
@@ -202,6 +205,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	counter(c.engineErrors, float64(s.EngineErrors))
 	counter(c.notifsDropped, float64(s.NotifsOversized), "oversized")
 	counter(c.notifsDropped, float64(s.NotifsDroppedByEngine), "engine")
+	counter(c.notifsDropped, float64(s.NotifsUndelivered), "undelivered")
 	counter(c.readsDirect, float64(s.DirectReads))
 	counter(c.readsInline, float64(s.InlineReads))
 	if s.CopyWorkers > 0 {

@@ -181,11 +181,14 @@ type notifSock struct {
 	// without our key that a caller's drain found, for the loop to report
 	// as engine errors.
 	badByCaller, keylessByCaller atomic.Int64
-	sbuf                         []byte
-	backlog                      []pendingNotif // refused with EAGAIN, oldest first
-	blocked                      []*Peer        // flush's scratch: peers that refused an entry
-	spare                        [][]byte       // datagram buffers of sent backlog entries, for reuse
-	lastRecv                     int64
+	// undelivered counts notifications taken out of the backlog unsent:
+	// their producer exited, or the send failed for good.
+	undelivered atomic.Uint64
+	sbuf        []byte
+	backlog     []pendingNotif // refused with EAGAIN, oldest first
+	blocked     []*Peer        // flush's scratch: peers that refused an entry
+	spare       [][]byte       // datagram buffers of sent backlog entries, for reuse
+	lastRecv    int64
 }
 
 // maxSpare bounds the buffers kept for the backlog's reuse.
@@ -276,6 +279,7 @@ func (ns *notifSock) flush() (sent bool, failed int) {
 		switch {
 		case e.peer.direct.dead.Load():
 			// The producer exited: nobody to tell.
+			ns.undelivered.Add(uint64(e.n))
 		case slices.Contains(blocked, e.peer):
 			kept = append(kept, e)
 			continue
@@ -288,6 +292,7 @@ func (ns *notifSock) flush() (sent bool, failed int) {
 			}
 			if err != nil {
 				failed++
+				ns.undelivered.Add(uint64(e.n))
 			} else {
 				sent = true
 			}

@@ -316,8 +316,13 @@ func TestNotifSockStalledPeerBlocksOnlyItself(t *testing.T) {
 	}
 	stalled.close()
 	ps.direct.dead.Store(true)
+	before, held := send.undelivered.Load(), ps.notifsHeld.Load()
 	send.flush()
 	if len(send.backlog) != 0 || ps.backlogged != 0 {
 		t.Fatalf("an exited producer's entries kept: %d (%d counted)", len(send.backlog), ps.backlogged)
+	}
+	// Each dropped notification is counted, not each datagram.
+	if dropped := send.undelivered.Load() - before; held == 0 || dropped != uint64(held) || ps.notifsHeld.Load() != 0 {
+		t.Fatalf("%d held, %d counted undelivered, %d still held", held, dropped, ps.notifsHeld.Load())
 	}
 }

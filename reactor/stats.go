@@ -27,12 +27,15 @@ type counters struct {
 
 // Stats is a snapshot of the reactor's counters, taken without stopping it.
 type Stats struct {
-	ReadsPosted    uint64 // accepted: Post returned a handle; each ends counted once below
-	ReadsDone      uint64 // finished with every byte landed
-	ReadsFailed    uint64 // finished in ERR (engine error, disconnect, timeout, close), not canceled
-	ReadsCanceled  uint64 // released in flight, or dropped with their peer
-	BytesRead      uint64 // bytes of the reads that finished DONE
-	NotifsSent     uint64 // notifications sent with finished reads
+	ReadsPosted   uint64 // accepted: Post returned a handle; each ends counted once below
+	ReadsDone     uint64 // finished with every byte landed
+	ReadsFailed   uint64 // finished in ERR (engine error, disconnect, timeout, close), not canceled
+	ReadsCanceled uint64 // released in flight, or dropped with their peer
+	BytesRead     uint64 // bytes of the reads that finished DONE
+	// NotifsSent counts notifications of finished reads handed to the
+	// engine or the producer's socket, or queued for that socket while it
+	// is full (NotifsUndelivered counts those that never went out).
+	NotifsSent     uint64
 	NotifsReceived uint64 // notifications received from peers
 	// NotifsOversized counts notifications dropped on receipt for being
 	// longer than Options.MaxNotif (never handed to the application).
@@ -63,6 +66,11 @@ type Stats struct {
 	// never sent are not in it, nor those the reactor itself drops
 	// (NotifsOversized).
 	NotifsDroppedByEngine uint64
+	// NotifsUndelivered counts notifications in NotifsSent that waited
+	// for a full producer socket (direct path) and were dropped unsent:
+	// the producer exited, or the send failed for good (also an engine
+	// error).
+	NotifsUndelivered uint64
 
 	// The direct path.
 	DirectPeers int    // peers read on the direct path (same host, region mapped)
@@ -105,6 +113,7 @@ func (r *Reactor) Stats() Stats {
 		NotifsOversized:       r.st.notifsOversized.Load(),
 	}
 	if d := r.dir; d != nil {
+		st.NotifsUndelivered = d.ns.undelivered.Load()
 		st.InlineReads = d.inlineReads.Load()
 		st.DirectReads = d.reads.Load()
 		if d.pool != nil {
