@@ -730,6 +730,12 @@ func (j *dirJob) done(err error) {
 func (r *Reactor) drainDirect() bool {
 	d := r.dir
 	work := false
+	// The inline READs' notifications first: those READs were DONE before
+	// the loop took them, so their producers hear of them before of the
+	// pool copies that end now.
+	if r.sendInlineNotifs() {
+		work = true
+	}
 	for {
 		n := d.finished.Drain(d.jobBuf)
 		if n == 0 {
@@ -740,9 +746,6 @@ func (r *Reactor) drainDirect() bool {
 			r.endJob(j)
 		}
 		clear(d.jobBuf[:n])
-	}
-	if r.sendInlineNotifs() {
-		work = true
 	}
 	if r.notifSocket() {
 		work = true
