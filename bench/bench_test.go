@@ -209,6 +209,7 @@ func sampleReport() *Report {
 			Reads: int64(m.rps), Seconds: 1, ReadsPerSec: m.rps, GBPerSec: m.rps * 8.5 * 5120 / 1e9, P50us: 2, P99us: m.p99, P999us: m.p99 * 2}
 		summarize(&r, durs(1000, 2000, 3000, 40000))
 		r.P99us = m.p99
+		r.Samples = 100 // enough for a p99 (the image rows' 3 are not)
 		rep.Results = append(rep.Results, r)
 		img := Result{Workload: "image", Mode: m.mode, Backend: "ucx", BlockSize: 32768, BlocksPerRead: 880, Contiguous: true, Submitters: 1,
 			Reads: 100, Seconds: 1, ReadsPerSec: 100, GBPerSec: 2.88, P50us: 9000, P99us: 12000, P999us: 13000}
@@ -245,6 +246,10 @@ func TestWriteTable(t *testing.T) {
 	require.Contains(t, lines[4], "0.25") // p99 10/40
 	require.Contains(t, lines[6], "4.00x")
 	require.Contains(t, lines[1], "20%") // 2.88/14.4
+	// Three samples make no p99 or p99.9 (nor a p99 ratio); 100 make no
+	// p99.9.
+	require.Equal(t, 3, strings.Count(lines[1], " - "), "%q", lines[1]) // p99, p99.9, p99 vs locked
+	require.NotContains(t, lines[4], " 20 ", "a p99.9 from 100 samples: %q", lines[4])
 	require.Contains(t, out, "memcpy")
 	require.Contains(t, out, "note: a note")
 }
@@ -471,5 +476,11 @@ func TestNotesSayWhatDONEIncludes(t *testing.T) {
 	s.addNotes()
 	require.True(t, has(s, "DONE: reactor and direct READs are DONE once their data has landed"))
 	require.True(t, has(s, "notif: each READ is posted at a random point"))
-	require.True(t, has(s, "notif: seen by the producer before the reader saw DONE (counted as 0 µs): raw 3 of 10"), "%q", s.rep.Notes)
+	require.True(t, has(s, "notif: seen by the producer before the reader saw DONE: raw 3 of 10"), "%q", s.rep.Notes)
+	// Not measured across hosts: no notif notes then but the one saying so.
+	cfg.Connect = "192.0.2.1:7100"
+	s = newSession(cfg)
+	s.addNotes()
+	require.False(t, has(s, "notif: each READ"), "%q", s.rep.Notes)
+	require.True(t, has(s, "notif skipped"), "%q", s.rep.Notes)
 }

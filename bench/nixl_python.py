@@ -22,6 +22,7 @@
 # destructors at interpreter exit.
 import argparse
 import json
+import mmap
 import os
 import select
 import subprocess
@@ -66,7 +67,7 @@ def serve(error_mode, bs):
     os.dup2(2, 1)
     nb = REMOTE_REGION // bs
     agent = make_agent("py-bench-prod-%d" % os.getpid(), error_mode)
-    buf = np.zeros((nb, bs), dtype=np.uint8)
+    buf = anon_blocks(nb, bs)
     fill(buf, bs)
     base = buf.ctypes.data
     agent.register_memory([(base, nb * bs, 0, "")], "DRAM")
@@ -82,10 +83,21 @@ def serve(error_mode, bs):
     leave(0)
 
 
+def anon_blocks(n, bs):
+    """An (n, bs) uint8 array on its own anonymous mmap, as the Go side's
+    regions are: numpy's own allocator asks for transparent huge pages on
+    buffers of 4 MiB and more (MADV_HUGEPAGE), which the Go harness's
+    regions do not get, and the comparison would not be like for like."""
+    mm = mmap.mmap(-1, n * bs, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return np.frombuffer(mm, dtype=np.uint8).reshape(n, bs)
+
+
 def percentile(sorted_ns, q):
+    """Nearest rank, as the Go harness's: the smallest sample with at least
+    q of them at or below it."""
     if not sorted_ns:
         return float("nan")
-    k = min(len(sorted_ns) - 1, int(q * len(sorted_ns)))
+    k = max(0, min(len(sorted_ns), -(-round(q * 1000000) * len(sorted_ns) // 1000000)) - 1)
     return sorted_ns[k] / 1000.0
 
 
@@ -173,7 +185,7 @@ def main():
                 raise RuntimeError("the producer exited before its metadata")
         _, md_hex, desc_hex = line.split()
         agent = make_agent("py-bench-cons-%d-%d" % (os.getpid(), bs), args.error_mode)
-        lbuf = np.zeros((LOCAL_BLOCKS, bs), dtype=np.uint8)
+        lbuf = anon_blocks(LOCAL_BLOCKS, bs)
         base = lbuf.ctypes.data
         agent.register_memory([(base, LOCAL_BLOCKS * bs, 0, "")], "DRAM")
         local = agent.prep_xfer_dlist(

@@ -30,9 +30,11 @@ type Result struct {
 	P999us        float64 `json:"p999_us"`
 	AllocsPerRead float64 `json:"allocs_per_read"`
 	// Early counts notif READs whose notification the producer saw before
-	// the reader saw DONE (counted as 0 in the latencies).
+	// the reader saw DONE.
 	Early int64 `json:"early,omitempty"`
 
+	// Samples is how many latencies the percentiles come from.
+	Samples int `json:"samples"`
 	// Latencies are the sorted samples behind the percentiles, for the
 	// CDF charts. Not written to JSON.
 	Latencies []time.Duration `json:"-"`
@@ -149,10 +151,18 @@ func percentile(sorted []time.Duration, q float64) time.Duration {
 
 func us(d time.Duration) float64 { return float64(d) / float64(time.Microsecond) }
 
+// hasQuantile reports whether r has enough samples for its q quantile to
+// be more than its largest one: at least 1/(1-q) (100 for p99, 1,000 for
+// p99.9). Fewer are shown as "-".
+func hasQuantile(r *Result, q float64) bool {
+	return float64(r.Samples) >= 1/(1-q)-1e-9
+}
+
 // summarize sorts lat and fills the latency fields of r.
 func summarize(r *Result, lat []time.Duration) {
 	slices.Sort(lat)
 	r.Latencies = lat
+	r.Samples = len(lat)
 	r.P50us = us(percentile(lat, 0.50))
 	r.P99us = us(percentile(lat, 0.99))
 	r.P999us = us(percentile(lat, 0.999))
@@ -219,14 +229,28 @@ func WriteTable(w io.Writer, rep *Report) error {
 	fmt.Fprintln(tw, "workload\tmode\tblock B\tblk/read\tlayout\tsubm\treads/s\tGB/s\tp50 µs\tp99 µs\tp99.9 µs\tr/s vs locked\tp99 vs locked\t% memcpy\tallocs/read\t")
 	for i := range rep.Results {
 		r := &rep.Results[i]
+		// A notif READ includes a random wait and a control round trip:
+		// its rate is not throughput, so neither it nor its ratio is shown.
+		notif := r.Workload == "notif"
 		ratio, p99ratio := "-", "-"
 		if l := rep.locked(r); l != nil && r.Mode != "locked" {
-			if l.ReadsPerSec > 0 {
+			if l.ReadsPerSec > 0 && !notif {
 				ratio = fmt.Sprintf("%.2fx", r.ReadsPerSec/l.ReadsPerSec)
 			}
-			if l.P99us > 0 {
+			if l.P99us > 0 && hasQuantile(r, 0.99) && hasQuantile(l, 0.99) {
 				p99ratio = fmt.Sprintf("%.2f", r.P99us/l.P99us)
 			}
+		}
+		rps, gbps := fcount(r.ReadsPerSec), fnum(r.GBPerSec)
+		if notif {
+			rps, gbps = "-", "-"
+		}
+		p99, p999 := "-", "-"
+		if hasQuantile(r, 0.99) {
+			p99 = fnum(r.P99us)
+		}
+		if hasQuantile(r, 0.999) {
+			p999 = fnum(r.P999us)
 		}
 		pct := "-"
 		if m := rep.memcpyRef(r); m != nil && m.GBPerSec > 0 && r.Workload != "notif" {
@@ -238,7 +262,7 @@ func WriteTable(w io.Writer, rep *Report) error {
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%.2f\t\n",
 			r.Workload, r.Mode, r.BlockSize, bpr, r.Layout(), r.Submitters,
-			fcount(r.ReadsPerSec), fnum(r.GBPerSec), fnum(r.P50us), fnum(r.P99us), fnum(r.P999us),
+			rps, gbps, fnum(r.P50us), p99, p999,
 			ratio, p99ratio, pct, r.AllocsPerRead)
 	}
 	if err := tw.Flush(); err != nil {

@@ -161,8 +161,8 @@ func (s *session) addNotes() {
 	}
 	s.rep.Notes = append(s.rep.Notes,
 		"latency READs carry no notification; image, fanin and notif READs carry one (as vLLM's do)",
-		fmt.Sprintf("locked: the producer takes notifications under its lock every %v (an engine step), its engine progressed as messages arrive (NIXL's progress thread); reactor/raw producers poll back to back during notif", stepInterval),
-		callers+"; p50/p99/p99.9 are post→DONE (notif: consumer DONE → producer sees it)",
+		fmt.Sprintf("locked: the producer takes notifications under its lock every %v (an engine step), its engine progressed as messages arrive (NIXL's progress thread); reactor, direct and raw producers poll back to back during notif", stepInterval),
+		callers+"; p50/p99/p99.9 are post→DONE (notif: post → producer sees the notification), from at least 100 and 1,000 samples (else -)",
 		fmt.Sprintf("verified: READ 0 and every %dth of each submitter, all blocks (time excluded from seconds)", VerifyEvery),
 		"notif allocs/read include decoding the control message that brings the producer's timestamp")
 	if cfg.Rounds > 1 {
@@ -174,9 +174,9 @@ func (s *session) addNotes() {
 			"DONE: reactor and direct READs are DONE once their data has landed, and the notification is sent right after; "+
 				"locked and raw READs are DONE once the engine's send of the notification has also completed (NIXL's order)")
 	}
-	if slices.Contains(cfg.Workloads, "notif") {
+	if slices.Contains(cfg.Workloads, "notif") && cfg.Connect == "" {
 		s.rep.Notes = append(s.rep.Notes, fmt.Sprintf(
-			"notif: each READ is posted at a random point of the producer's %v step, so locked's latency is not tied to its phase", stepInterval))
+			"notif: each READ is posted at a random point of the producer's %v step, so locked's latency is not tied to its phase; reads/s and GB/s include that wait and a control round trip, so are not shown", stepInterval))
 		var early []string
 		for _, r := range s.rep.Results {
 			if r.Workload == "notif" && r.Early > 0 {
@@ -184,7 +184,7 @@ func (s *session) addNotes() {
 			}
 		}
 		if len(early) > 0 {
-			s.rep.Notes = append(s.rep.Notes, "notif: seen by the producer before the reader saw DONE (counted as 0 µs): "+strings.Join(early, ", "))
+			s.rep.Notes = append(s.rep.Notes, "notif: seen by the producer before the reader saw DONE: "+strings.Join(early, ", "))
 		}
 	}
 	if cfg.Backend == "loopback" {
@@ -412,6 +412,10 @@ func (s *session) runAll(ctx context.Context) error {
 				}
 				seed := int64(1000 + 10*bi + slices.Index(s.cfg.Modes, mode))
 				if err := s.runMode(ctx, mode, bs, seed, round, cells); err != nil {
+					// The rows measured so far are printed (the caller does
+					// on error), merged and in order like a whole run's.
+					s.rep.Results = mergeRounds(s.rep.Results)
+					sortResults(s.rep.Results)
 					return fmt.Errorf("%s, %d B blocks: %w", mode, bs, err)
 				}
 			}
@@ -490,15 +494,14 @@ func (s *session) runCell(d driver, mode string, c cell, seed uint64, round int)
 		defer func() { _, _ = s.request(ctrl.Message{Kind: "timing", Ints: map[string]int64{"on": 0}}, "ok") }()
 	}
 	if s.cfg.Warmup > 0 {
-		if _, _, err := s.pass(d, c, seed, s.cfg.Warmup, 0); err != nil {
+		if _, _, err := s.pass(d, c, seed, s.cfg.Warmup, 0, nil); err != nil {
 			return Result{}, fmt.Errorf("warmup: %w", err)
 		}
 	}
 	runtime.GC()
-	var m0, m1 runtime.MemStats
-	runtime.ReadMemStats(&m0)
-	subs, wall, err := s.pass(d, c, seed, s.cfg.Duration/time.Duration(s.cfg.Rounds), int64(1+round))
-	runtime.ReadMemStats(&m1)
+	var ms [2]runtime.MemStats
+	subs, wall, err := s.pass(d, c, seed, s.cfg.Duration/time.Duration(s.cfg.Rounds), int64(1+round), &ms)
+	m0, m1 := &ms[0], &ms[1]
 	if err != nil {
 		return Result{}, err
 	}
@@ -530,32 +533,52 @@ func (s *session) runCell(d driver, mode string, c cell, seed uint64, round int)
 }
 
 // pass runs the cell's submitters for dur and returns their tallies and the
-// wall time.
-func (s *session) pass(d driver, c cell, seed uint64, dur time.Duration, passNo int64) ([]*subStats, time.Duration, error) {
+// wall time. Each submitter's random source, index plan and buffers are
+// made before the clock starts and, with ms, before the allocation count
+// is taken in ms[0] (ms[1] after the submitters have stopped).
+func (s *session) pass(d driver, c cell, seed uint64, dur time.Duration, passNo int64, ms *[2]runtime.MemStats) ([]*subStats, time.Duration, error) {
 	subs := make([]*subStats, c.subs)
+	preps := make([]subPrep, c.subs)
 	est := max(1024, (1<<17)/c.subs)
-	for i := range subs {
-		subs[i] = &subStats{lat: make([]time.Duration, 0, est)}
+	for g := range subs {
+		subs[g] = &subStats{lat: make([]time.Duration, 0, est)}
+		rng := rand.New(rand.NewSource(int64(seed)*1000 + int64(g) + passNo*7777))
+		preps[g] = subPrep{rng: rng, plan: newIndexPlan(c, g, s.cfg.remoteBlocks(c.bs), rng),
+			local: make([]int, 0, max(c.blocks, FaninMaxBlocks)), remote: make([]int, 0, max(c.blocks, FaninMaxBlocks))}
 	}
 	var stop atomic.Bool
 	var firstErr error
 	var errOnce sync.Once
 	var wg sync.WaitGroup
+	if ms != nil {
+		runtime.ReadMemStats(&ms[0])
+	}
 	start := time.Now()
 	end := start.Add(dur)
 	for g := range subs {
 		wg.Add(1)
 		go func(g int) {
 			defer wg.Done()
-			rng := rand.New(rand.NewSource(int64(seed)*1000 + int64(g) + passNo*7777))
-			if err := s.submitter(d, c, g, seed, rng, end, &stop, subs[g]); err != nil {
+			if err := s.submitter(d, c, g, seed, &preps[g], end, &stop, subs[g]); err != nil {
 				errOnce.Do(func() { firstErr = fmt.Errorf("submitter %d: %w", g, err) })
 				stop.Store(true)
 			}
 		}(g)
 	}
 	wg.Wait()
-	return subs, time.Since(start), firstErr
+	wall := time.Since(start)
+	if ms != nil {
+		runtime.ReadMemStats(&ms[1])
+	}
+	return subs, wall, firstErr
+}
+
+// subPrep is what a submitter needs that pass makes before the clock
+// starts.
+type subPrep struct {
+	rng           *rand.Rand
+	plan          *indexPlan
+	local, remote []int
 }
 
 // scatterSets is how many random index sets the scattered image READs
@@ -611,10 +634,8 @@ func (p *indexPlan) next(k int64, rng *rand.Rand, local, remote []int) ([]int, [
 // submitter posts the cell's READs one after another until end or stop,
 // each waited for and released; every VerifyEvery-th READ is checked
 // byte for byte (outside the timed part).
-func (s *session) submitter(d driver, c cell, g int, seed uint64, rng *rand.Rand, end time.Time, stop *atomic.Bool, st *subStats) error {
-	plan := newIndexPlan(c, g, s.cfg.remoteBlocks(c.bs), rng)
-	local := make([]int, 0, max(c.blocks, FaninMaxBlocks))
-	remote := make([]int, 0, max(c.blocks, FaninMaxBlocks))
+func (s *session) submitter(d driver, c cell, g int, seed uint64, prep *subPrep, end time.Time, stop *atomic.Bool, st *subStats) error {
+	rng, plan, local, remote := prep.rng, prep.plan, prep.local, prep.remote
 	var notif [16]byte
 	if c.workload == "notif" {
 		copy(notif[:8], timedMagic)
@@ -648,6 +669,7 @@ func (s *session) submitter(d driver, c cell, g int, seed uint64, rng *rand.Rand
 			msg = notif[:]
 		}
 		t0 := time.Now()
+		postAt := monoNow()
 		id, err := d.post(local, remote, msg)
 		if err != nil {
 			return fmt.Errorf("post: %w", err)
@@ -662,7 +684,7 @@ func (s *session) submitter(d driver, c cell, g int, seed uint64, rng *rand.Rand
 			return fmt.Errorf("release: %w", err)
 		}
 		if c.workload == "notif" {
-			if lat, err = s.notifLatency(msg, doneAt, st); err != nil {
+			if lat, err = s.notifLatency(msg, postAt, doneAt, st); err != nil {
 				return err
 			}
 		}
@@ -681,9 +703,13 @@ func (s *session) submitter(d driver, c cell, g int, seed uint64, rng *rand.Rand
 }
 
 // notifLatency waits for the producer to report msg and returns how long
-// after doneAt (this process's monotonic clock, shared with the producer
-// on one host) it saw it.
-func (s *session) notifLatency(msg []byte, doneAt int64, st *subStats) (time.Duration, error) {
+// after postAt (this process's monotonic clock, shared with the producer
+// on one host) it saw it: post → producer notified, the time until the
+// producer may reuse its blocks. (From the reader's DONE it cannot be
+// measured for every mode: the direct path sends an inline READ's
+// notification inside PostRead, before the reader can see DONE.) Seen
+// before doneAt counts in st.early.
+func (s *session) notifLatency(msg []byte, postAt, doneAt int64, st *subStats) (time.Duration, error) {
 	m, err := s.expect("seen", readLimit)
 	if err != nil {
 		return 0, err
@@ -691,12 +717,11 @@ func (s *session) notifLatency(msg []byte, doneAt int64, st *subStats) (time.Dur
 	if !bytes.Equal(m.Data, msg) {
 		return 0, fmt.Errorf("notification %x, want %x", m.Data, msg)
 	}
-	lat := time.Duration(m.Ints["t"] - doneAt)
-	if lat < 0 {
+	seen := m.Ints["t"]
+	if seen < doneAt {
 		st.early++
-		lat = 0
 	}
-	return lat, nil
+	return time.Duration(max(seen-postAt, 0)), nil
 }
 
 // verifyRead checks the blocks READ k landed in local against the pattern

@@ -246,8 +246,11 @@ def start_producer(impl, bs):
 
 
 def pct(xs, q):
+    """Nearest rank, as the Go harness's: the smallest sample with at least
+    q of them at or below it (p50 of an even count is the lower middle)."""
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+    k = -(-round(q * 1000000) * len(xs) // 1000000)  # ceil(q * n), exact for q in millionths
+    return xs[max(0, min(len(xs), k) - 1)]
 
 
 def index_sets(name, bs, n, layout):
@@ -442,6 +445,9 @@ def main():
                 f"{name:>12} {label:>12} {r['reads']:>6} {r['gbps']:>6.2f} {r['e2e_p50_us']:>8.1f} {r['e2e_p99_us']:>9.1f}"
                 f" {r['post_p50_us']:>8.2f} {arr:>14} {cold:>13} {r['check_us']:>9.3f} {ratio:>13}"
             )
+    print("GB/s: the READs' bytes over the sum of their post->DONE times (the loop's own costs between")
+    print("  READs excluded, so above the rate of a caller that only reads);")
+    print("  p50/p99 nearest rank, post->DONE; the implementations run one after the other, not in alternating rounds")
     print(f"load average before/after: {load0[0]:.2f} / {load1[0]:.2f} ({os.cpu_count()} CPUs)")
     if args.json:
         Path(args.json).write_text(json.dumps({"results": out, "load": [load0, load1], "nixl_skipped": why}, indent=1))
