@@ -85,12 +85,12 @@ func withKey(t *testing.T, md []byte, edit func(rk []byte) []byte) []byte {
 	return out
 }
 
-// A peer's metadata that names its own UCX segment (address and length
-// true, so the mapping checks pass) but whose rkey carries another agent's
-// System V id is refused: the key must attach the segment the peer maps
-// there. (It loaded, and READs of the peer returned the other agent's
-// memory.)
-func TestForgedSegmentKeyRefused(t *testing.T) {
+// forgerAndVictim makes two agents with engine memory in System V
+// segments (it skips the test when UCX allocated other kinds) and returns
+// the forger's true metadata and, as they appear in its key, its
+// segment's id and the victim's.
+func forgerAndVictim(t *testing.T) (md []byte, own, other [4]byte) {
+	t.Helper()
 	const n = 1 << 20
 	victim := newTestAgent(t, Config{Name: "victim"})
 	_, vbuf, err := victim.AllocMem(n, nixl.DRAM, 0)
@@ -102,17 +102,26 @@ func TestForgedSegmentKeyRefused(t *testing.T) {
 	if !strings.HasPrefix(fs.Name, "/SYSV") || !strings.HasPrefix(vs.Name, "/SYSV") {
 		t.Skipf("UCX allocated %q and %q here, not System V segments", fs.Name, vs.Name)
 	}
-	md, err := forger.LocalMetadata()
+	md, err = forger.LocalMetadata()
 	require.NoError(t, err)
-	var own, other [4]byte
 	binary.LittleEndian.PutUint32(own[:], uint32(fs.Ino)) // a System V mapping's inode is its id
 	binary.LittleEndian.PutUint32(other[:], uint32(vs.Ino))
+	return md, own, other
+}
+
+// A peer's metadata that names its own UCX segment (address and length
+// true, so the mapping checks pass) but whose rkey carries another agent's
+// System V id is refused: the key must attach the segment the peer maps
+// there. (It loaded, and READs of the peer returned the other agent's
+// memory.)
+func TestForgedSegmentKeyRefused(t *testing.T) {
+	md, own, other := forgerAndVictim(t)
 	forged := withKey(t, md, func(rk []byte) []byte {
 		require.Equal(t, 1, bytes.Count(rk, own[:]), "the segment id once in the key")
 		return bytes.Replace(rk, own[:], other[:], 1)
 	})
 	cons := newTestAgent(t, Config{Name: "cons"})
-	_, err = cons.LoadRemoteMetadata(forged)
+	_, err := cons.LoadRemoteMetadata(forged)
 	require.ErrorIs(t, err, nixl.ErrInvalidParam)
 	require.ErrorContains(t, err, "another shared-memory segment")
 	name, err := cons.LoadRemoteMetadata(md)
@@ -126,22 +135,7 @@ func TestForgedSegmentKeyRefused(t *testing.T) {
 // too. (The host check skipped the key checks, and READs of the forger
 // returned the victim's memory.)
 func TestForgedSegmentKeyClaimingOtherHostRefused(t *testing.T) {
-	const n = 1 << 20
-	victim := newTestAgent(t, Config{Name: "victim"})
-	_, vbuf, err := victim.AllocMem(n, nixl.DRAM, 0)
-	require.NoError(t, err)
-	forger := newTestAgent(t, Config{Name: "forger"})
-	_, fbuf, err := forger.AllocMem(n, nixl.DRAM, 0)
-	require.NoError(t, err)
-	vs, fs := segmentAt(t, addrOf(vbuf)), segmentAt(t, addrOf(fbuf))
-	if !strings.HasPrefix(fs.Name, "/SYSV") || !strings.HasPrefix(vs.Name, "/SYSV") {
-		t.Skipf("UCX allocated %q and %q here, not System V segments", fs.Name, vs.Name)
-	}
-	md, err := forger.LocalMetadata()
-	require.NoError(t, err)
-	var own, other [4]byte
-	binary.LittleEndian.PutUint32(own[:], uint32(fs.Ino))
-	binary.LittleEndian.PutUint32(other[:], uint32(vs.Ino))
+	md, own, other := forgerAndVictim(t)
 	for _, c := range []struct {
 		claim string
 		edit  func(h *hostID)
