@@ -189,7 +189,7 @@ func (p *Pool) takeOver() *Job {
 
 // BusyTime returns the time the workers have spent copying, summed over
 // the workers; its rate divided by Workers is their busy fraction. Chunks
-// a submitter (a full queue) or a helper copies are not in it.
+// a helper copies are not in it.
 func (p *Pool) BusyTime() time.Duration { return time.Duration(p.busy.Load()) }
 
 // runOne takes the job's next chunk, copies it and finishes the job if it
@@ -258,8 +258,8 @@ func (p *Pool) Chunks(total int) int {
 func (p *Pool) Submit(j *Job, total int) {
 	n := p.Chunks(total)
 	p.mu.RLock()
-	defer p.mu.RUnlock()
 	if p.closed {
+		p.mu.RUnlock() // Done may submit again
 		j.fail(ErrClosed)
 		j.pending.Store(1)
 		j.chunkDone()
@@ -284,6 +284,7 @@ func (p *Pool) Submit(j *Job, total int) {
 		}
 		break
 	}
+	p.mu.RUnlock()
 }
 
 // Close stops the workers after the queued chunks have run. Idempotent.
