@@ -388,6 +388,10 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 		<-r.done
 		if s.word.Load() == claimed {
 			s.job = nil
+		} else {
+			// Teardown ended it (and counted it failed): posted too, so
+			// that every READ counted ended was counted posted.
+			r.st.posted.Add(1)
 		}
 		r.tab.free(s, claimed)
 		return 0, ErrClosed
