@@ -28,7 +28,10 @@ const (
 	codeNoBackend        = -15
 	codeBadArg           = -16
 	codeUnknownTransport = -17
-	codeOther            = -99
+	// codeUnpacked is ecx_post_read_py's "not lists of ints, use
+	// ecx_post_read" (pyidx.c); no error of the library's has it.
+	codeUnpacked = -18
+	codeOther    = -99
 )
 
 // errBadArg reports a malformed call: a null pointer with a non-zero

@@ -28,11 +28,23 @@
 // kept: another thread may write it during the call without slipping an
 // unchecked index through.
 //
+// Python's lists and tuples of ints, what vLLM passes, have a C entry of
+// their own (pyidx.c, the package's only C file): ecx_post_read_py takes
+// the two sequences as PyObject pointers, reads their ints with the
+// interpreter's own functions (installed once with ecx_py_api; the
+// library does not link against Python) and posts them through
+// ecx_post_read. The Python package calls it through a ctypes.PyDLL, so
+// with the GIL held while it reads, and it releases the GIL for the post.
+// What it cannot read (not exactly a list or tuple of exact ints in
+// int64's range) it leaves alone and returns codeUnpacked, and the package
+// takes its general way.
+//
 // ecx_wait and ecx_notifs block up to their timeout; ecx_new, ecx_add_peer,
 // ecx_remove_peer and ecx_deregister wait for the transport's reactor
 // thread to do their work; ecx_release of a READ the copy workers are
 // running waits for its copy to stop; ecx_post_read waits for room only with the
-// wait_when_busy option; the other calls never block. The Python package
-// calls the library through ctypes, which releases the GIL for the
-// duration of every call.
+// wait_when_busy option (so does ecx_post_read_py); the other calls never
+// block. The Python package calls the library through ctypes, which
+// releases the GIL for the duration of every call but ecx_post_read_py's,
+// which releases it itself once the lists are read.
 package main

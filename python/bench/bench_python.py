@@ -22,7 +22,9 @@ Both get the indices as vLLM passes them, Python lists built right before
 the call (NIXL under vLLM's lock, with make_prepped_xfer + transfer as its
 post_read does); the cost of ecxfer's post_read given one array('q')
 instead, which it reads in place, and given lists built long before,
-whose ints are out of the cache, is reported too.
+whose ints are out of the cache, and given fresh lists through its
+general path (struct.pack in Python, what lists cost before the C reader
+of cmd/libecxfer/pyidx.c), is reported too.
 
 Runs in the project's .venv (NIXL's wheel comes from requirements-nixl.txt);
 without NIXL its rows say they were skipped and why.
@@ -336,19 +338,35 @@ def run_workload(side, peer, bs, name, n, layout, duration, mode="poll"):
         "gbps": (n * bs * len(e2e)) / (sum(e2e) / 1e9) / 1e9,
     }
     if isinstance(side, EcxferSide) and mode == "poll":
-        # What a caller passing one array pays, and one passing lists
-        # built long ago, whose ints a READ has pushed out of the cache.
+        # What a caller passing one array pays, one passing lists built
+        # long ago, whose ints a READ has pushed out of the cache, and one
+        # passing fresh lists through the general path (struct.pack in
+        # Python) instead of the C reader lists take.
+        from ecxfer import transport
+
         arrays = [(array.array("q", lo), array.array("q", re)) for lo, re in sets]
-        for key, inputs in (("post_array_p50_us", arrays), ("post_cold_p50_us", args)):
+        c_path = transport._post_py
+        for key, inputs, fresh in (
+            ("post_array_p50_us", arrays, False),
+            ("post_cold_p50_us", args, False),
+            ("post_struct_p50_us", args, True),
+        ):
             costs = []
-            for i in range(200):
-                local, remote = inputs[i % len(inputs)]
-                t0 = clock()
-                h = side.post_read(local, peer, remote, b"sess-a:mm-a")
-                costs.append(clock() - t0)
-                while side.check(h) == "PROC":
-                    pass
-                side.release(h)
+            if key == "post_struct_p50_us":
+                transport._post_py = None
+            try:
+                for i in range(200):
+                    local, remote = inputs[i % len(inputs)]
+                    if fresh:
+                        local, remote = list(local), list(remote)
+                    t0 = clock()
+                    h = side.post_read(local, peer, remote, b"sess-a:mm-a")
+                    costs.append(clock() - t0)
+                    while side.check(h) == "PROC":
+                        pass
+                    side.release(h)
+            finally:
+                transport._post_py = c_path
             row[key] = pct(costs, 0.5) / 1e3
     return row
 
@@ -424,7 +442,7 @@ def main():
     load1 = os.getloadavg()
     cols = (
         f"{'workload':>12} {'impl':>12} {'reads':>6} {'GB/s':>6} {'p50 us':>8} {'p99 us':>9} {'post us':>8}"
-        f" {'post(array) us':>14} {'post(cold) us':>13} {'check us':>9} {'p50 nixl/this':>13}"
+        f" {'post(struct) us':>15} {'post(array) us':>14} {'post(cold) us':>13} {'check us':>9} {'p50 nixl/this':>13}"
     )
     print(cols)
     for name, *_ in WORKLOADS:
@@ -441,9 +459,10 @@ def main():
             ratio = f"{n['e2e_p50_us'] / r['e2e_p50_us']:.2f}x" if n and r is not n else "-"
             arr = f"{r['post_array_p50_us']:.2f}" if "post_array_p50_us" in r else "-"
             cold = f"{r['post_cold_p50_us']:.2f}" if "post_cold_p50_us" in r else "-"
+            slow = f"{r['post_struct_p50_us']:.2f}" if "post_struct_p50_us" in r else "-"
             print(
                 f"{name:>12} {label:>12} {r['reads']:>6} {r['gbps']:>6.2f} {r['e2e_p50_us']:>8.1f} {r['e2e_p99_us']:>9.1f}"
-                f" {r['post_p50_us']:>8.2f} {arr:>14} {cold:>13} {r['check_us']:>9.3f} {ratio:>13}"
+                f" {r['post_p50_us']:>8.2f} {slow:>15} {arr:>14} {cold:>13} {r['check_us']:>9.3f} {ratio:>13}"
             )
     print("GB/s: the READs' bytes over the sum of their post->DONE times (the loop's own costs between")
     print("  READs excluded, so above the rate of a caller that only reads);")

@@ -1,7 +1,9 @@
 """The ctypes binding of libecxfer.so (cmd/libecxfer in the Go sources).
 
 ctypes releases the GIL for the duration of every call into a CDLL, so a
-thread blocked in ecx_wait or ecx_notifs does not hold up the others.
+thread blocked in ecx_wait or ecx_notifs does not hold up the others. The
+one exception, ecx_post_read_py, is called through a PyDLL: it reads
+Python lists with the GIL held, then releases it for the post.
 
 The library is loaded on first use (get(), or the attribute lib), not on
 import: loading it starts Go's runtime and its threads, and a process that
@@ -13,10 +15,12 @@ raises ForkedError instead of hanging in Go.
 
 import ctypes
 import os
+import sys
+import sysconfig
 import threading
 from pathlib import Path
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 # Error codes, as cmd/libecxfer/codes.go numbers them.
 CONFIG = -1
@@ -36,6 +40,7 @@ ENGINE = -14
 NO_BACKEND = -15
 BAD_ARG = -16
 UNKNOWN_TRANSPORT = -17
+UNPACKED = -18  # ecx_post_read_py only: not lists of ints, use ecx_post_read
 OTHER = -99
 
 BLOB_AGENT_METADATA = 1
@@ -63,7 +68,22 @@ _SIGNATURES = {
     "ecx_runtime": (_i64, [_pvp]),
     "ecx_last_error": (_i64, [ctypes.c_char_p, _i64]),
     "ecx_free": (None, [_vp]),
+    "ecx_py_api": (_int, [_pvp, _i64]),
 }
+
+# The interpreter's functions ecx_py_api installs, in its order (all of
+# the stable ABI), then the addresses of the types list, tuple and int.
+_PY_API = (
+    "PyList_Size",
+    "PyList_GetItem",
+    "PyTuple_Size",
+    "PyTuple_GetItem",
+    "PyLong_AsLongLong",
+    "PyErr_Occurred",
+    "PyErr_Clear",
+    "PyEval_SaveThread",
+    "PyEval_RestoreThread",
+)
 
 
 def library_path() -> str:
@@ -86,7 +106,34 @@ def load() -> ctypes.CDLL:
     v = lib.ecx_abi_version()
     if v != ABI_VERSION:
         raise ImportError(f"ecxfer: {path} has ABI version {v}, this package needs {ABI_VERSION}")
+    lib.post_read_py = _post_read_py(lib, path)
     return lib
+
+
+def _post_read_py(lib: ctypes.CDLL, path: str):
+    """ecx_post_read_py, called with the GIL held (through a PyDLL of the
+    same library), once the interpreter's functions are installed; None
+    where they cannot be: not CPython, or a CPython without a GIL (an
+    object's layout differs there, and another thread could change a list
+    while C reads it), or ECXFER_PY_LISTS=0."""
+    if os.environ.get("ECXFER_PY_LISTS", "1") == "0":
+        return None
+    if sys.implementation.name != "cpython" or sysconfig.get_config_var("Py_GIL_DISABLED"):
+        return None
+    try:
+        api = ctypes.pythonapi
+        fns = [ctypes.cast(getattr(api, name), ctypes.c_void_p).value for name in _PY_API]
+    except (AttributeError, ValueError):
+        return None
+    fns += [id(list), id(tuple), id(int)]  # in CPython, an object's address
+    arr = (ctypes.c_void_p * len(fns))(*fns)
+    if lib.ecx_py_api(arr, len(fns)) != 0:
+        last_error()
+        return None
+    fn = ctypes.PyDLL(path, handle=lib._handle).ecx_post_read_py
+    fn.restype = _i64
+    fn.argtypes = [_u64, ctypes.py_object, _u64, ctypes.py_object, _vp, _i64]
+    return fn
 
 
 _load_lock = threading.Lock()

@@ -33,14 +33,15 @@ logger = logging.getLogger("ecxfer")
 # forked after that they are the stand-in's, which raise ForkedError.
 _lib_: Any = None
 _post: Any = None
+_post_py: Any = None  # lists and tuples read in C; None where it cannot (see _lib)
 _check: Any = None
 
 
 def _bind() -> None:
-    global _lib_, _post, _check
+    global _lib_, _post, _post_py, _check
     lib = _lib.get()
     if lib is not _lib_:
-        _lib_, _post, _check = lib, lib.ecx_post_read, lib.ecx_check
+        _lib_, _post, _post_py, _check = lib, lib.ecx_post_read, lib.post_read_py, lib.ecx_check
 
 
 _lib._after_fork.append(_bind)
@@ -66,6 +67,9 @@ _I64_FORMATS = {"q", "<q", "=q", "@q", "l", "<l", "=l", "@l"}
 
 
 _PACKERS: dict[int, struct.Struct] = {}
+
+_SEQS = (list, tuple)
+_UNPACKED = _lib.UNPACKED
 
 
 def _indices(x: Any):
@@ -332,12 +336,23 @@ class EcxferDataTransport(_Base):
             if self._t == 0:
                 raise ClosedError("ecxfer: transport deregistered")
             raise UnknownPeerError(f"ecxfer: unknown agent {agent_name!r}")
+        if type(notif_msg) is not bytes:
+            notif_msg = _notif_bytes(notif_msg)
+        if _post_py is not None and type(local_indices) in _SEQS and type(remote_indices) in _SEQS:
+            # Lists as vLLM passes them: read in C, each int object once,
+            # with the GIL held (see cmd/libecxfer/pyidx.c). Anything that
+            # is not a list or tuple of exact ints in int64's range comes
+            # back UNPACKED, before anything is posted, and goes the
+            # general way below, which says what is wrong with it.
+            h = _post_py(self._t, local_indices, pid, remote_indices, notif_msg, len(notif_msg))
+            if h > 0:
+                return h
+            if h != _UNPACKED:
+                raise from_code(h)
         keep_l, la, ln = _indices(local_indices)
         keep_r, ra, rn = _indices(remote_indices)
         if ln != rn:  # a 2-D array has a len() other than its count
             raise IndexMismatchError(f"EC: local/remote block count mismatch ({ln} vs {rn})")
-        if type(notif_msg) is not bytes:
-            notif_msg = _notif_bytes(notif_msg)
         h = _post(self._t, la, ln, pid, ra, rn, notif_msg, len(notif_msg))
         if h <= 0:
             raise from_code(h)

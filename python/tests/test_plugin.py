@@ -42,6 +42,18 @@ else:
     out["state"] = t.wait(h, 10)
     out["copied"] = m[5 * 4096 : 6 * 4096] == b"z" * 4096
     out["notifs"] = {k: [x.decode() for x in v] for k, v in t.wait_notifs(10).items()}
+    # Lists of ints are read in C on a CPython with a GIL (pyidx.c), with
+    # this interpreter's own functions.
+    out["c_path"] = ecxfer.transport._post_py is not None
+    for i in range(8):
+        m[i * 4096 : i * 4096 + 8] = i.to_bytes(8, "little")
+    h = t.post_read(list(range(8, 16)), peer, tuple(range(7, -1, -1)), b"")
+    out["scattered"] = t.wait(h, 10) == "DONE" and all(
+        m[(8 + k) * 4096 : (8 + k) * 4096 + 8] == (7 - k).to_bytes(8, "little") for k in range(8))
+    try:
+        t.post_read([2**40], peer, [0], b"")
+    except ecxfer.IndexRangeError:
+        out["range"] = "IndexRangeError"
     t.deregister()
 print("@@ " + json.dumps(out))
 '''
@@ -70,6 +82,7 @@ def test_plugin_patches_the_transport():
     assert out["is_ecxfer"] and out["is_datatransport"]
     assert out["state"] == "DONE" and out["copied"]
     assert out["notifs"] == {"plug-0": ["s:h"]}
+    assert out["c_path"] and out["scattered"] and out["range"] == "IndexRangeError", out
 
 
 def test_plugin_keeps_a_present_nixl(tmp_path):
@@ -160,3 +173,4 @@ def test_wheel_on_other_pythons(wheel, tmp_path, version):
     assert out["ecxfer_file"].startswith(str(env_dir))
     assert out["is_datatransport"] and out["state"] == "DONE" and out["copied"]
     assert out["notifs"] == {"plug-0": ["s:h"]}
+    assert out["c_path"] and out["scattered"] and out["range"] == "IndexRangeError", out

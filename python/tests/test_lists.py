@@ -1,0 +1,255 @@
+"""post_read's C path for index lists (cmd/libecxfer/pyidx.c): lists and
+tuples of ints, as vLLM passes them, are read in C with the GIL held, each
+int object once. It is the path such lists take; it reads the same blocks
+as the general path; whatever it does not take (bools, int subclasses,
+ints beyond int64, other sequences) goes the general way, with the same
+result; and the GIL is released for the post itself."""
+
+import array
+import ctypes
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+import ecxfer
+from conftest import PYDIR, child_env
+from ecxfer import EcxferDataTransport, _lib, transport
+
+
+@pytest.fixture
+def spied(pair, monkeypatch):
+    """The pair, with the C path's calls and what they returned recorded."""
+    real = transport._post_py
+    assert real is not None, "a CPython with a GIL must have the C path"
+    got = []
+
+    def spy(*args):
+        rc = real(*args)
+        got.append(rc)
+        return rc
+
+    monkeypatch.setattr(transport, "_post_py", spy)
+    return pair, got
+
+
+def _mark(preg, bs, n):
+    for i in range(n):
+        preg.mm[i * bs : i * bs + 8] = i.to_bytes(8, "little")
+
+
+def _landed(creg, bs, local, remote):
+    return all(creg.mm[li * bs : li * bs + 8] == int(ri).to_bytes(8, "little") for li, ri in zip(local, remote))
+
+
+def test_lists_and_tuples_take_the_c_path(spied):
+    (prod, preg, cons, creg, peer, _), got = spied
+    bs = prod.block_size_bytes
+    _mark(preg, bs, 64)
+    rng = random.Random(7)
+    for k in range(6):
+        local, remote = rng.sample(range(64), 40), rng.sample(range(64), 40)
+        if k % 2:
+            local, remote = tuple(local), tuple(remote)
+        creg.mm[:] = bytes(len(creg.mm))
+        h = cons.post_read(local, peer, remote, b"s:%d" % k)
+        assert got[-1] == h > 0
+        assert cons.wait(h, 10) == "DONE"
+        cons.release_xfer_handle(h)
+        assert _landed(creg, bs, local, remote)
+    assert len(got) == 6
+    notifs = []
+    while len(notifs) < 6:
+        more = prod.wait_notifs(10)
+        assert more, f"notifications missing: have {notifs}"
+        notifs += more[cons.agent_name]
+    assert sorted(notifs) == [b"s:%d" % k for k in range(6)]
+
+
+def test_long_lists_beyond_the_stack_buffer(region):
+    """More indices than the C path keeps on its stack (2,048 for both
+    lists) go through malloc'd memory: the same blocks land."""
+    n, bs = 3000, 64
+    made = []
+    for name in ("long-prod", "long-cons"):
+        r = region(n * bs)
+        made.append((EcxferDataTransport(name, r.addr, n, bs, n * bs), r))
+    (prod, preg), (cons, creg) = made
+    try:
+        _mark(preg, bs, n)
+        peer = cons.add_remote_peer(prod.get_agent_metadata(), prod.get_mem_descriptor())
+        local = list(range(n))
+        remote = random.Random(3).sample(range(n), n)
+        h = cons.post_read(local, peer, remote, b"")
+        assert cons.wait(h, 30) == "DONE"
+        assert _landed(creg, bs, local, remote)
+    finally:
+        cons.deregister()
+        prod.deregister()
+
+
+class _Index(int):
+    """An int subclass: struct reads it through __index__, which may run
+    any code; the C path must not read it at all."""
+
+
+def test_what_the_c_path_refuses_goes_the_general_way(spied):
+    (prod, preg, cons, creg, peer, _), got = spied
+    bs = prod.block_size_bytes
+    _mark(preg, bs, 64)
+    for local, remote in (
+        ([True, False], [3, 4]),  # bool is not an exact int
+        ([_Index(5), _Index(6)], [7, 8]),
+        ([9, 10], (11, _Index(12))),
+    ):
+        got.clear()
+        h = cons.post_read(local, peer, remote, b"")
+        assert got == [_lib.UNPACKED]
+        assert cons.wait(h, 10) == "DONE"
+        cons.release_xfer_handle(h)
+        assert _landed(creg, bs, local, remote)
+    # Errors come from the general path, which says what is wrong.
+    for local, exc, match in (
+        ([2**64], IndexError, None),
+        ([-(2**64)], IndexError, None),
+        (["a"], ecxfer.BadArgumentTypeError, "ints"),
+        ([1.0], ecxfer.BadArgumentTypeError, "ints"),
+        ([None], TypeError, None),
+    ):
+        got.clear()
+        with pytest.raises(exc, match=match):
+            cons.post_read(local, peer, [0], b"")
+        assert got == [_lib.UNPACKED]
+    # In int64's range but not a block: the library's own range check.
+    for bad in (2**63 - 1, -1, 64):
+        got.clear()
+        with pytest.raises(ecxfer.IndexRangeError):
+            cons.post_read([bad], peer, [0], b"")
+        assert got == [_lib.INDEX_RANGE]
+    assert cons.stats()["reads_posted"] == 3
+
+
+def test_an_index_that_changes_the_list(spied):
+    """An int subclass whose __index__ empties the list it is in: the C
+    path never calls it (it would hold pointers into the list meanwhile);
+    the general path reads a copy of the list's items."""
+    (prod, preg, cons, creg, peer, _), got = spied
+    bs = prod.block_size_bytes
+    _mark(preg, bs, 64)
+    local = [1, 2, 3]
+
+    class Evil(int):
+        def __index__(self):
+            local.clear()
+            return int(self)
+
+    local.insert(1, Evil(20))
+    remote = [5, 6, 7, 8]
+    want = list(local)
+    h = cons.post_read(local, peer, remote, b"")
+    assert got == [_lib.UNPACKED]
+    assert cons.wait(h, 10) == "DONE"
+    assert _landed(creg, bs, want, remote)
+
+
+def test_other_sequences_skip_the_c_path(spied):
+    (prod, preg, cons, creg, peer, _), got = spied
+
+    class L(list):
+        pass
+
+    for local, remote in (
+        (L([1, 2]), [3, 4]),
+        ([1, 2], array.array("q", [3, 4])),
+        (range(2), [3, 4]),
+    ):
+        h = cons.post_read(local, peer, remote, b"")
+        assert cons.wait(h, 10) == "DONE"
+        cons.release_xfer_handle(h)
+    with pytest.raises(ValueError, match="mismatch"):
+        cons.post_read([1, 2], peer, [3], b"")
+    assert got == []
+
+
+def test_empty_lists_same_either_way(spied, monkeypatch):
+    (_, _, cons, _, peer, _), got = spied
+    with pytest.raises(ecxfer.EcxferError) as c_way:
+        cons.post_read([], peer, [], b"")
+    assert got and got[-1] < 0 and got[-1] != _lib.UNPACKED
+    monkeypatch.setattr(transport, "_post_py", None)
+    with pytest.raises(ecxfer.EcxferError) as general:
+        cons.post_read([], peer, [], b"")
+    assert type(c_way.value) is type(general.value)
+
+
+def test_c_entry_points_hostile(pair):
+    """ecx_py_api with a wrong count or a NULL refuses and installs
+    nothing; ecx_post_read_py refuses what is not a list or tuple of ints
+    before it posts, and reports the library's own errors."""
+    _, _, cons, _, peer, _ = pair
+    lib = _lib.lib
+    assert lib.ecx_py_api(None, 12) == _lib.BAD_ARG
+    arr = (ctypes.c_void_p * 12)()
+    assert lib.ecx_py_api(arr, 12) == _lib.BAD_ARG  # all NULL
+    assert lib.ecx_py_api(arr, 11) == _lib.BAD_ARG
+    post = lib.post_read_py
+    pid = cons._peers[peer]
+    for a, b in ((None, None), ({}, [1]), ([1], "ab"), (b"\x01", [1]), ([1], [[1]])):
+        assert post(cons._t, a, pid, b, None, 0) == _lib.UNPACKED
+    assert post(987654, [1], pid, [1], None, 0) == _lib.UNKNOWN_TRANSPORT
+    assert post(cons._t, [1], 99, [1], None, 0) == _lib.UNKNOWN_PEER
+    assert post(cons._t, [1], pid, [1], None, 9) == _lib.BAD_ARG  # NULL notif with a length
+    _lib.last_error()
+    # Still installed: lists still go through it.
+    h = post(cons._t, [1], pid, [1], b"x", 1)
+    assert h > 0 and cons.wait(h, 10) == "DONE"
+    assert cons.stats()["reads_posted"] == 1
+
+
+def test_switched_off_by_environment(monkeypatch):
+    monkeypatch.setenv("ECXFER_PY_LISTS", "0")
+    assert _lib._post_read_py(_lib.lib, _lib.library_path()) is None
+
+
+# The handle table full (256 handles, none released) and wait_when_busy:
+# the next post_read with lists waits for room in the library. A second
+# thread must get the GIL to release a handle; with the GIL held during
+# the wait, nothing would ever release one (the parent's timeout fails
+# the test).
+BLOCKED_POST = r"""
+import json, sys, threading, time
+import ecxfer
+from ecxfer import transport
+assert transport._post_py is None
+kw = dict(backend="loopback", handles=256, wait_when_busy=True)
+p = ecxfer.EcxferDataTransport("gil-prod", 0, 16, 64, 16 * 64, **kw)
+c = ecxfer.EcxferDataTransport("gil-cons", 0, 16, 64, 16 * 64, **kw)
+assert transport._post_py is not None
+name = c.add_remote_peer(p.get_agent_metadata(), p.get_mem_descriptor())
+hs = [c.post_read([i % 16], name, [i % 16], b"") for i in range(256)]
+released = []
+def release():
+    time.sleep(0.3)
+    released.append(time.monotonic())
+    c.release_xfer_handle(hs[0])
+threading.Thread(target=release).start()
+t0 = time.monotonic()
+h = c.post_read([1, 2], name, [3, 4], b"")
+out = {"released": bool(released), "waited": time.monotonic() - t0, "state": c.wait(h, 10)}
+c.deregister()
+p.deregister()
+print("@@ " + json.dumps(out))
+"""
+
+
+def test_post_read_releases_the_gil():
+    r = subprocess.run(
+        [sys.executable, "-c", BLOCKED_POST],
+        env=child_env(), capture_output=True, text=True, timeout=60, cwd=str(PYDIR),
+    )
+    assert r.returncode == 0, f"exit {r.returncode}: {r.stderr[-3000:]}"
+    out = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("@@ ")][-1][3:])
+    assert out["released"] and out["waited"] >= 0.25, out
+    assert out["state"] == "DONE"
