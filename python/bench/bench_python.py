@@ -355,7 +355,7 @@ def run_workload(side, peer, bs, name, n, layout, duration, mode="poll"):
             if key == "post_struct_p50_us":
                 transport._post_py = None
             try:
-                for i in range(200):
+                for i in range(k, k + 200):  # on through the sets, as the timed READs went
                     local, remote = inputs[i % len(inputs)]
                     if fresh:
                         local, remote = list(local), list(remote)
