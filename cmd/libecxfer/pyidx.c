@@ -9,14 +9,15 @@
 //
 // The library does not link against Python. The Python package hands it
 // the interpreter's own functions (ctypes.pythonapi, all of the stable
-// ABI) with ecx_py_api, and only on a CPython with a GIL, where an
-// object's type is its second word. This file calls Python only from
-// ecx_post_read_py, which the package calls through a ctypes.PyDLL, so
-// with the GIL held: no other thread changes the lists while they are
-// read, and nothing here runs Python code (only exact ints are read; an
-// int subclass could run __index__). Anything else returns
-// ECX_UNPACKED, and the package takes its general path, which says what
-// is wrong with the lists. The GIL is released around the post itself.
+// ABI) with ecx_py_api, and only on a CPython whose objects start with
+// two words, the second the type (not a free-threaded build, nor one with
+// Py_TRACE_REFS). This file calls Python only from ecx_post_read_py,
+// which the package calls through a ctypes.PyDLL, so with the GIL held:
+// no other thread changes the lists while they are read, and nothing here
+// runs Python code (only exact ints are read; an int subclass could run
+// __index__). Anything else returns ECX_UNPACKED, and the package takes
+// its general path, which says what is wrong with the lists. The GIL is
+// released around the post itself.
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -151,14 +152,17 @@ enum { STACK_IDX = 2048 };
 // ecx_post_read_py is ecx_post_read with the lists local and remote
 // (PyObject pointers) read here: it returns the handle (> 0), a negative
 // code from ecx_post_read, or ECX_UNPACKED when the library has no Python
-// functions (see ecx_py_api) or a list is not a list or tuple of exact
-// ints in int64's range, before anything is posted. The caller holds the
-// GIL; it is released for the post.
+// functions (see ecx_py_api), the lists' lengths differ, or a list is not
+// a list or tuple of exact ints in int64's range, before anything is
+// posted. The caller holds the GIL; it is released for the post.
 int64_t ecx_post_read_py(uint64_t t, void *local, uint64_t peer, void *remote, void *notif, int64_t notif_len)
 {
 	int64_t nl, nr;
 	int ll, rl;
-	if (!py_ready || !seq_len(local, &nl, &ll) || !seq_len(remote, &nr, &rl))
+	// Lists whose lengths differ go back too: the package raises vLLM's
+	// "mismatch" ValueError for them (they may have changed since it
+	// compared them, in a __str__ or another thread).
+	if (!py_ready || !seq_len(local, &nl, &ll) || !seq_len(remote, &nr, &rl) || nl != nr)
 		return ECX_UNPACKED;
 	int64_t stack[STACK_IDX];
 	int64_t *buf = stack;

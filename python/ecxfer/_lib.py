@@ -16,7 +16,6 @@ raises ForkedError instead of hanging in Go.
 import ctypes
 import os
 import sys
-import sysconfig
 import threading
 from pathlib import Path
 
@@ -113,12 +112,17 @@ def load() -> ctypes.CDLL:
 def _post_read_py(lib: ctypes.CDLL, path: str):
     """ecx_post_read_py, called with the GIL held (through a PyDLL of the
     same library), once the interpreter's functions are installed; None
-    where they cannot be: not CPython, or a CPython without a GIL (an
-    object's layout differs there, and another thread could change a list
-    while C reads it), or ECXFER_PY_LISTS=0."""
+    where they cannot be: not CPython, or a CPython whose objects are laid
+    out otherwise (a free-threaded build, where also another thread could
+    change a list while C reads it; one with Py_TRACE_REFS), or
+    ECXFER_PY_LISTS=0. Called while the library is being loaded: it must
+    not call get()."""
     if os.environ.get("ECXFER_PY_LISTS", "1") == "0":
         return None
-    if sys.implementation.name != "cpython" or sysconfig.get_config_var("Py_GIL_DISABLED"):
+    word = ctypes.sizeof(ctypes.c_void_p)
+    # A plain object is two words, its reference count and its type,
+    # except in free-threaded builds and builds with Py_TRACE_REFS.
+    if sys.implementation.name != "cpython" or object.__basicsize__ != 2 * word:
         return None
     try:
         api = ctypes.pythonapi
@@ -126,9 +130,12 @@ def _post_read_py(lib: ctypes.CDLL, path: str):
     except (AttributeError, ValueError):
         return None
     fns += [id(list), id(tuple), id(int)]  # in CPython, an object's address
+    # The C side finds an object's type in its second word: check it.
+    for obj, typ in (([], list), ((1,), tuple), (1 << 40, int), (True, bool)):
+        if ctypes.c_void_p.from_address(id(obj) + word).value != id(typ):
+            return None
     arr = (ctypes.c_void_p * len(fns))(*fns)
-    if lib.ecx_py_api(arr, len(fns)) != 0:
-        last_error()
+    if lib.ecx_py_api(arr, len(fns)) != 0:  # plain C: no error message to take
         return None
     fn = ctypes.PyDLL(path, handle=lib._handle).ecx_post_read_py
     fn.restype = _i64

@@ -154,6 +154,25 @@ def test_an_index_that_changes_the_list(spied):
     assert _landed(creg, bs, want, remote)
 
 
+def test_lists_changed_after_the_length_check(spied):
+    """Lists whose lengths differ by the time C reads them (here a str
+    notification whose encode() grows one; another thread could do the
+    same) still raise vLLM's "mismatch" ValueError, from the general
+    path, not the library's own wording."""
+    (_, _, cons, _, peer, _), got = spied
+    local = [1, 2]
+
+    class Msg(str):
+        def encode(self, *args):
+            local.append(3)
+            return b"s:h"
+
+    with pytest.raises(ValueError, match="mismatch"):
+        cons.post_read(local, peer, [4, 5], Msg("s:h"))
+    assert got == [_lib.UNPACKED]
+    assert cons.stats()["reads_posted"] == 0
+
+
 def test_other_sequences_skip_the_c_path(spied):
     (prod, preg, cons, creg, peer, _), got = spied
 
