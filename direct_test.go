@@ -22,6 +22,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ecxfer/ecxfer/descriptors"
+	"github.com/ecxfer/ecxfer/internal/copypool"
 	"github.com/ecxfer/ecxfer/internal/leakcheck"
 	"github.com/ecxfer/ecxfer/internal/pattern"
 	"github.com/ecxfer/ecxfer/internal/procinfo"
@@ -762,6 +763,80 @@ func TestDirectReleaseWakesWait(t *testing.T) {
 	require.Positive(t, released, "no READ was released while its Wait was blocked")
 	// A release of a READ whose copy runs returns once the copy stopped.
 	require.Zero(t, cons.Stats().LiveHandles)
+}
+
+// A caller that checks a READ still on the copy workers copies one chunk
+// per call, not every chunk left: CheckXferState (vLLM's check, once per
+// engine step) is held for a chunk at most, and a Wait whose ctx ends
+// while it copies returns then, with the READ still in flight.
+func TestDirectCheckHelpsOneChunk(t *testing.T) {
+	leakcheck.Check(t)
+	e := env{t: t, backend: "ucx"}
+	const bs, nb = 32768, 880
+	opts := []func(*Config){direct, func(c *Config) { c.CopyWorkers = 1 }}
+	prod := e.transport(uniqueName("hprod"), bs, nb, opts...)
+	cons := e.transport(uniqueName("hcons"), bs, nb, opts...)
+	pattern.FillRegion(prod.Region(), 3, bs)
+	pname, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+	require.NoError(t, err)
+	// Hold the only copy worker: the READ's chunks are left to callers.
+	hold, started := make(chan struct{}), make(chan struct{})
+	var holder copypool.Job
+	holder.Run = func(lo, hi int) error { close(started); <-hold; return nil }
+	holder.Done = func(error) {}
+	cons.pool.Submit(&holder, 1)
+	<-started
+	unblocked := false
+	defer func() {
+		if !unblocked {
+			close(hold)
+		}
+	}()
+	idx := make([]int, nb)
+	for i := range idx {
+		idx[i] = i
+	}
+	landed := func() int {
+		n := 0
+		for i := range nb {
+			if ok, _ := pattern.Check(block(cons, bs, i), 3, i); ok {
+				n++
+			}
+		}
+		return n
+	}
+	h, err := cons.PostRead(idx, pname, idx, nil)
+	require.NoError(t, err)
+	require.Equal(t, 4, cons.pool.Chunks(nb*bs), "one worker: four chunks")
+	// The reactor hands the READ to the pool in its own time: until then a
+	// check finds nothing to copy.
+	for deadline := time.Now().Add(10 * time.Second); landed() == 0; {
+		require.True(t, time.Now().Before(deadline), "no check found the READ's chunks")
+		st, err := cons.CheckXferState(h)
+		require.NoError(t, err)
+		require.Equal(t, StateProc, st)
+	}
+	require.Equal(t, nb/4, landed(), "blocks landed by the first check that found the chunks")
+	st, err := cons.CheckXferState(h)
+	require.NoError(t, err)
+	require.Equal(t, StateProc, st)
+	require.Equal(t, nb/2, landed(), "blocks landed after one more check")
+	ctx, cancel := context.WithTimeout(context.Background(), time.Nanosecond)
+	defer cancel()
+	<-ctx.Done()
+	require.ErrorIs(t, cons.Wait(ctx, h), context.DeadlineExceeded)
+	require.Equal(t, 3*nb/4, landed(), "Wait with an ended ctx copied one chunk, then returned")
+	st, err = cons.CheckXferState(h)
+	require.NoError(t, err)
+	require.Equal(t, StateProc, st, "state loaded before the check copied the last chunk")
+	require.Equal(t, nb, landed())
+	close(hold)
+	unblocked = true
+	ctx2, cancel2 := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel2()
+	require.NoError(t, cons.Wait(ctx2, h))
+	require.Equal(t, nb, landed())
+	require.NoError(t, cons.ReleaseXferHandle(h))
 }
 
 // Releasing a READ while the copy workers run it returns once its copy has

@@ -37,7 +37,7 @@
 // cancel, removal, replacement and close; and it watches each direct
 // peer's pidfd. Mappings are reference counted, so nothing is unmapped
 // under a running copy. A caller that checks a READ still on the copy
-// workers copies the chunks no worker has taken. Notifications between
+// workers copies one chunk that no worker has taken, per check. Notifications between
 // direct peers go over a Unix datagram socket of the reactor's instead of
 // the engine (notifsock.go): an engine endpoint that carries nothing can
 // always be closed.

@@ -494,16 +494,23 @@ func (r *Reactor) waitForRoom(tries int) error {
 }
 
 // State reports a transfer's state with one atomic load. For a direct
-// READ still on the copy pool it first copies the chunks no worker has
-// taken (copypool.Job.Help), so polling callers copy instead of starving
-// the workers.
+// READ still on the copy pool it first copies one chunk that no worker has
+// taken (copypool.Job.HelpOne), so polling callers copy instead of
+// starving the workers, and a call copies at most one chunk (a READ is
+// cut into at most 4 per copy worker).
 func (r *Reactor) State(h uint64) (State, error) {
+	st, _, err := r.state(h)
+	return st, err
+}
+
+// state is State; helped reports whether it copied a chunk.
+func (r *Reactor) state(h uint64) (st State, helped bool, err error) {
 	if r.closing.Load() {
-		return StateErr, ErrClosed
+		return StateErr, false, ErrClosed
 	}
 	s, w := r.tab.lookup(h)
 	if s == nil {
-		return StateErr, ErrBadHandle
+		return StateErr, false, ErrBadHandle
 	}
 	switch wordState(w) {
 	case stProc:
@@ -511,15 +518,15 @@ func (r *Reactor) State(h uint64) (State, error) {
 			// A direct READ on the copy pool: copy what no worker has
 			// started yet rather than spend this caller's turn in the
 			// scheduler while the workers wait for a CPU.
-			j.Help()
+			helped = j.HelpOne()
 		}
-		return StateProc, nil
+		return StateProc, helped, nil
 	case stDone:
-		return StateDone, nil
+		return StateDone, false, nil
 	case stErr:
-		return StateErr, codeErrs[wordCode(w, r.tab.mask)]
+		return StateErr, false, codeErrs[wordCode(w, r.tab.mask)]
 	}
-	return StateErr, ErrBadHandle // canceling: the handle was released
+	return StateErr, false, ErrBadHandle // canceling: the handle was released
 }
 
 // Release frees a handle. A finished transfer's slot is freed at once; an
@@ -587,18 +594,25 @@ func (r *Reactor) awaitStopped(h uint64) {
 func (r *Reactor) Wait(ctx context.Context, h uint64) error {
 	var start time.Time
 	for i := 0; ; i++ {
-		st, err := r.State(h)
+		st, helped, err := r.state(h)
 		if st != StateProc {
 			return err
 		}
 		// Read the clock on every 16th check only: a check is a few
 		// nanoseconds, a clock read tens.
-		if i%16 == 0 {
-			if i == 0 {
-				start = time.Now()
-			} else if time.Since(start) >= r.opts.WaitSpin {
-				break
+		if i == 0 {
+			start = time.Now()
+		}
+		if helped {
+			// A chunk copied here takes its time: ctx may have ended
+			// meanwhile, and there may be more to copy.
+			if err := ctx.Err(); err != nil {
+				return err
 			}
+			continue
+		}
+		if i%16 == 0 && i > 0 && time.Since(start) >= r.opts.WaitSpin {
+			break
 		}
 		runtime.Gosched()
 	}
@@ -606,9 +620,15 @@ func (r *Reactor) Wait(ctx context.Context, h uint64) error {
 	w := r.addWaiter()
 	defer r.dropWaiter(w)
 	for {
-		st, err := r.State(h)
+		st, helped, err := r.state(h)
 		if st != StateProc {
 			return err
+		}
+		if helped {
+			if err := ctx.Err(); err != nil {
+				return err
+			}
+			continue
 		}
 		select {
 		case <-w.ch:

@@ -243,7 +243,8 @@ func ecx_post_read(t C.uint64_t, local *C.int64_t, nLocal C.int64_t, peer C.uint
 }
 
 // ecx_check returns a READ's state: 0 PROC, 1 DONE, or the negative code
-// of its error (ERR); it never blocks.
+// of its error (ERR); it never waits (it may copy one chunk of a large
+// same-host READ first, see ecxfer.Transport.CheckXferState).
 //
 //export ecx_check
 func ecx_check(t C.uint64_t, h C.uint64_t) C.int {

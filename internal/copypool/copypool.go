@@ -231,6 +231,11 @@ func (j *Job) Help() int {
 	return n
 }
 
+// HelpOne is Help for at most one chunk: a caller that must not be held
+// for a whole job (one that checks a transfer, or waits with a deadline)
+// copies one chunk and reports whether it found one.
+func (j *Job) HelpOne() bool { return j.runOne() }
+
 func (j *Job) fail(err error) {
 	if j.failed.CompareAndSwap(false, true) {
 		j.err = err

@@ -322,6 +322,49 @@ func TestBusyTime(t *testing.T) {
 	}
 }
 
+// HelpOne copies one untaken chunk per call, in order, and reports false
+// once none is left; Done runs on the call that copied the last.
+func TestHelpOneCopiesOneChunk(t *testing.T) {
+	leakcheck.Check(t)
+	p, err := New(Options{Workers: 1, Chunk: 100})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	block, started := make(chan struct{}), make(chan struct{})
+	holder := newCopyJob(nil, nil)
+	holder.Run = func(lo, hi int) error { close(started); <-block; return nil }
+	p.Submit(&holder.Job, 1)
+	<-started
+	defer close(block)
+
+	src := bytes.Repeat([]byte("0123456789"), 40)
+	dst := make([]byte, len(src))
+	j := newCopyJob(dst, src)
+	p.Submit(&j.Job, len(src))
+	for k := 1; k <= 4; k++ {
+		if !j.HelpOne() {
+			t.Fatalf("call %d found no chunk", k)
+		}
+		if !bytes.Equal(dst[:100*k], src[:100*k]) || bytes.ContainsAny(dst[100*k:], "0123456789") {
+			t.Fatalf("after %d calls: %q", k, dst)
+		}
+		select {
+		case <-j.done:
+			if k < 4 {
+				t.Fatalf("Done after %d of 4 chunks", k)
+			}
+		default:
+			if k == 4 {
+				t.Fatal("Done did not run on the call that copied the last chunk")
+			}
+		}
+	}
+	if j.HelpOne() {
+		t.Fatal("HelpOne on a finished job found a chunk")
+	}
+}
+
 // A caller that helps copies the chunks no worker has taken: with the only
 // worker held, Help copies the whole job and its Done runs on the caller.
 // The queue entries left behind find nothing to take, and one that outlives
