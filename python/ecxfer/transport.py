@@ -232,11 +232,12 @@ class EcxferDataTransport(_Base):
     options reach a transport vLLM builds); keyword arguments win.
 
     Every method is safe to call from any thread. Calls into the library
-    release the GIL. The library is loaded when the first transport is
-    made. A transport belongs to the process that made it: in a process
-    forked after the library was loaded, every call raises ForkedError
-    (deregister() only forgets the transport); fork before, or use the
-    spawn start method.
+    release the GIL (post_read given lists once it has read them). The
+    library is loaded when the first transport is made. A transport
+    belongs to the process that made it: in a process forked after the
+    library was loaded, every call raises ForkedError (the methods that
+    never raise log it; deregister() only forgets the transport); fork
+    before, or use the spawn start method.
     """
 
     def __init__(
@@ -255,8 +256,17 @@ class EcxferDataTransport(_Base):
             raise ConfigError(f"ecxfer: bad config: num_threads {num_threads!r} (want an int >= 1)")
         if num_threads > 1:
             opts.setdefault("copy_workers", num_threads)
-        opts.update(agent_name=agent_name, block_size=int(block_size_bytes), num_blocks=int(num_blocks))
-        raw = json.dumps(opts).encode()
+        if not isinstance(agent_name, str):
+            raise ConfigError(f"ecxfer: bad config: agent_name {agent_name!r} is not a str")
+        # Counts are ints: int() would bend 4096.5 into 4096 and "4096" into
+        # 4096; the library checks their range.
+        num_blocks = _int_arg("num_blocks", num_blocks, 1 << 63)
+        block_size_bytes = _int_arg("block_size_bytes", block_size_bytes, 1 << 63)
+        opts.update(agent_name=agent_name, block_size=block_size_bytes, num_blocks=num_blocks)
+        try:
+            raw = json.dumps(opts).encode()
+        except (TypeError, ValueError) as e:  # an option value JSON cannot carry
+            raise ConfigError(f"ecxfer: bad config: {e}") from None
         region = _int_arg("base_ptr", base_ptr or 0, 1 << 64)
         size = _int_arg("total_size_bytes", total_size_bytes or 0, 1 << 63)
         if region == 0:
@@ -268,8 +278,8 @@ class EcxferDataTransport(_Base):
             raise from_code(rc)
         self._t = tid.value
         self.agent_name = agent_name
-        self.num_blocks = int(num_blocks)
-        self.block_size_bytes = int(block_size_bytes)
+        self.num_blocks = num_blocks
+        self.block_size_bytes = block_size_bytes
         self._peers: dict[str, int] = {}
         self._pid = os.getpid()
         # deregister() holds it while it tears down: a second call waits
@@ -331,7 +341,10 @@ class EcxferDataTransport(_Base):
             raise BadArgumentTypeError(f"ecxfer: block indices are a sized sequence of ints: {e}") from None
         if n != m:
             raise IndexMismatchError(f"EC: local/remote block count mismatch ({n} vs {m})")
-        pid = self._peers.get(agent_name)
+        try:
+            pid = self._peers.get(agent_name)
+        except TypeError:  # unhashable: not a name
+            raise BadArgumentTypeError(f"ecxfer: an agent name is a str, not {type(agent_name).__name__}") from None
         if pid is None:
             if self._t == 0:
                 raise ClosedError("ecxfer: transport deregistered")

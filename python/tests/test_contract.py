@@ -378,3 +378,18 @@ def test_bad_arguments_are_ecxfer_errors(pair, region):
         EcxferDataTransport(base_ptr=-4096, total_size_bytes=n * bs, **kw)
     with pytest.raises(ecxfer.ConfigError, match="base_ptr"):
         EcxferDataTransport(base_ptr=1.5, total_size_bytes=n * bs, **kw)
+    # Counts are ints, not bent into one; names are str; options are JSON.
+    good = dict(agent_name="range-1", base_ptr=r.addr, num_blocks=n, block_size_bytes=bs, total_size_bytes=n * bs)
+    for bad, match in (
+        (dict(num_blocks=4.5), "num_blocks"),
+        (dict(num_blocks="4"), "num_blocks"),
+        (dict(block_size_bytes=None), "block_size_bytes"),
+        (dict(block_size_bytes=4096.0), "block_size_bytes"),
+        (dict(agent_name=b"range-1"), "agent_name"),
+        (dict(agent_name=None), "agent_name"),
+        (dict(xfer_timeout_s=object()), "not JSON serializable"),
+    ):
+        with pytest.raises(ecxfer.ConfigError, match=match):
+            EcxferDataTransport(**{**good, **bad})
+    with pytest.raises(ecxfer.BadArgumentTypeError, match="agent name"):
+        cons.post_read([0], [peer], [0], b"")
