@@ -68,6 +68,51 @@ def test_lists_and_tuples_take_the_c_path(spied):
     assert sorted(notifs) == [b"s:%d" % k for k in range(6)]
 
 
+def test_random_lists_same_as_general_path(spied, monkeypatch):
+    """Seeded random index lists of mixed items: the C reader and the
+    general path give the same outcome, a READ of the same blocks or the
+    same exception type, for every one."""
+    (prod, preg, cons, creg, peer, _), got = spied
+    bs = prod.block_size_bytes
+    _mark(preg, bs, 64)
+    rng = random.Random(12)
+    items = [
+        lambda: rng.randrange(64),
+        lambda: rng.randrange(64),
+        lambda: rng.randrange(64),
+        lambda: rng.choice([True, False]),
+        lambda: _Index(rng.randrange(64)),
+        lambda: rng.choice([-1, 64, 2**31, 2**62, 2**63 - 1, 2**63, -(2**63), -(2**63) - 1, 2**64, 2**100]),
+        lambda: rng.choice([1.0, None, "3", b"3", [3], object()]),
+    ]
+    c_path = transport._post_py
+
+    def outcome(local, remote):
+        try:
+            h = cons.post_read(local, peer, remote, b"")
+        except Exception as e:  # noqa: BLE001 - the type is the outcome
+            return type(e)
+        st = cons.wait(h, 10)
+        cons.release_xfer_handle(h)
+        return st
+
+    for case in range(400):
+        n = rng.randrange(1, 9)
+        local = [items[rng.randrange(len(items))]() if rng.random() < 0.2 else rng.randrange(64) for _ in range(n)]
+        remote = [items[rng.randrange(len(items))]() if rng.random() < 0.2 else rng.randrange(64) for _ in range(n)]
+        if rng.random() < 0.3:
+            local, remote = tuple(local), tuple(remote)
+        monkeypatch.setattr(transport, "_post_py", c_path)
+        creg.mm[:] = bytes(len(creg.mm))
+        a = outcome(local, remote)
+        if a == "DONE" and all(type(x) is int for x in list(local) + list(remote)) and len(set(local)) == n:
+            assert _landed(creg, bs, local, remote), (case, local, remote)
+        monkeypatch.setattr(transport, "_post_py", None)
+        b = outcome(local, remote)
+        assert a == b, (case, local, remote, a, b)
+    assert any(g > 0 for g in got) and _lib.UNPACKED in got
+
+
 def test_long_lists_beyond_the_stack_buffer(region):
     """More indices than the C path keeps on its stack (2,048 for both
     lists) go through malloc'd memory: the same blocks land."""
