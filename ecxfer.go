@@ -492,7 +492,9 @@ func (t *Transport) ReleaseXferHandle(h Handle) error {
 // DONE, the READ's error for ERR, ctx's error when ctx ends first. It
 // checks the READ between yields of the processor for up to
 // Config.Reactor.WaitSpin (default 50µs) before it sleeps: waking a
-// sleeping goroutine can cost more than a short READ takes.
+// sleeping goroutine can cost more than a short READ takes. Like
+// CheckXferState it copies the chunks of a large same-host READ that no
+// copy worker has taken, one at a time, and looks at ctx after each.
 func (t *Transport) Wait(ctx context.Context, h Handle) error {
 	return t.r.Wait(ctx, uint64(h))
 }

@@ -590,7 +590,9 @@ func (r *Reactor) awaitStopped(h uint64) {
 // Wait blocks until the transfer leaves StateProc or ctx ends. For the first
 // Options.WaitSpin it checks the transfer's state between yields of the
 // processor; after that it sleeps until the reactor reports a transfer
-// ended.
+// ended. Each check may copy a chunk of a direct READ (see State); Wait
+// then checks again at once, and returns ctx's error if ctx ended
+// meanwhile.
 func (r *Reactor) Wait(ctx context.Context, h uint64) error {
 	var start time.Time
 	for i := 0; ; i++ {
