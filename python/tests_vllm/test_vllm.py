@@ -103,6 +103,8 @@ def test_vllm_sessions_over_ecxfer():
             assert side["nixl_check_passes"], side
         assert c["done"], c
         assert c["bad_blocks"] == [], c
+        # vLLM's one READ took the C reader of index lists, not the fallback.
+        assert len(c["c_reader"]) == 1 and c["c_reader"][0] > 0, c
         pr = prod.recv()
         assert pr == {"pinned_seen": True, "unpinned": True, "held": False}, pr
         assert cons.finish() == 0

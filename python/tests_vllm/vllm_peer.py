@@ -91,6 +91,20 @@ def main():
         sys.stdin.readline()
         session.close()
     else:
+        # Count the READs vLLM's session posts through ecxfer's C reader of
+        # index lists (it passes list[int]), and what they returned.
+        from ecxfer import transport as ecx_transport
+
+        c_reader = []
+        real_post = ecx_transport._post_py
+        if real_post is not None:
+
+            def counted(*args):
+                h = real_post(*args)
+                c_reader.append(h)
+                return h
+
+            ecx_transport._post_py = counted
         client = ZmqClientTransport()
         addr = ("127.0.0.1", port)
         session = ConsumerSession(addr=addr, zmq_conn=client.connect(addr), transport=client, data=data, compat_hash=compat)
@@ -109,7 +123,7 @@ def main():
                 break
             time.sleep(0.001)
         bad = [k for k, b in enumerate(local) if bytes(mm[b * bs : (b + 1) * bs]) != pattern(7, k, bs)]
-        say(done=done, bad_blocks=bad, results=[x for x in results if x], **info)
+        say(done=done, bad_blocks=bad, results=[x for x in results if x], c_reader=c_reader, **info)
         sys.stdin.readline()
         session.close()
         client.close()
