@@ -156,6 +156,7 @@ func startPyPeer(t *testing.T, role, name string, bs, nb int, seed uint64) *pyPe
 			werr = <-done
 			t.Errorf("python %s peer did not exit within 10s of its stdin closing; killed", role)
 		}
+		_ = stdout.Close()
 		if werr != nil && !t.Failed() && !p.killed {
 			t.Errorf("python %s peer: %v", role, werr)
 		}

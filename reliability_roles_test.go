@@ -327,6 +327,7 @@ func startRole(t testing.TB, prefix []string, role string, env ...string) *roleP
 			_ = cmd.Process.Kill()
 			<-p.exited
 		}
+		_ = stdout.Close()
 	})
 	p.hello, err = p.conn.Expect("hello")
 	require.NoError(t, err)

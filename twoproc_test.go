@@ -162,6 +162,7 @@ func startProducer(t *testing.T, name string, bs, nb int, seed uint64, region st
 			_ = cmd.Process.Kill()
 			<-done
 		}
+		_ = stdout.Close()
 	})
 	p.hello, err = p.conn.Expect("hello")
 	require.NoError(t, err)

@@ -45,6 +45,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"log/slog"
 	"math/rand"
 	"os"
@@ -209,15 +210,20 @@ type producer struct {
 	mu     sync.RWMutex // held for writing while the incarnation changes
 	seed   uint64
 	region string
-	cmd    *exec.Cmd
-	stdin  interface{ Close() error }
-	exited chan struct{}
+	child  // the incarnation
 }
 
-func startProducer(name string, seed uint64, bs int, region string) (*exec.Cmd, interface{ Close() error }, chan struct{}, ctrl.Message, error) {
+// child is one producer process.
+type child struct {
+	cmd           *exec.Cmd
+	stdin, stdout io.Closer
+	exited        chan struct{}
+}
+
+func startProducer(name string, seed uint64, bs int, region string) (child, ctrl.Message, error) {
 	exe, err := os.Executable()
 	if err != nil {
-		return nil, nil, nil, ctrl.Message{}, err
+		return child{}, ctrl.Message{}, err
 	}
 	cmd := exec.Command(exe)
 	cmd.Env = append(os.Environ(), roleEnv+"=producer", "ECX_NAME="+name,
@@ -225,17 +231,20 @@ func startProducer(name string, seed uint64, bs int, region string) (*exec.Cmd, 
 		"ECX_SHM_PATH="+shmPath(name))
 	stdin, stdout, err := ctrl.StartPiped(cmd)
 	if err != nil {
-		return nil, nil, nil, ctrl.Message{}, err
+		return child{}, ctrl.Message{}, err
 	}
-	exited := make(chan struct{})
-	go func() { _ = cmd.Wait(); close(exited) }()
+	c := child{cmd: cmd, stdin: stdin, stdout: stdout, exited: make(chan struct{})}
+	go func() { _ = cmd.Wait(); close(c.exited) }()
+	// A producer that fails reports why and exits; Wait does not close
+	// stdout, so the report is read even if the exit is seen first.
 	hello, err := ctrl.New(stdout, stdin).Expect("hello")
 	if err != nil {
 		_ = cmd.Process.Kill()
-		<-exited
-		return nil, nil, nil, ctrl.Message{}, fmt.Errorf("producer %s: %w", name, err)
+		<-c.exited
+		_ = stdout.Close()
+		return child{}, ctrl.Message{}, fmt.Errorf("producer %s: %w", name, err)
 	}
-	return cmd, stdin, exited, hello, nil
+	return c, hello, nil
 }
 
 // shmPath is the /dev/shm file of a producer's "shm" region.
@@ -255,6 +264,7 @@ func (p *producer) stop(hard bool) {
 		_ = p.cmd.Process.Kill()
 		<-p.exited
 	}
+	_ = p.stdout.Close()
 }
 
 type totals struct {
@@ -555,7 +565,7 @@ func (s *soakRun) start(nprod int) error {
 	for i := range s.prods {
 		p := &producer{name: fmt.Sprintf("soak-producer-%d-%d", os.Getpid(), i), seed: s.seedSeq.Add(1), region: regionKinds[i%len(regionKinds)]}
 		var hello ctrl.Message
-		p.cmd, p.stdin, p.exited, hello, err = startProducer(p.name, p.seed, s.bs, p.region)
+		p.child, hello, err = startProducer(p.name, p.seed, s.bs, p.region)
 		if err == nil {
 			if _, err = cons.AddRemotePeer(hello.Metadata, hello.MemDesc); err != nil {
 				p.stop(false)
@@ -595,7 +605,7 @@ func (s *soakRun) restarter() {
 		s.replacing.Lock()
 		p.stop(k%2 == 0)
 		seed := s.seedSeq.Add(1)
-		cmd, stdin, exited, hello, err := startProducer(p.name, seed, s.bs, p.region)
+		c, hello, err := startProducer(p.name, seed, s.bs, p.region)
 		if err != nil {
 			s.replacing.Unlock()
 			s.fail("restarting %s: %v", p.name, err)
@@ -603,7 +613,7 @@ func (s *soakRun) restarter() {
 			return
 		}
 		p.mu.Lock()
-		p.cmd, p.stdin, p.exited = cmd, stdin, exited
+		p.child = c
 		name, err := s.cons.AddRemotePeer(hello.Metadata, hello.MemDesc)
 		if err == nil {
 			p.seed = seed

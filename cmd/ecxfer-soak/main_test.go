@@ -129,8 +129,8 @@ func TestSoakMetrics(t *testing.T) {
 	require.NotNil(t, peers)
 	require.Len(t, peers.Samples, 1, "one producer")
 
+	<-copied // all of stdout, before Wait closes the pipe
 	require.NoError(t, cmd.Wait(), "soak:\n%s\n%s", out.String(), stderr.String())
-	<-copied
 	require.Contains(t, out.String(), "ecxfer-soak: ok")
 	ev := stderr.String()
 	require.Contains(t, ev, ecxfer.EventReactorStart)

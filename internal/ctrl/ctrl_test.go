@@ -99,6 +99,23 @@ func TestStartPiped(t *testing.T) {
 	require.Equal(t, "x", m.Name)
 	require.NoError(t, stdin.Close())
 	require.NoError(t, cmd.Wait())
+	require.NoError(t, stdout.Close())
+}
+
+// What a command writes just before it exits can be read after Wait: a
+// goroutine that waits for the exit must not take the last message with
+// it (exec's StdoutPipe is closed by Wait, and reads then fail).
+func TestStartPipedKeepsOutputPastWait(t *testing.T) {
+	leakcheck.Check(t)
+	cmd := exec.Command("sh", "-c", "echo last words")
+	stdin, stdout, err := StartPiped(cmd)
+	require.NoError(t, err)
+	require.NoError(t, cmd.Wait())
+	b, err := io.ReadAll(stdout)
+	require.NoError(t, err)
+	require.Equal(t, "last words\n", string(b))
+	require.NoError(t, stdout.Close())
+	_ = stdin.Close() // closed by Wait already
 }
 
 // A command that cannot start and one whose pipes are already taken leave

@@ -9,14 +9,18 @@ import (
 
 // StartPiped starts cmd with pipes to its standard input and output, the
 // two ends a Conn is made from (New(stdout, stdin)). A command without a
-// Stderr of its own writes to this process's standard error. As with
-// exec.Cmd's pipes, Wait closes them once the command has exited.
+// Stderr of its own writes to this process's standard error.
+//
+// The caller owns stdout and closes it once it has read what it wants.
+// Unlike exec.Cmd's StdoutPipe, Wait does not close it: what the command
+// wrote before it exited stays readable after Wait, so a last message (an
+// error report, say) is not lost to a goroutine that waits for the exit.
+// After the command exits and its output is read, reads return io.EOF.
+// Wait closes stdin once the command has exited, as with StdinPipe.
 //
 // A command whose Stdin or Stdout is already set is refused before any pipe
-// is made, and a command that fails to start has its pipes closed by Start,
-// so neither leaves a descriptor open. (Should the process run out of
-// descriptors between the two pipes, the first stays open until the
-// garbage collector closes it.)
+// is made, and a command that fails to start has both pipes closed, so
+// neither leaves a descriptor open.
 func StartPiped(cmd *exec.Cmd) (stdin io.WriteCloser, stdout io.ReadCloser, err error) {
 	if cmd.Stdin != nil || cmd.Stdout != nil {
 		return nil, nil, errors.New("ctrl: StartPiped: the command's Stdin or Stdout is already set")
@@ -24,14 +28,21 @@ func StartPiped(cmd *exec.Cmd) (stdin io.WriteCloser, stdout io.ReadCloser, err 
 	if cmd.Stderr == nil {
 		cmd.Stderr = os.Stderr
 	}
+	r, w, err := os.Pipe()
+	if err != nil {
+		return nil, nil, err
+	}
 	if stdin, err = cmd.StdinPipe(); err != nil {
+		_ = r.Close()
+		_ = w.Close()
 		return nil, nil, err
 	}
-	if stdout, err = cmd.StdoutPipe(); err != nil {
+	cmd.Stdout = w // an *os.File: the child gets it as is, no copying goroutine
+	err = cmd.Start()
+	_ = w.Close() // the child has its own copy; ours would keep EOF away
+	if err != nil {
+		_ = r.Close() // Start has closed the stdin pipe
 		return nil, nil, err
 	}
-	if err := cmd.Start(); err != nil {
-		return nil, nil, err
-	}
-	return stdin, stdout, nil
+	return stdin, r, nil
 }

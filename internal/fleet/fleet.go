@@ -55,6 +55,7 @@ func Child() (int, bool) {
 type Proc struct {
 	cmd    *exec.Cmd
 	stdin  io.WriteCloser
+	stdout io.Closer
 	C      *ctrl.Conn
 	exited chan struct{}
 	err    error
@@ -75,7 +76,7 @@ func Spawn(role string, wrap []string, env []string) (*Proc, error) {
 	if err != nil {
 		return nil, err
 	}
-	p := &Proc{cmd: cmd, stdin: stdin, C: ctrl.New(stdout, stdin), exited: make(chan struct{})}
+	p := &Proc{cmd: cmd, stdin: stdin, stdout: stdout, C: ctrl.New(stdout, stdin), exited: make(chan struct{})}
 	go func() {
 		p.err = cmd.Wait()
 		close(p.exited)
@@ -84,8 +85,10 @@ func Spawn(role string, wrap []string, env []string) (*Proc, error) {
 }
 
 // Stop closes the child's stdin, which tells it to clean up and exit, and
-// waits; after timeout it kills it.
+// waits; after timeout it kills it. Then it closes the child's stdout:
+// until Stop, what the child wrote before it exited can still be read.
 func (p *Proc) Stop(timeout time.Duration) error {
+	defer func() { _ = p.stdout.Close() }()
 	_ = p.stdin.Close()
 	select {
 	case <-p.exited:

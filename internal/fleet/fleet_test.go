@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ecxfer/ecxfer/internal/ctrl"
 	"github.com/stretchr/testify/require"
 )
 
@@ -68,4 +69,23 @@ func TestQuantile(t *testing.T) {
 	require.Equal(t, time.Duration(1), quantile(s, 0))
 	require.Equal(t, time.Duration(7), quantile([]time.Duration{7}, 0.99))
 	require.Zero(t, quantile(nil, 0.5))
+}
+
+// A child that fails reports why and exits. The report can be read after
+// the exit has been seen: Spawn's goroutine waits for the child, and Wait
+// must not take the child's last message with the pipe.
+func TestChildErrorReadAfterExit(t *testing.T) {
+	p, err := Spawn("agents", nil, nil)
+	require.NoError(t, err)
+	defer func() { _ = p.Stop(10 * time.Second) }()
+	require.NoError(t, p.C.Send(ctrl.Message{Kind: "setup", Ints: map[string]int64{"n": 1, "bs": 4096, "nb": -1}}))
+	select {
+	case <-p.exited:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the child did not exit")
+	}
+	m, err := p.C.Recv()
+	require.NoError(t, err, "reading the child's report after its exit")
+	require.Equal(t, "error", m.Kind)
+	require.Contains(t, m.Strs["error"], "NumBlocks", "the child's own reason")
 }

@@ -123,6 +123,7 @@ func startChild(t *testing.T, name string, bs, nb int, seed int64) *child {
 			_ = cmd.Process.Kill()
 			<-done
 		}
+		_ = stdout.Close()
 	})
 	go func() {
 		sc := bufio.NewScanner(stdout)

@@ -204,6 +204,7 @@ type child struct {
 	t      testing.TB
 	cmd    *exec.Cmd
 	stdin  io.WriteCloser
+	stdout io.Closer // closed by stop, once the reader has seen the end
 	md     []byte
 	notifs chan frame // 'N' frames
 	acks   chan frame
@@ -250,7 +251,7 @@ func startChild(t testing.TB, o childOpts) *child {
 	}
 	stdin, stdout, err := ctrl.StartPiped(cmd)
 	require.NoError(t, err)
-	c := &child{t: t, cmd: cmd, stdin: stdin, notifs: make(chan frame, 1024), acks: make(chan frame, 16)}
+	c := &child{t: t, cmd: cmd, stdin: stdin, stdout: stdout, notifs: make(chan frame, 1024), acks: make(chan frame, 16)}
 	typ, md, err := readFrame(stdout)
 	require.NoError(t, err)
 	require.Equal(t, byte('M'), typ)
@@ -346,6 +347,7 @@ func (c *child) kill() {
 }
 
 func (c *child) stop() {
+	defer func() { _ = c.stdout.Close() }()
 	if c.waited {
 		c.wg.Wait()
 		return
