@@ -211,7 +211,10 @@ func TestDirectProducerKilled(t *testing.T) {
 
 // TestDirectTruncatedTwoProcess: the producer process shrinks its region
 // file under a consumer that maps it. The READ that faults ends in
-// ErrRemoteDisconnect, the consumer lives on, the peer is gone.
+// ErrRemoteDisconnect, the consumer lives on, the peer is gone. Once the
+// file is whole again, the peer is read again after RemoveRemotePeer and
+// AddRemotePeer; the same metadata added again without the removal
+// leaves it dead, as AddRemotePeer's doc says.
 func TestDirectTruncatedTwoProcess(t *testing.T) {
 	leakcheck.Check(t)
 	const bs, nb, seed = 32768, 256, 31
@@ -229,14 +232,29 @@ func TestDirectTruncatedTwoProcess(t *testing.T) {
 		all[i] = i
 	}
 	require.NoError(t, directReadVerify(cons, pname, all, all, seed, bs, nil))
+	whole, err := os.ReadFile(path)
+	require.NoError(t, err)
 	// The file is the producer's; shrinking it from here is the same
 	// truncation as the producer's own, seen through the consumer's map.
 	require.NoError(t, os.Truncate(path, 4096))
-	err := directReadVerify(cons, pname, all, all, seed, bs, nil)
+	err = directReadVerify(cons, pname, all, all, seed, bs, nil)
 	require.ErrorIs(t, err, ErrRemoteDisconnect)
 	err = directReadVerify(cons, pname, []int{0}, []int{0}, seed, bs, nil)
 	require.ErrorIs(t, err, ErrRemoteDisconnect)
 	require.NoError(t, directReadVerify(cons, healthy, all[:100], all[100:200], 32, bs, nil))
+
+	// The file whole again (the producer process never stopped).
+	require.NoError(t, os.WriteFile(path, whole, 0o600))
+	name, err := cons.AddRemotePeer(p.hello.Metadata, p.hello.MemDesc)
+	require.NoError(t, err)
+	require.Equal(t, pname, name)
+	err = directReadVerify(cons, pname, []int{0}, []int{0}, seed, bs, nil)
+	require.ErrorIs(t, err, ErrRemoteDisconnect, "the same metadata again leaves a dead peer dead")
+	require.NoError(t, cons.RemoveRemotePeer(pname))
+	_, err = cons.AddRemotePeer(p.hello.Metadata, p.hello.MemDesc)
+	require.NoError(t, err)
+	require.Equal(t, "direct-file", cons.PeerPath(pname))
+	require.NoError(t, directReadVerify(cons, pname, all, all, seed, bs, nil), "removed and added again")
 }
 
 // TestEngineRefusesSharedQueuePeer: with the direct path off, a same-host

@@ -367,6 +367,12 @@ func (t *Transport) MemDescriptor() []byte {
 // block list. On the ucx engine the replacement is loaded and
 // its block list prepared beside the old peer first: when that fails, the
 // call returns the error and the old peer is left as it was.
+//
+// A peer found dead (EventPeerDead: its process exited, its connection
+// failed, or a direct copy from it faulted because its region file was
+// truncated) stays dead when the same metadata is added again: its READs
+// keep ending in ErrRemoteDisconnect. RemoveRemotePeer and then
+// AddRemotePeer load it afresh, once the cause is gone.
 func (t *Transport) AddRemotePeer(metadata, memDescriptor []byte) (string, error) {
 	if t.closed.Load() {
 		return "", ErrClosed
