@@ -300,7 +300,9 @@ class EcxferDataTransport(_Base):
     def add_remote_peer(self, metadata: bytes, mem_descriptor: bytes) -> str:
         """Load a peer's metadata and msgpack block list; return its name.
         Bad input raises BadMetadataError or BadDescriptorError (both
-        ValueError)."""
+        ValueError). The same metadata again returns the same name; a
+        peer found dead stays dead until remove_remote_peer and then
+        add_remote_peer load it afresh."""
         md = _blob_arg("metadata", metadata)
         desc = _blob_arg("mem_descriptor", mem_descriptor)
         name = ctypes.create_string_buffer(260)
