@@ -196,13 +196,22 @@ def _timeout_ns(timeout: Any, least: int) -> int:
     return max(least, int(t * 1e9))
 
 
+def _json_ok(v) -> bool:
+    """Whether json.dumps(v, allow_nan=False) would take v."""
+    try:
+        json.dumps(v, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        return False
+    return True
+
+
 def _options_from_env() -> dict:
     raw = os.environ.get("ECXFER_OPTIONS", "").strip()
     if not raw:
         return {}
     try:
         opts = json.loads(raw)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
         raise ConfigError(f"ecxfer: bad config: ECXFER_OPTIONS is not JSON: {e}") from None
     if not isinstance(opts, dict):
         raise ConfigError("ecxfer: bad config: ECXFER_OPTIONS must be a JSON object")
@@ -264,9 +273,12 @@ class EcxferDataTransport(_Base):
         block_size_bytes = _int_arg("block_size_bytes", block_size_bytes, 1 << 63)
         opts.update(agent_name=agent_name, block_size=block_size_bytes, num_blocks=num_blocks)
         try:
-            raw = json.dumps(opts).encode()
-        except (TypeError, ValueError) as e:  # an option value JSON cannot carry
-            raise ConfigError(f"ecxfer: bad config: {e}") from None
+            # allow_nan=False: JSON has no inf or NaN (Python would write
+            # Infinity, which the library could only call a bad character).
+            raw = json.dumps(opts, allow_nan=False).encode()
+        except (TypeError, ValueError, RecursionError) as e:  # an option value JSON cannot carry
+            bad = ", ".join(f"{k}={v!r}" for k, v in opts.items() if not _json_ok(v))
+            raise ConfigError(f"ecxfer: bad config: option {bad}: {e}") from None
         region = _int_arg("base_ptr", base_ptr or 0, 1 << 64)
         size = _int_arg("total_size_bytes", total_size_bytes or 0, 1 << 63)
         if region == 0:

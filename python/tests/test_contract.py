@@ -6,6 +6,9 @@ import collections
 import ctypes
 import json
 import logging
+import random
+import string
+import struct
 import threading
 import uuid
 
@@ -288,6 +291,20 @@ def test_options_from_environment(region, monkeypatch):
     monkeypatch.setenv("ECXFER_OPTIONS", "[]")
     with pytest.raises(ecxfer.ConfigError, match="JSON object"):
         EcxferDataTransport(agent_name="e4", **kw)
+    # Nested past the parser's recursion limit: a ConfigError, not a
+    # RecursionError.
+    monkeypatch.setenv("ECXFER_OPTIONS", "[" * 100000)
+    with pytest.raises(ecxfer.ConfigError, match="ECXFER_OPTIONS"):
+        EcxferDataTransport(agent_name="e5", **kw)
+    # Python's json reads Infinity and NaN; JSON has neither, so the
+    # option is named instead of the library failing on a character.
+    for raw in ('{"xfer_timeout_s": Infinity}', '{"spin_for_us": NaN}', '{"xfer_timeout_s": 1e999}'):
+        monkeypatch.setenv("ECXFER_OPTIONS", raw)
+        with pytest.raises(ecxfer.ConfigError, match=r"option (xfer_timeout_s|spin_for_us)=(inf|nan)"):
+            EcxferDataTransport(agent_name="e6", **kw)
+    monkeypatch.delenv("ECXFER_OPTIONS")
+    with pytest.raises(ecxfer.ConfigError, match=r"option xfer_timeout_s=nan"):
+        EcxferDataTransport(agent_name="e7", xfer_timeout_s=float("nan"), **kw)
 
 
 def test_nixl_backend_without_nixl(region, monkeypatch, tmp_path):
@@ -310,6 +327,57 @@ def test_decode_notifs_hostile():
                 b"\x01\x00\x00\x00\x01\x00\x00\x00a\x01\x00\x00\x00\xff\xff\xff\xff"):
         with pytest.raises(ValueError):
             decode_notifs(bad)
+
+
+def _encode_notifs(d):
+    """ecx_notifs' encoding, written out from its description: a count,
+    then per sender its name and its messages, each with a uint32 length
+    before it, all little-endian."""
+    out = [struct.pack("<I", len(d))]
+    for name, msgs in d.items():
+        b = name.encode("ascii")
+        out += [struct.pack("<I", len(b)), b, struct.pack("<I", len(msgs))]
+        for m in msgs:
+            out += [struct.pack("<I", len(m)), m]
+    return b"".join(out)
+
+
+def test_decode_notifs_fuzz():
+    """Seeded random input for the decoder: what an encoding of random
+    notifications decodes to is those notifications, and every mutation of
+    one (cut short, bytes changed, bytes added, bytes removed) and random
+    bytes decode to a dict of bytes lists or raise ValueError, nothing
+    else, without reading a length as an amount to allocate."""
+    rng = random.Random(20261204)
+    for _ in range(2000):
+        d = {}
+        for _ in range(rng.randrange(4)):
+            name = "".join(rng.choice(string.ascii_letters + "-_:.") for _ in range(rng.randrange(1, 12)))
+            d[name] = [rng.randbytes(rng.choice((0, 1, 5, 40))) for _ in range(rng.randrange(4))]
+        enc = _encode_notifs(d)
+        assert decode_notifs(enc) == d
+        for _ in range(4):
+            b = bytearray(enc)
+            op = rng.randrange(4)
+            if op == 0:
+                del b[rng.randrange(len(b) + 1) :]
+            elif op == 1:
+                for _ in range(rng.randrange(1, 4)):
+                    b[rng.randrange(len(b))] = rng.randrange(256)
+            elif op == 2:
+                b[rng.randrange(len(b) + 1) : 0] = rng.randbytes(rng.randrange(1, 9))
+            else:
+                i = rng.randrange(len(b))
+                del b[i : i + rng.randrange(1, 9)]
+            for data in (bytes(b), rng.randbytes(rng.randrange(24))):
+                try:
+                    got = decode_notifs(data)
+                except ValueError:
+                    continue
+                assert isinstance(got, dict)
+                for k, v in got.items():
+                    assert isinstance(k, str) and isinstance(v, list)
+                    assert all(isinstance(m, bytes) for m in v)
 
 
 def test_num_threads_sets_copy_workers(region):
