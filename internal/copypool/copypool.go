@@ -31,6 +31,10 @@ import (
 	"github.com/ecxfer/ecxfer/internal/affinity"
 )
 
+// testHookOverflow, when set (tests), runs in Submit between the failed
+// send of a job's first entry and its append to the overflow list.
+var testHookOverflow func()
+
 // ErrClosed is passed to Done for chunks a closed pool did not run.
 var ErrClosed = errors.New("copypool: closed")
 
@@ -141,7 +145,8 @@ func (p *Pool) work(i int, ready chan<- error) {
 	for {
 		// The overflow first: a job lands there only while ch is full,
 		// so a worker is busy with ch's entries and looks here after
-		// each; a worker about to block finds it here.
+		// each; one that had looked and blocked before the job landed
+		// is woken by Submit's second send.
 		for j := p.takeOver(); j != nil; j = p.takeOver() {
 			p.drain(j)
 		}
@@ -280,12 +285,24 @@ func (p *Pool) Submit(j *Job, total int) {
 		default:
 		}
 		if i == 0 {
+			if testHookOverflow != nil {
+				testHookOverflow()
+			}
 			// Not one entry: the job waits on the overflow list. With
 			// one or more, whoever takes an entry copies every chunk
 			// left, so the job finishes without the rest.
 			p.overMu.Lock()
 			p.over = append(p.over, j)
 			p.overMu.Unlock()
+			// Every worker may have emptied ch, looked at the list
+			// before the append and blocked since the send above
+			// failed: one more try wakes one. If ch is still full, a
+			// worker takes one of its entries and then looks at the
+			// list, after the append.
+			select {
+			case p.ch <- j:
+			default:
+			}
 		}
 		break
 	}

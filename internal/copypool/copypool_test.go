@@ -477,3 +477,42 @@ func TestHelpRace(t *testing.T) {
 	}
 	wg.Wait()
 }
+
+// A job that goes to the overflow list after every worker has looked at
+// the list and blocked on the channel still runs: Submit wakes one. The
+// hook holds Submit between the failed send and the append while the
+// only worker empties the channel and blocks.
+func TestOverflowAfterWorkersBlocked(t *testing.T) {
+	leakcheck.Check(t)
+	p, err := New(Options{Workers: 1, Chunk: 1, Queue: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	block, started := make(chan struct{}), make(chan struct{})
+	holder := newCopyJob(nil, nil)
+	holder.Run = func(lo, hi int) error { close(started); <-block; return nil }
+	p.Submit(&holder.Job, 1)
+	<-started
+	filler := newCopyJob(nil, nil) // takes the channel's only place
+	filler.Run = func(lo, hi int) error { return nil }
+	p.Submit(&filler.Job, 1)
+	testHookOverflow = func() {
+		close(block)
+		<-filler.done
+		time.Sleep(20 * time.Millisecond) // the worker blocks on the channel
+	}
+	defer func() { testHookOverflow = nil }()
+	late := newCopyJob(nil, nil)
+	late.Run = func(lo, hi int) error { return nil }
+	p.Submit(&late.Job, 1)
+	testHookOverflow = nil
+	select {
+	case <-late.done:
+	case <-time.After(5 * time.Second):
+		p.overMu.Lock()
+		n := len(p.over)
+		p.overMu.Unlock()
+		t.Fatalf("a job on the overflow list did not run in 5s with an idle worker (%d on the list)", n)
+	}
+}
