@@ -13,6 +13,7 @@ import (
 	"runtime"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -27,6 +28,7 @@ import (
 	"github.com/ecxfer/ecxfer/internal/pattern"
 	"github.com/ecxfer/ecxfer/internal/procinfo"
 	"github.com/ecxfer/ecxfer/internal/shmview"
+	"github.com/ecxfer/ecxfer/internal/testhook"
 )
 
 // Tests of the direct path in one process: the producer's region is mapped
@@ -987,6 +989,53 @@ func TestDirectInlineNotifsSurviveRemoval(t *testing.T) {
 		for i, m := range got {
 			require.Equal(t, fmt.Sprintf("r%d-%d", round, i), string(m))
 		}
+	}
+}
+
+// A caller that sees a READ the copy workers ran DONE and then posts an
+// inline one does not get that one's notification to the producer first:
+// the loop holds the first notification from before it publishes DONE
+// until it has sent it. The hook stands in for the loop being descheduled
+// between the two.
+func TestDirectInlineNotifAfterPoolNotif(t *testing.T) {
+	leakcheck.Check(t)
+	e := env{t: t, backend: "ucx"}
+	const bs, nb = 32768, 64
+	pname := uniqueName("oprod")
+	prod := e.transport(pname, bs, nb, direct)
+	cons := e.transport(uniqueName("ocons"), bs, nb, direct)
+	_, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+	require.NoError(t, err)
+	for i := range nb {
+		copy(block(prod, bs, i), fmt.Appendf(nil, "block %d", i))
+	}
+	delay := func() { time.Sleep(5 * time.Millisecond) }
+	testhook.AfterDirectDone.Store(&delay)
+	defer testhook.AfterDirectDone.Store(nil)
+	big := []int{0, 1, 2, 3, 4, 5, 6, 7} // 256 KiB: above the inline limit
+	h, err := cons.PostRead(big, pname, big, []byte("first"))
+	require.NoError(t, err)
+	require.True(t, strings.HasPrefix(cons.PeerPath(pname), "direct-"), cons.PeerPath(pname))
+	for {
+		st, err := cons.CheckXferState(h)
+		require.NoError(t, err)
+		if st == StateDone {
+			break
+		}
+		runtime.Gosched()
+	}
+	h2, err := cons.PostRead([]int{9}, pname, []int{9}, []byte("second")) // inline
+	require.NoError(t, err)
+	st, err := cons.CheckXferState(h2)
+	require.NoError(t, err)
+	require.Equal(t, StateDone, st, "a one-block READ is copied inside PostRead")
+	got := notifsUntil(prod, 2, 10*time.Second)[cons.AgentName()]
+	require.NoError(t, cons.ReleaseXferHandle(h))
+	require.NoError(t, cons.ReleaseXferHandle(h2))
+	require.Len(t, got, 2)
+	require.Equal(t, []string{"first", "second"}, []string{string(got[0]), string(got[1])}, "order the producer saw")
+	for _, i := range append(big, 9) {
+		require.True(t, bytes.HasPrefix(block(cons, bs, i), fmt.Appendf(nil, "block %d", i)), "block %d", i)
 	}
 }
 

@@ -15,6 +15,7 @@ import (
 	"github.com/ecxfer/ecxfer/internal/copypool"
 	"github.com/ecxfer/ecxfer/internal/procmem"
 	"github.com/ecxfer/ecxfer/internal/shmview"
+	"github.com/ecxfer/ecxfer/internal/testhook"
 	"github.com/ecxfer/ecxfer/nixl"
 	"github.com/ecxfer/ecxfer/ring"
 )
@@ -821,14 +822,25 @@ func (r *Reactor) endJob(j *dirJob) {
 				// take out what the counters need, publish, and notify only
 				// if the READ was published DONE, not released meanwhile.
 				// The message is the job's.
+				// The notification counts as held from before DONE is
+				// published until it is sent or in the backlog: a caller
+				// that sees this READ DONE and posts an inline one must not
+				// send that one's notification ahead of this one's.
 				bytes, notify := s.bytes, s.hasNotif
 				took := time.Duration(r.now() - s.start)
 				s.trim()
+				if notify {
+					p.notifsHeld.Add(1)
+				}
 				if !r.finish(h, s, codeNone) {
 					r.st.canceled.Add(1)
 				} else {
 					d.reads.Add(1)
+					testhook.Run(&testhook.AfterDirectDone)
 					r.readDone(p, bytes, took, notify, j.notif)
+				}
+				if notify {
+					p.notifsHeld.Add(-1)
 				}
 			}
 		}
