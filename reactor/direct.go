@@ -45,7 +45,11 @@ type Direct struct {
 	adv   shmview.Advert
 	view  *shmview.View // nil for a kernel copy (KindProc)
 	pidfd int           // the producer's process, open while refs > 0
-	dead  atomic.Bool
+	// dead: READs of this region fail, because the producer exited or a
+	// copy faulted (it truncated its file). exitSeen: the producer
+	// exited, so its notifications have nobody to go to; a producer
+	// whose file was truncated still gets those of READs that were DONE.
+	dead, exitSeen atomic.Bool
 	// copyFailed is why an inline copy (on a caller's goroutine) found
 	// the producer gone; the loop reports the peer dead with it.
 	copyFailed atomic.Pointer[string]
@@ -161,6 +165,7 @@ func (d *Direct) exited() bool {
 	}
 	fds := [1]unix.PollFd{{Fd: int32(d.pidfd), Events: unix.POLLIN}}
 	if n, _ := unix.Poll(fds[:], 0); n > 0 {
+		d.exitSeen.Store(true)
 		d.dead.Store(true)
 		return true
 	}
@@ -930,6 +935,7 @@ func (r *Reactor) pollPeers() bool {
 	}
 	d.watched = kept
 	for _, p := range dead {
+		p.direct.exitSeen.Store(true)
 		p.direct.dead.Store(true)
 		p.gone.CompareAndSwap(0, codeRemoteDisconnect)
 		_ = unix.EpollCtl(r.epollFD, unix.EPOLL_CTL_DEL, p.direct.pidfd, nil)
@@ -1077,8 +1083,9 @@ func (r *Reactor) sendInlineNotifs() bool {
 				} else {
 					r.st.notifsSent.Add(1)
 				}
-			case d.ns.canSend(p, rec.msg) && !p.direct.dead.Load():
-				// Removed since: its process may have exited meanwhile.
+			case d.ns.canSend(p, rec.msg) && !p.direct.exitSeen.Load():
+				// Removed since, or its copies fault (it truncated its
+				// file): the process may still be there to tell.
 				if d.ns.send(p, rec.msg) == nil {
 					r.st.notifsSent.Add(1)
 				}

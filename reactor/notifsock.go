@@ -277,7 +277,7 @@ func (ns *notifSock) flush() (sent bool, failed int) {
 	kept := ns.backlog[:0]
 	for _, e := range ns.backlog {
 		switch {
-		case e.peer.direct.dead.Load():
+		case e.peer.direct.exitSeen.Load():
 			// The producer exited: nobody to tell.
 			ns.undelivered.Add(uint64(e.n))
 		case slices.Contains(blocked, e.peer):

@@ -125,6 +125,10 @@ func TestNotifSockBacklog(t *testing.T) {
 	if got := p.notifsHeld.Load(); got != held {
 		t.Fatalf("the peer holds %d notifications by its count, the backlog %d", got, held)
 	}
+	// A copy from the producer's region faulted (it truncated its file):
+	// its READs fail from now on, but the process lives, and the
+	// notifications of READs that were DONE still reach it.
+	p.direct.dead.Store(true)
 	var got []string
 	for rounds := 0; len(got) < n; rounds++ {
 		if rounds > 100000 {
@@ -315,6 +319,7 @@ func TestNotifSockStalledPeerBlocksOnlyItself(t *testing.T) {
 		t.Fatal("nothing backlogged for the stalled producer")
 	}
 	stalled.close()
+	ps.direct.exitSeen.Store(true)
 	ps.direct.dead.Store(true)
 	before, held := send.undelivered.Load(), ps.notifsHeld.Load()
 	send.flush()
