@@ -859,8 +859,9 @@ func (r *Reactor) endJob(j *dirJob) {
 // now, its caller could release it and read other data into those blocks,
 // which the old copy would then overwrite. So the chunks not yet started
 // are skipped, and endJob publishes the READ with code when the copy has
-// stopped: after the chunks already running, each at most an eighth of
-// the READ with two copy workers (see copypool.Pool.Chunks). Loop only.
+// stopped: after the chunks already running, each at most 256 KiB or an
+// eighth of the READ, whichever is larger, with two copy workers (see
+// copypool.Pool.Chunks). Loop only.
 func (r *Reactor) failDirectReads(p *Peer, code uint64) int {
 	if r.dir == nil {
 		return 0

@@ -395,8 +395,8 @@ class EcxferDataTransport(_Base):
         """"PROC", "DONE" or "ERR" (failed, released, unknown or not a
         handle at all); xfer_error(handle) says why. Never waits: for a
         large same-host READ still on the copy workers it copies one chunk
-        that no worker has taken (an eighth of the READ with two
-        workers) and returns."""
+        that no worker has taken (at most 256 KiB or an eighth of the
+        READ, whichever is larger, with two workers) and returns."""
         if type(handle) is not int or handle <= 0 or handle >= 1 << 64:
             return "ERR"
         st = _check(self._t, handle)
