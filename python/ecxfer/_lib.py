@@ -98,13 +98,22 @@ def load() -> ctypes.CDLL:
         raise ImportError(
             f"ecxfer: cannot load {path}: {e} (build it with `make python`, or install the wheel: pip install ./python)"
         ) from e
-    for name, (res, args) in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.restype = res
-        fn.argtypes = args
-    v = lib.ecx_abi_version()
+    # The version first: a library of another version may lack entries.
+    try:
+        ver = lib.ecx_abi_version
+    except AttributeError as e:
+        raise ImportError(f"ecxfer: {path} is not an ecxfer library: {e}") from None
+    ver.restype, ver.argtypes = _SIGNATURES["ecx_abi_version"]
+    v = ver()
     if v != ABI_VERSION:
         raise ImportError(f"ecxfer: {path} has ABI version {v}, this package needs {ABI_VERSION}")
+    for name, (res, args) in _SIGNATURES.items():
+        try:
+            fn = getattr(lib, name)
+        except AttributeError as e:
+            raise ImportError(f"ecxfer: {path} (ABI version {v}) lacks {name}: {e}") from None
+        fn.restype = res
+        fn.argtypes = args
     lib.post_read_py = _post_read_py(lib, path)
     return lib
 

@@ -126,3 +126,28 @@ def test_last_error_is_cut_to_the_buffer():
     assert lib.ecx_last_error(None, 0) > 0  # null buffer: length only, still forgotten
     assert lib.ecx_last_error(None, 0) == 0
     lib.ecx_free(None)  # freeing NULL is fine
+
+
+@pytest.mark.parametrize(
+    "source, match",
+    [
+        # A library of another ABI version may lack entries this package
+        # binds: its version is what is reported, not a missing symbol.
+        ("int ecx_abi_version(void) { return 2; }", "ABI version 2, this package needs"),
+        ("int some_other_entry(void) { return 0; }", "not an ecxfer library"),
+    ],
+)
+def test_load_other_library(tmp_path, monkeypatch, source, match):
+    import shutil
+    import subprocess
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    src = tmp_path / "fake.c"
+    src.write_text(source + "\n")
+    so = tmp_path / "libfake.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(so), str(src)], check=True)
+    monkeypatch.setenv("ECXFER_LIB", str(so))
+    with pytest.raises(ImportError, match=match):
+        _lib.load()
