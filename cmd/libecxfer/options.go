@@ -124,7 +124,9 @@ func parseOptions(data []byte) (ecxfer.Config, error) {
 // overflow, and negative values unless negOK.
 func duration(name string, v float64, unit time.Duration, negOK bool) (time.Duration, error) {
 	switch {
-	case math.IsNaN(v) || math.Abs(v) > float64(math.MaxInt64)/float64(unit):
+	case math.IsNaN(v) || math.Abs(v) >= float64(math.MaxInt64)/float64(unit):
+		// >=: MaxInt64/unit rounds up to a float whose product with unit
+		// is 2^63, which converts to MinInt64.
 		return 0, fmt.Errorf("%w: %s %v out of range", ecxfer.ErrConfig, name, v)
 	case v < 0 && !negOK:
 		return 0, fmt.Errorf("%w: %s %v must not be negative", ecxfer.ErrConfig, name, v)

@@ -132,6 +132,9 @@ def _indices(x: Any):
 
 def _q_array(x):
     """x as an array('q'), with its address and length."""
+    if isinstance(x, (bytes, bytearray)):
+        # array('q', b) would take b's bytes eight at a time as raw int64s.
+        raise BadArgumentTypeError(f"ecxfer: block indices are ints, not {type(x).__name__}")
     try:
         a = array.array("q", x)
     except OverflowError as e:
@@ -185,14 +188,20 @@ def _timeout_ns(timeout: Any, least: int) -> int:
     library, at least least; -1 is no limit."""
     if timeout is None:
         return -1
+    if isinstance(timeout, (str, bytes, bytearray)):  # float() would parse one
+        raise BadArgumentTypeError(f"ecxfer: timeout {timeout!r} is not a number of seconds")
     try:
         t = float(timeout)
     except (TypeError, ValueError):
         raise BadArgumentTypeError(f"ecxfer: timeout {timeout!r} is not a number of seconds") from None
+    except OverflowError:  # an int beyond a float's range
+        t = math.inf if timeout > 0 else -math.inf
     if math.isnan(t):
         raise BadArgumentError("ecxfer: timeout is NaN")
+    if t <= 0:
+        return least
     if t * 1e9 >= 2**63:
-        return -1  # beyond 292 years: no limit
+        return -1  # beyond 292 years (inf included): no limit
     return max(least, int(t * 1e9))
 
 
@@ -260,7 +269,11 @@ class EcxferDataTransport(_Base):
         **options: Any,
     ) -> None:
         opts = _options_from_env()
-        opts.update({k: v for k, v in options.items() if v is not None})
+        # A keyword given as None is not given (ECXFER_OPTIONS' value, or
+        # the default, stands); one the environment does not set either
+        # still goes to the library as null, which refuses a name it does
+        # not know.
+        opts.update({k: v for k, v in options.items() if v is not None or k not in opts})
         if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
             raise ConfigError(f"ecxfer: bad config: num_threads {num_threads!r} (want an int >= 1)")
         if num_threads > 1:
@@ -279,8 +292,8 @@ class EcxferDataTransport(_Base):
         except (TypeError, ValueError, RecursionError) as e:  # an option value JSON cannot carry
             bad = ", ".join(f"{k}={v!r}" for k, v in opts.items() if not _json_ok(v))
             raise ConfigError(f"ecxfer: bad config: option {bad}: {e}") from None
-        region = _int_arg("base_ptr", base_ptr or 0, 1 << 64)
-        size = _int_arg("total_size_bytes", total_size_bytes or 0, 1 << 63)
+        region = _int_arg("base_ptr", 0 if base_ptr is None else base_ptr, 1 << 64)
+        size = _int_arg("total_size_bytes", 0 if total_size_bytes is None else total_size_bytes, 1 << 63)
         if region == 0:
             size = 0
         _bind()

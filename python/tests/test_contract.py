@@ -6,6 +6,7 @@ import collections
 import ctypes
 import json
 import logging
+import math
 import random
 import string
 import struct
@@ -433,6 +434,26 @@ def test_bad_arguments_are_ecxfer_errors(pair, region):
         cons.wait(h, float("nan"))
     with pytest.raises(ecxfer.BadArgumentTypeError):
         cons.wait_notifs("soon")
+    # float() would parse a string: "1" is not one second.
+    with pytest.raises(ecxfer.BadArgumentTypeError, match="timeout"):
+        cons.wait(h, "1")
+    with pytest.raises(ecxfer.BadArgumentTypeError, match="timeout"):
+        cons.wait_notifs(b"1")
+    # Past a float's or int64's range: no limit, or none at all, never an
+    # OverflowError. (h is released: "ERR" at once either way.)
+    for t in (-math.inf, -1e300, -(10**400)):
+        assert cons.wait_notifs(t) == {}
+        assert cons.wait(h, t) == "ERR"
+    h = cons.post_read([2], peer, [2], b"")
+    assert cons.wait(h, 10**400) == "DONE"
+    cons.release_xfer_handle(h)
+    # bytes are a sequence of ints, but array('q') would read their bytes
+    # as raw int64s: refused rather than read as other blocks.
+    for b in (bytes([0, 1]), bytearray([0, 1])):
+        with pytest.raises(ecxfer.BadArgumentTypeError, match="not " + type(b).__name__):
+            cons.post_read(b, peer, [0, 1], b"")
+        with pytest.raises(ecxfer.BadArgumentTypeError, match="not " + type(b).__name__):
+            cons.post_read([0, 1], peer, b, b"")
     # ctypes would wrap these: 2**64 + 256 bytes passed as 256, a base of
     # 2**64 as NULL (a region of the transport's own).
     n, bs = 4, 4096
@@ -456,6 +477,14 @@ def test_bad_arguments_are_ecxfer_errors(pair, region):
         (dict(agent_name=b"range-1"), "agent_name"),
         (dict(agent_name=None), "agent_name"),
         (dict(xfer_timeout_s=object()), "not JSON serializable"),
+        # Only None means "not given": other falsy values are not bent
+        # into it, and a misspelt name is refused whatever its value.
+        (dict(base_ptr=0.0), "base_ptr"),
+        (dict(total_size_bytes=""), "total_size_bytes"),
+        (dict(xfer_timeout=None), "xfer_timeout"),
+        # Exactly int64's largest nanosecond count: it used to pass the
+        # range check and come out negative (no timeout at all).
+        (dict(xfer_timeout_s=9223372036.854776), "xfer_timeout_s"),
     ):
         with pytest.raises(ecxfer.ConfigError, match=match):
             EcxferDataTransport(**{**good, **bad})
