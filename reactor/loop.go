@@ -38,10 +38,11 @@ func (r *Reactor) run(ready chan<- error, setup Setup) {
 	ready <- nil
 	r.logStart()
 	defer func() {
-		cpu := threadCPU()
-		r.finalCPU.Store(int64(cpu))
 		r.flushEvents(true)
-		r.logStop(cpu)
+		r.logStop(threadCPU())
+		// Saved after the logger has run on this thread: a figure read
+		// from /proc meanwhile is not above it (ThreadCPU).
+		r.finalCPU.Store(int64(threadCPU()))
 	}()
 
 	events := make([]unix.EpollEvent, 4)

@@ -91,12 +91,14 @@ func (r *Reactor) countFailed(p *Peer, code uint64) {
 // ThreadCPU returns the CPU time the reactor thread has used so far (user
 // and system), read from /proc: a few microseconds, so not for hot paths.
 // Once the reactor has stopped it is the thread's total.
+// It never goes down from one call to the next, so it can be exported as
+// a counter.
 func (r *Reactor) ThreadCPU() (time.Duration, error) {
+	if t := r.finalCPU.Load(); t > 0 {
+		return r.cpuAtLeast(t), nil
+	}
 	select {
 	case <-r.done:
-		if t := r.finalCPU.Load(); t > 0 {
-			return time.Duration(t), nil
-		}
 		return 0, ErrClosed
 	default:
 	}
@@ -106,10 +108,27 @@ func (r *Reactor) ThreadCPU() (time.Duration, error) {
 	}
 	t, err := schedstatCPU(fmt.Sprintf("/proc/self/task/%d/schedstat", tid))
 	if err != nil {
-		// The thread has exited; its time is no longer readable.
+		if t := r.finalCPU.Load(); t > 0 { // it exited meanwhile
+			return r.cpuAtLeast(t), nil
+		}
 		return 0, err
 	}
-	return t, nil
+	return r.cpuAtLeast(int64(t)), nil
+}
+
+// cpuAtLeast raises the highest CPU figure ThreadCPU has returned to t and
+// returns it: a figure read from /proc just before the thread saves its
+// own at exit may be above the saved one.
+func (r *Reactor) cpuAtLeast(t int64) time.Duration {
+	for {
+		hi := r.cpuHigh.Load()
+		if t <= hi {
+			return time.Duration(hi)
+		}
+		if r.cpuHigh.CompareAndSwap(hi, t) {
+			return time.Duration(t)
+		}
+	}
 }
 
 // schedstatCPU reads the CPU time a thread has run (ns) from its

@@ -142,7 +142,8 @@ type Reactor struct {
 	tid atomic.Int32 // the reactor thread's id, once it runs
 	// finalCPU is the thread's CPU time in ns, stored as it exits.
 	finalCPU atomic.Int64
-	dir      *direct // nil unless SetDirect enabled the direct path
+	cpuHigh  atomic.Int64 // the highest figure ThreadCPU returned
+	dir      *direct      // nil unless SetDirect enabled the direct path
 
 	// Loop-only state.
 	stop     bool

@@ -86,14 +86,19 @@ type Stats struct {
 func (r *Reactor) Stats() Stats {
 	// Ends before posts, parts before wholes: a READ counted between two
 	// loads then shows in the whole only, never done > posted or inline >
-	// direct in one snapshot (short of a READ that ends before Post has
-	// counted it, a window of a few instructions).
+	// direct in one snapshot. The latency histogram before done, which
+	// is counted before its latency is added: its count is never above
+	// ReadsDone. A READ can end before Post has counted it posted (the
+	// loop takes it as soon as it is on the ring), so posted is at least
+	// what has ended; the max of two counters that only rise only rises.
+	lat := r.st.latency.Snapshot()
 	ended := [3]uint64{r.st.done.Load(), r.st.failed.Load(), r.st.canceled.Load()}
+	posted := max(r.st.posted.Load(), ended[0]+ended[1]+ended[2])
 	st := Stats{
 		ReadsDone:      ended[0],
 		ReadsFailed:    ended[1],
 		ReadsCanceled:  ended[2],
-		ReadsPosted:    r.st.posted.Load(),
+		ReadsPosted:    posted,
 		BytesRead:      r.st.bytes.Load(),
 		NotifsSent:     r.st.notifsSent.Load(),
 		NotifsReceived: r.st.notifsReceived.Load(),
@@ -104,7 +109,7 @@ func (r *Reactor) Stats() Stats {
 		LoopTurns:      r.st.loops.Load(),
 		Parks:          r.st.parks.Load(),
 		WaitBlocks:     r.st.waitBlocks.Load(),
-		Latency:        r.st.latency.Snapshot(),
+		Latency:        lat,
 		FailedBy:       r.failedBy(),
 		BusyRefusals:   r.st.busyRefusals.Load(),
 		BusyTime:       time.Duration(r.st.busyNs.Load()),

@@ -1,6 +1,9 @@
 package reactor
 
 import (
+	"context"
+	"log/slog"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -181,4 +184,83 @@ func TestReleasedThenReplacedCountsCanceled(t *testing.T) {
 	st := r.Stats()
 	require.Zero(t, st.ReadsFailed, "counted failed by reason %v", st.FailedBy)
 	require.Equal(t, uint64(1), st.ReadsCanceled)
+}
+
+// Snapshots taken while READs are posted and end on other goroutines are
+// consistent: never more READs ended than posted (the loop may end a READ
+// before its Post has counted it), never more latencies than READs done.
+func TestStatsConsistentUnderLoad(t *testing.T) {
+	leakcheck.Check(t)
+	p := newPair(t, 64, Options{})
+	r := p.cons
+	var stop atomic.Bool
+	var wg sync.WaitGroup
+	for g := range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for !stop.Load() {
+				h, err := r.Post(p.pname, []int{g}, []int{g}, nil)
+				if err != nil {
+					continue
+				}
+				_ = r.Wait(context.Background(), h)
+				_ = r.Release(h)
+			}
+		}()
+	}
+	var n, badPosted, badLatency int
+	var first Stats
+	var prev uint64
+	for deadline := time.Now().Add(2 * time.Second); time.Now().Before(deadline); n++ {
+		s := r.Stats()
+		if s.ReadsDone+s.ReadsFailed+s.ReadsCanceled > s.ReadsPosted {
+			if badPosted == 0 {
+				first = s
+			}
+			badPosted++
+		}
+		if s.Latency.Count() > s.ReadsDone {
+			badLatency++
+		}
+		require.GreaterOrEqual(t, s.ReadsPosted, prev, "ReadsPosted went down")
+		prev = s.ReadsPosted
+	}
+	stop.Store(true)
+	wg.Wait()
+	require.Greater(t, prev, uint64(100), "too few READs to tell")
+	require.Zero(t, badPosted, "%d of %d snapshots with more READs ended than posted; first: posted %d, done %d",
+		badPosted, n, first.ReadsPosted, first.ReadsDone)
+	require.Zero(t, badLatency, "%d of %d snapshots with more latencies than READs done", badLatency, n)
+}
+
+// slowStop is a logging handler that takes its time over the reactor's
+// stop event, as a slow sink would.
+type slowStop struct{ slog.Handler }
+
+func (h slowStop) Handle(ctx context.Context, rec slog.Record) error {
+	if rec.Message == EventReactorStop {
+		for t0 := time.Now(); time.Since(t0) < 200*time.Millisecond; {
+		}
+	}
+	return nil
+}
+func (h slowStop) Enabled(context.Context, slog.Level) bool { return true }
+func (h slowStop) WithAttrs([]slog.Attr) slog.Handler       { return h }
+func (h slowStop) WithGroup(string) slog.Handler            { return h }
+
+// ThreadCPU, exported as a counter, never goes down, also across the
+// reactor's exit: the thread runs the logger after it has stopped.
+func TestThreadCPUNeverGoesDown(t *testing.T) {
+	leakcheck.Check(t)
+	r, _ := startLoopback(t, "cpu", 4, Options{Logger: slog.New(slowStop{})})
+	closed := make(chan error, 1)
+	go func() { closed <- r.Close() }()
+	time.Sleep(100 * time.Millisecond) // inside the stop event's handler
+	during, err := r.ThreadCPU()
+	require.NoError(t, err)
+	require.NoError(t, <-closed)
+	after, err := r.ThreadCPU()
+	require.NoError(t, err)
+	require.GreaterOrEqual(t, after, during, "the reactor's CPU time went down after it stopped")
 }
