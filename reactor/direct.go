@@ -1087,9 +1087,15 @@ func (r *Reactor) sendInlineNotifs() bool {
 			case d.ns.canSend(p, rec.msg) && !p.direct.exitSeen.Load():
 				// Removed since, or its copies fault (it truncated its
 				// file): the process may still be there to tell.
-				if d.ns.send(p, rec.msg) == nil {
-					r.st.notifsSent.Add(1)
+				r.st.notifsSent.Add(1)
+				if err := d.ns.send(p, rec.msg); err != nil {
+					d.ns.undelivered.Add(1) // counted sent, never went out
+					r.engineError("notify", err)
 				}
+			case d.ns.canSend(p, rec.msg):
+				// The producer exited: nobody to tell, as for the backlog.
+				r.st.notifsSent.Add(1)
+				d.ns.undelivered.Add(1)
 			}
 			// Sent, dropped, or now counted in the backlog (send and
 			// queue count it there before this).

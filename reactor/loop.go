@@ -857,7 +857,19 @@ func (r *Reactor) teardown() error {
 			continue
 		}
 		for _, h := range r.batch[:n] {
-			if s, _ := r.tab.lookup(h); s != nil {
+			s, w := r.tab.lookup(h)
+			switch {
+			case s == nil:
+			case wordState(w) == stCanceling:
+				// Released, and its cancel entry came after the drain
+				// above: canceled, as submit and onCancel count it.
+				if s.queued {
+					s.queued = false
+					r.st.canceled.Add(1)
+				}
+				r.dropJob(s)
+				s.trim()
+			default:
 				if p := s.peer; r.finish(h, s, codeClosed) {
 					r.countFailed(p, codeClosed)
 				}
