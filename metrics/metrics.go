@@ -227,13 +227,21 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	c.collectPeers(ch)
 }
 
+// peerPaths are the paths a peer's READs can take (Transport.PeerPath).
+var peerPaths = [...]string{"engine", "direct-file", "direct-sysv", "direct-proc"}
+
 func (c *collector) collectPeers(ch chan<- prometheus.Metric) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.peers = c.t.PeerStats(c.peers[:0])
 	defer clear(c.peers) // keep the slice, not the names, until the next scrape
 	type key struct{ path, state string }
-	byState := map[key]int{{"engine", "up"}: 0, {"engine", "dead"}: 0}
+	// Every path and state, 0 when none: a series that vanished when its
+	// last peer went would read as "no data", not as none.
+	byState := make(map[key]int, 2*len(peerPaths))
+	for _, path := range peerPaths {
+		byState[key{path, "up"}], byState[key{path, "dead"}] = 0, 0
+	}
 	for _, p := range c.peers {
 		byState[key{p.Path, p.State}]++
 	}

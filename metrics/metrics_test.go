@@ -237,20 +237,31 @@ func TestPeerStates(t *testing.T) {
 	require.NoError(t, cons.ReleaseXferHandle(h))
 	mfs, err := reg.Gather()
 	require.NoError(t, err)
+	// Every path and state has a series, 0 when no peer is in it.
 	got := map[string]float64{}
 	for _, mf := range mfs {
 		if mf.GetName() != "ecxfer_peers" {
 			continue
 		}
 		for _, m := range mf.GetMetric() {
+			var path, state string
 			for _, l := range m.GetLabel() {
-				if l.GetName() == "state" {
-					got[l.GetValue()] = m.GetGauge().GetValue()
+				switch l.GetName() {
+				case "path":
+					path = l.GetValue()
+				case "state":
+					state = l.GetValue()
 				}
 			}
+			got[path+"/"+state] = m.GetGauge().GetValue()
 		}
 	}
-	require.Equal(t, map[string]float64{"up": 0, "dead": 1}, got)
+	require.Equal(t, map[string]float64{
+		"engine/up": 0, "engine/dead": 1,
+		"direct-file/up": 0, "direct-file/dead": 0,
+		"direct-sysv/up": 0, "direct-sysv/dead": 0,
+		"direct-proc/up": 0, "direct-proc/dead": 0,
+	}, got)
 	require.NoError(t, cons.RemoveRemotePeer(pn))
 }
 
