@@ -42,7 +42,8 @@
 //	                                                socket, then the producer exited)
 //	ecxfer_engine_errors_total          [counter]   engine calls that failed
 //	ecxfer_peers{path,state}            [gauge]     known peers by path (engine, direct-file,
-//	                                                direct-sysv, direct-proc) and state (up, dead)
+//	                                                direct-sysv, direct-proc) and state (up, dead);
+//	                                                all eight pairs, 0 when empty
 //	ecxfer_reads_direct_total           [counter]   READs of direct peers that copied every byte
 //	ecxfer_reads_inline_total           [counter]   of those, READs the caller copied inside PostRead
 //	ecxfer_copy_workers                 [gauge]     copy workers of the direct path (only with one)
