@@ -67,9 +67,9 @@ type Stats struct {
 	// (NotifsOversized).
 	NotifsDroppedByEngine uint64
 	// NotifsUndelivered counts notifications in NotifsSent that waited
-	// for a full producer socket (direct path) and were dropped unsent:
-	// the producer exited, or the send failed for good (also an engine
-	// error).
+	// (direct path: for a full producer socket, or an inline READ's for
+	// the reactor) and were dropped unsent: the producer exited, or the
+	// send failed for good (also an engine error).
 	NotifsUndelivered uint64
 
 	// The direct path.
