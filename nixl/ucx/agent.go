@@ -61,8 +61,10 @@ type Config struct {
 	// MaxNotif limits notification size; 0 means nixl.DefaultMaxNotif. At most
 	// 1 MiB.
 	MaxNotif int
-	// LivenessPoll is how often Progress polls the pidfds of same-host
-	// peers; 0 means 10ms. Arm always polls them before the caller sleeps,
+	// LivenessPoll is how often, at most, Progress polls the pidfds of
+	// same-host peers; 0 means 10ms. Progress looks at the clock every
+	// 64th call, so a slower loop polls every 64 calls. Arm always polls
+	// them before the caller sleeps,
 	// and the pidfds are in the EventFD epoll set, so a parked caller wakes
 	// on a peer's death.
 	LivenessPoll time.Duration
@@ -280,7 +282,8 @@ func (a *Agent) Name() string { return a.name }
 
 // Progress implements nixl.Agent: one cgo call drives the worker until idle
 // and advances finished requests (sending their notifications); endpoint
-// errors and, every LivenessPoll, the pidfds of same-host peers are checked.
+// errors and, at most every LivenessPoll, the pidfds of same-host peers are
+// checked.
 func (a *Agent) Progress() (bool, error) {
 	if a.closed {
 		return false, errClosed
@@ -336,7 +339,8 @@ func (a *Agent) Arm() (bool, error) {
 
 // --------------------------------------------------------------- teardown
 
-// closeWait bounds how long Close waits for endpoint closes to complete.
+// closeWait bounds how long Close waits for the flush of its endpoints and
+// for their closes to complete, together.
 const closeWait = 250 * time.Millisecond
 
 // Close implements nixl.Agent.
@@ -359,8 +363,23 @@ func (a *Agent) Close() error {
 	}
 	a.spare = nil
 	a.pending.Reset()
-	// Leaving: PEER-mode endpoints are force-closed, NONE-mode ones go with
-	// the worker (a flushed close waits for the peer to answer).
+	// Notifications SendNotif took (the reactor sends a READ's right after
+	// publishing it DONE) may still be in UCX's buffers, or not sent at
+	// all while the peer's queue is full: the endpoints are flushed first,
+	// within closeWait, or abandoning or force-closing them below would
+	// drop them. Gets canceled above that the peer still answers are
+	// flushed with them.
+	deadline := time.Now().Add(closeWait)
+	if req := C.ecx_flush_start(a.c); req != nil {
+		for C.ecx_flush_running(req) != 0 && time.Now().Before(deadline) {
+			C.ecx_progress(a.c)
+		}
+		C.ecx_flush_end(req)
+	}
+	// Leaving: NONE-mode endpoints go with the worker; PEER-mode ones
+	// (tcp) get a flushed close, waited for below within what is left of
+	// closeWait: a forced one lost notifications the flush had already
+	// handed to the socket.
 	for name, p := range a.peers {
 		a.failPeer(p, errClosed, true)
 		delete(a.peers, name)
@@ -370,7 +389,6 @@ func (a *Agent) Close() error {
 		a.failPeer(st.p, errClosed, true)
 		delete(a.staged, st)
 	}
-	deadline := time.Now().Add(closeWait)
 	for C.ecx_closing(a.c) > 0 && time.Now().Before(deadline) {
 		C.ecx_progress(a.c)
 	}

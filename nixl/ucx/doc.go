@@ -94,7 +94,9 @@
 //     pidfd (pidfd_open on the advertised pid, checked against the process
 //     start time so a recycled pid is not mistaken for the peer). The pidfd
 //     is in the EventFD epoll set, polled by Arm before every sleep, by
-//     Progress every LivenessPoll (10 ms) and by PostXfer before the first
+//     Progress at most every LivenessPoll (10 ms; it looks at the clock
+//     every 64th call, so on a loop slower than 156 µs a turn, every 64
+//     turns) and by PostXfer before the first
 //     post to a same-host peer after each Progress: a READ posted after
 //     the peer's death (its pidfd readable) fails with ErrRemoteDisconnect
 //     instead of reading the segment the dead peer left behind. The cost is
@@ -108,8 +110,9 @@
 //     slower. ErrModeNone forces NONE: remote deaths go unnoticed.
 //
 // When a peer dies, every in-flight request to it completes with
-// ErrRemoteDisconnect at once and its C requests are orphaned (freed by C
-// when their last UCX operation calls back, never reported). Its endpoint
+// ErrRemoteDisconnect at once and its C requests are orphaned (freed when
+// their last UCX operation calls back, whose end is reported to Go only so
+// that it can let go of the memory they wrote). Its endpoint
 // is closed: in PEER mode with UCP_EP_CLOSE_FLAG_FORCE; in NONE mode with a
 // flush, because UCX 1.13 refuses a forced close there (INVALID_PARAM, and
 // nothing is closed). The rkeys go once the close completes. A flushed

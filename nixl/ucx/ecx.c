@@ -388,6 +388,34 @@ uint32_t ecx_closing(ecx_ctx_t *c)
     return n;
 }
 
+/* Starts a flush of every endpoint of the worker: it ends once every
+ * operation issued before it has completed, sends included (out of UCX's
+ * own buffers). NULL when it ended at once or could not start. */
+void *ecx_flush_start(ecx_ctx_t *c)
+{
+    ucp_request_param_t prm;
+    ucs_status_ptr_t sp;
+    memset(&prm, 0, sizeof(prm));
+    sp = ucp_worker_flush_nbx(c->worker, &prm);
+    if (sp == NULL || UCS_PTR_IS_ERR(sp)) {
+        return NULL;
+    }
+    return sp;
+}
+
+/* 1 while the flush ecx_flush_start started runs. */
+int ecx_flush_running(void *req)
+{
+    return ucp_request_check_status(req) == UCS_INPROGRESS;
+}
+
+/* Lets go of the flush; UCX frees a running one when it ends or when the
+ * worker goes. */
+void ecx_flush_end(void *req)
+{
+    ucp_request_free(req);
+}
+
 static uint32_t reap_closes(ecx_ctx_t *c)
 {
     ecx_close_t **pp = &c->closing, *k;

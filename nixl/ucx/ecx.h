@@ -175,6 +175,9 @@ int ecx_arm(ecx_ctx_t *c);
 
 /* Pending endpoint closes. */
 uint32_t ecx_closing(ecx_ctx_t *c);
+void *ecx_flush_start(ecx_ctx_t *c);
+int ecx_flush_running(void *req);
+void ecx_flush_end(void *req);
 
 const char *ecx_status_string(int status);
 int ecx_mem_page_touch(void *addr, size_t len);

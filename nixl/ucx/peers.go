@@ -395,7 +395,10 @@ func (a *Agent) closeEp(p *peer, n int) {
 // when nothing is outstanding (the direct path sends a dead peer nothing
 // but notifications); one that cannot complete (an emulated get the dead
 // peer never answers) stays on the closing list until Close. When the
-// agent is leaving, mode-NONE endpoints are left to ucp_worker_destroy.
+// agent is leaving, mode-NONE endpoints are left to ucp_worker_destroy and
+// mode-PEER ones get a flushed close, which Close waits for (within
+// closeWait): a forced close of a tcp endpoint lost notifications already
+// sent.
 func (a *Agent) failPeer(p *peer, err error, leaving bool) {
 	if p.Dead != nil {
 		return
@@ -405,9 +408,12 @@ func (a *Agent) failPeer(p *peer, err error, leaving bool) {
 		a.failXfer(x, err)
 		delete(p.inflight, id)
 	}
-	if leaving && !p.peerMode {
+	switch {
+	case leaving && !p.peerMode:
 		C.ecx_ep_abandon(p.eparg, p.rkeys, C.uint32_t(len(p.regions)))
-	} else {
+	case leaving:
+		C.ecx_ep_close_rkeys(a.c, p.ep, p.eparg, 0, p.rkeys, C.uint32_t(len(p.regions)))
+	default:
 		a.closeEp(p, len(p.regions))
 	}
 	p.ep, p.eparg, p.rkeys = nil, nil, nil
