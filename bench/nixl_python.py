@@ -37,7 +37,7 @@ SMALL, LARGE = 5120, 32768
 IMAGE_BLOCKS = 880
 LOCAL_BLOCKS = 1024
 REMOTE_REGION = 128 << 20
-SCATTER_SETS = 8
+SCATTER_SETS = 64  # as the Go harness's scatterSets
 
 
 def leave(code):
@@ -108,7 +108,9 @@ def run_cell(agent, local, remote, rbuf_check, lbuf, bs, nrem, blocks, contiguou
     # base that moves through it, so neither reads the same cached bytes
     # over and over; scattered ones cycle through SCATTER_SETS random sets.
     if blocks == 1:
-        sets = [([k % LOCAL_BLOCKS], [int(y)]) for k, y in enumerate(rng.integers(0, nrem, 4096))]
+        # As many as the region has blocks, and more: 4,096 would be 20 MiB
+        # at 5 KiB, which the cache would keep between passes.
+        sets = [([k % LOCAL_BLOCKS], [int(y)]) for k, y in enumerate(rng.integers(0, nrem, max(4096, 2 * nrem)))]
     elif contiguous:
         sets = []
         for k in range(max(1, nrem // blocks)):

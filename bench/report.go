@@ -273,7 +273,11 @@ func WriteTable(w io.Writer, rep *Report) error {
 		tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 		fmt.Fprintln(tw, "reference\tblock B\tGB/s\tp50 µs\tnote\t")
 		for _, ref := range rep.References {
-			fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t\n", ref.Name, ref.BlockSize, fnum(ref.GBPerSec), fnum(ref.P50us), ref.Note)
+			p50 := "-" // none: a pipelined test's
+			if ref.P50us > 0 {
+				p50 = fnum(ref.P50us)
+			}
+			fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t\n", ref.Name, ref.BlockSize, fnum(ref.GBPerSec), p50, ref.Note)
 		}
 		if err := tw.Flush(); err != nil {
 			return err
