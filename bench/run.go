@@ -163,7 +163,7 @@ func (s *session) addNotes() {
 		"latency READs carry no notification; image, fanin and notif READs carry one (as vLLM's do)",
 		fmt.Sprintf("locked: the producer takes notifications under its lock every %v (an engine step), its engine progressed as messages arrive (NIXL's progress thread); reactor, direct and raw producers poll back to back during notif", stepInterval),
 		callers+"; p50/p99/p99.9 are post→DONE (notif: post → producer sees the notification), from at least 100 and 1,000 samples (else -)",
-		fmt.Sprintf("verified: READ 0 and every %dth of each submitter, all blocks (time excluded from seconds)", VerifyEvery),
+		fmt.Sprintf("verified: READ 0 and every %dth of each submitter, all blocks (their CPU time excluded from seconds)", VerifyEvery),
 		"notif allocs/read include decoding the control message that brings the producer's timestamp")
 	if cfg.Rounds > 1 {
 		s.rep.Notes = append(s.rep.Notes, fmt.Sprintf(
@@ -481,8 +481,8 @@ type subStats struct {
 	lat    []time.Duration
 	reads  int64
 	blocks int64
-	verify time.Duration
-	early  int64 // notif: seen before the reader saw DONE
+	verify time.Duration // CPU time of the checks (cpuSince)
+	early  int64         // notif: seen before the reader saw DONE
 }
 
 // runCell measures one round of a cell: Duration/Rounds after a warm-up.
@@ -520,7 +520,10 @@ func (s *session) runCell(d driver, mode string, c cell, seed uint64, round int)
 	if r.Reads == 0 {
 		return r, errors.New("no READ completed")
 	}
-	r.Seconds = (wall - verify/time.Duration(len(subs))).Seconds()
+	// The checks' CPU time came out of the submitters' share of the
+	// machine: with more submitters than Ps they all ran all along, and
+	// the checks took verify/Ps of the wall time, else verify/submitters.
+	r.Seconds = (wall - verify/time.Duration(min(len(subs), runtime.GOMAXPROCS(0)))).Seconds()
 	r.ReadsPerSec = float64(r.Reads) / r.Seconds
 	r.GBPerSec = float64(blocks) * float64(c.bs) / r.Seconds / 1e9
 	r.BlocksPerRead = float64(blocks) / float64(r.Reads)
@@ -659,11 +662,11 @@ func (s *session) submitter(d driver, c cell, g int, seed uint64, prep *subPrep,
 		local, remote = plan.next(k, rng, local[:0], remote[:0])
 		check := k%VerifyEvery == 0
 		if check {
-			t := time.Now()
+			t := cpuStart()
 			for _, l := range local {
 				clear(region[l*c.bs : (l+1)*c.bs])
 			}
-			st.verify += time.Since(t)
+			st.verify += cpuSince(t)
 		}
 		var msg []byte
 		if c.notifMsg {
@@ -701,14 +704,38 @@ func (s *session) submitter(d driver, c cell, g int, seed uint64, prep *subPrep,
 		st.reads++
 		st.blocks += int64(len(local))
 		if check {
-			t := time.Now()
-			if err := verifyRead(region, c.bs, seed, k, local, remote); err != nil {
+			t := cpuStart()
+			err := verifyRead(region, c.bs, seed, k, local, remote)
+			st.verify += cpuSince(t)
+			if err != nil {
 				return err
 			}
-			st.verify += time.Since(t)
 		}
 	}
 	return nil
+}
+
+// cpuStart and cpuSince time the harness's own work between READs in CPU
+// time: cpuStart locks the goroutine to its thread and reads the thread's
+// CPU clock, cpuSince reads it again and unlocks. The thread's clock then
+// counts that work alone, also when it is descheduled (with many
+// submitters a check's wall time is several times its CPU time), and
+// runCell takes the CPU time out of the pass's wall time.
+func cpuStart() time.Duration {
+	runtime.LockOSThread()
+	return threadCPU()
+}
+
+func cpuSince(t time.Duration) time.Duration {
+	d := threadCPU() - t
+	runtime.UnlockOSThread()
+	return d
+}
+
+func threadCPU() time.Duration {
+	var ts unix.Timespec
+	_ = unix.ClockGettime(unix.CLOCK_THREAD_CPUTIME_ID, &ts)
+	return time.Duration(ts.Nano())
 }
 
 // notifLatency waits for the producer to report msg and returns how long
