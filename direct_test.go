@@ -1039,6 +1039,40 @@ func TestDirectInlineNotifAfterPoolNotif(t *testing.T) {
 	}
 }
 
+// The notification of an inline READ that was DONE before its peer was
+// removed reaches the producer also when it is too long for the direct
+// path's socket (the engine carries it, by the peer's name): the loop
+// sends what callers queued before it removes the peer. (It found the
+// peer gone and dropped them, counted nowhere.)
+func TestDirectQueuedNotifsBeforeRemoval(t *testing.T) {
+	leakcheck.Check(t)
+	e := env{t: t, backend: "ucx"}
+	const bs, nb, rounds = 4096, 16, 20
+	bigNotifs := func(c *Config) { c.Reactor.MaxNotif = 256 << 10 }
+	pname := uniqueName("qprod")
+	prod := e.transport(pname, bs, nb, direct, bigNotifs)
+	cons := e.transport(uniqueName("qcons"), bs, nb, direct, bigNotifs)
+	for i := range rounds {
+		_, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+		require.NoError(t, err)
+		msg := bytes.Repeat([]byte{byte(i)}, 100<<10) // over a datagram's 64 KiB
+		h, err := cons.PostRead([]int{i % nb}, pname, []int{i % nb}, msg)
+		require.NoError(t, err)
+		st, err := cons.CheckXferState(h)
+		require.NoError(t, err)
+		require.Equal(t, StateDone, st, "a one-block READ is copied inside PostRead")
+		require.NoError(t, cons.RemoveRemotePeer(pname))
+		require.NoError(t, cons.ReleaseXferHandle(h))
+	}
+	got := notifsUntil(prod, rounds, 10*time.Second)[cons.AgentName()]
+	s := cons.Stats()
+	require.Equal(t, rounds, len(got), "notifications of DONE READs (sent %d, undelivered %d, engine errors %d)",
+		s.NotifsSent, s.NotifsUndelivered, s.EngineErrors)
+	for i, m := range got {
+		require.True(t, bytes.Equal(bytes.Repeat([]byte{byte(i)}, 100<<10), m), "notification %d is not READ %d's", i, i)
+	}
+}
+
 // An advertisement naming another process than the engine metadata does
 // (here init, alive and with its real start time) is refused: the direct
 // path would read that process's memory, and notifications would go to

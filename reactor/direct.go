@@ -1058,6 +1058,14 @@ func (r *Reactor) deliverNotif(sender string, msg []byte) {
 	r.st.notifsReceived.Add(1)
 }
 
+// sendQueuedNotifs sends the notifications of inline READs that callers
+// queued, if the direct path is on. Loop only.
+func (r *Reactor) sendQueuedNotifs() {
+	if r.dir != nil {
+		r.sendInlineNotifs()
+	}
+}
+
 // sendInlineNotifs sends the notifications of inline READs that callers
 // queued. Loop only. It reports whether there were any.
 func (r *Reactor) sendInlineNotifs() bool {
@@ -1092,8 +1100,10 @@ func (r *Reactor) sendInlineNotifs() bool {
 					d.ns.undelivered.Add(1) // counted sent, never went out
 					r.engineError("notify", err)
 				}
-			case d.ns.canSend(p, rec.msg):
-				// The producer exited: nobody to tell, as for the backlog.
+			default:
+				// The producer exited, or (removed since) the notification
+				// cannot go over its socket and the engine would send it
+				// by a name that may stand for another process now.
 				r.st.notifsSent.Add(1)
 				d.ns.undelivered.Add(1)
 			}

@@ -650,6 +650,11 @@ func (r *Reactor) AddPeerDirect(md []byte, descs descriptors.List, d *Direct) (s
 }
 
 func (r *Reactor) addPeer(md []byte, descs descriptors.List, d *Direct) (_ string, err error) {
+	// Inline READs that were DONE before this call queued notifications
+	// the loop has not sent yet: out they go while their peer is still
+	// the one they were for (a replaced peer's go by name, through the
+	// engine, when it has no socket, or when they do not fit one).
+	r.sendQueuedNotifs()
 	if d != nil {
 		defer func() {
 			if err != nil || !r.isDirect(d) {
@@ -765,6 +770,7 @@ func (r *Reactor) RemovePeer(name string) error {
 		if p == nil {
 			return wrapf(ErrUnknownPeer, "%q", name)
 		}
+		r.sendQueuedNotifs() // as in addPeer
 		n := r.dropPeer(p, codeCanceled)
 		r.logPeer(EventPeerRemoved, name, slog.Int("reads_canceled", n))
 		return nil
