@@ -58,7 +58,8 @@ type Options struct {
 	CPU    int
 	// BindNUMA makes the reactor NUMA-aware: without PinCPU it pins the
 	// thread to a CPU of NUMANode, and the transport binds its region's
-	// pages to that node.
+	// pages to that node (the whole pages inside a caller's Region that
+	// does not start or end on a page boundary).
 	BindNUMA bool
 	NUMANode int
 

@@ -143,22 +143,30 @@ const (
 )
 
 // BindMemory asks the kernel to place buf's pages on NUMA node n (mbind
-// with MPOL_BIND, moving pages already touched). buf must be page aligned,
-// as mmap returns it.
+// with MPOL_BIND, moving pages already touched): the whole pages inside
+// buf, so that a buf that does not start or end on a page boundary (a
+// slice of a caller's mapping) binds none of its neighbours' bytes. The
+// pages it shares with them at either end are left as they are.
 func BindMemory(buf []byte, n int) error {
-	if len(buf) == 0 {
-		return nil
-	}
 	if n < 0 || n >= maxNodeBitsLen {
 		return fmt.Errorf("%w: %d", ErrNoNode, n)
 	}
 	if _, err := NodeCPUs(n); err != nil {
 		return err
 	}
+	page := uintptr(unix.Getpagesize())
+	if len(buf) == 0 {
+		return nil
+	}
+	start := uintptr(unsafe.Pointer(&buf[0]))
+	lo := (start + page - 1) &^ (page - 1)
+	hi := (start + uintptr(len(buf))) &^ (page - 1)
+	if hi <= lo {
+		return nil // no whole page inside
+	}
 	var mask [maxNodeBitsLen / 64]uint64
 	mask[n/64] |= 1 << (n % 64)
-	_, _, e := unix.Syscall6(unix.SYS_MBIND,
-		uintptr(unsafe.Pointer(&buf[0])), uintptr(len(buf)),
+	_, _, e := unix.Syscall6(unix.SYS_MBIND, lo, hi-lo,
 		mpolBind, uintptr(unsafe.Pointer(&mask[0])), maxNodeBitsLen, mpolMfMove)
 	if e != 0 {
 		return fmt.Errorf("affinity: mbind node %d: %w", n, e)

@@ -5,6 +5,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"unsafe"
 
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
@@ -115,4 +116,33 @@ func TestBindMemory(t *testing.T) {
 	require.ErrorIs(t, BindMemory(buf, 4000), ErrNoNode)
 	require.ErrorIs(t, BindMemory(buf, -1), ErrNoNode)
 	require.NoError(t, BindMemory(nil, 0))
+}
+
+// A buffer that does not start or end on a page boundary (a slice of a
+// caller's mapping) binds the whole pages inside it, none of the pages it
+// shares with what lies around it. (mbind refused it: EINVAL.)
+func TestBindMemoryUnaligned(t *testing.T) {
+	page := unix.Getpagesize()
+	buf, err := unix.Mmap(-1, 0, 8*page, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
+	require.NoError(t, err)
+	defer func() { _ = unix.Munmap(buf) }()
+	require.NoError(t, BindMemory(buf[64:7*page-64], 0))
+	for i, want := range []int{mpolDefault, mpolBind, mpolBind, mpolBind, mpolBind, mpolBind, mpolDefault, mpolDefault} {
+		require.Equal(t, want, policyAt(t, &buf[i*page]), "page %d", i)
+	}
+	require.NoError(t, BindMemory(buf[10:20], 0), "no whole page inside: nothing to bind")
+}
+
+const mpolDefault = 0
+
+// policyAt is the memory policy of the page at p (get_mempolicy with
+// MPOL_F_ADDR).
+func policyAt(t *testing.T, p *byte) int {
+	t.Helper()
+	var mode int32
+	var mask [maxNodeBitsLen / 64]uint64
+	_, _, e := unix.Syscall6(unix.SYS_GET_MEMPOLICY, uintptr(unsafe.Pointer(&mode)), uintptr(unsafe.Pointer(&mask[0])),
+		maxNodeBitsLen, uintptr(unsafe.Pointer(p)), 2 /* MPOL_F_ADDR */, 0)
+	require.Zero(t, e, "get_mempolicy")
+	return int(mode)
 }
