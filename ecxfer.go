@@ -49,6 +49,18 @@ var (
 	ErrConfig = reactor.ErrConfig
 )
 
+// isOurs reports whether err is one of the package's errors.
+func isOurs(err error) bool {
+	for _, s := range [...]error{ErrUnknownPeer, ErrIndexMismatch, ErrIndexRange, ErrBadHandle, ErrBadMetadata,
+		ErrBadDescriptor, ErrBadNotif, ErrClosed, ErrBusy, ErrRemoteDisconnect, ErrTimeout, ErrCanceled,
+		ErrEngine, ErrConfig, ErrNoBackend} {
+		if errors.Is(err, s) {
+			return true
+		}
+	}
+	return false
+}
+
 // DataTransport is vLLM's EC data-plane transport.
 type DataTransport interface {
 	AgentMetadata() []byte
@@ -206,8 +218,16 @@ var _ DataTransport = (*Transport)(nil)
 
 // New creates a transport: it checks cfg, starts the engine and the
 // reactor, registers the region and prepares the local block list. A Config
-// it cannot use is ErrConfig, found before anything starts.
-func New(cfg Config) (*Transport, error) {
+// it cannot use is ErrConfig, found before anything starts; a backend this
+// machine lacks is ErrNoBackend; what the engine or the system refuses
+// after that (memory it cannot register, descriptors it cannot open) is
+// ErrEngine.
+func New(cfg Config) (_ *Transport, err error) {
+	defer func() {
+		if err != nil && !isOurs(err) {
+			err = fmt.Errorf("%w: %w", ErrEngine, err)
+		}
+	}()
 	if cfg.Backend == "" {
 		cfg.Backend = "ucx"
 	}

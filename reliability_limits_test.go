@@ -29,6 +29,7 @@ import (
 type hugeRegionResult struct {
 	Errs    []string // per case: "" when New succeeded
 	Config  []bool   // per case: errors.Is(err, ErrConfig)
+	Engine  []bool   // per case: errors.Is(err, ErrEngine)
 	ShmLeft []string // entries in the role's private /dev/shm at the end
 	ShmErr  string   // why the private /dev/shm could not be mounted
 }
@@ -57,11 +58,27 @@ func runHugeRegion() int {
 			res.ShmErr = err.Error()
 		}
 	}
+	if extra := os.Getenv("ECX_AS_EXTRA"); extra != "" {
+		// Address space for extra more bytes than the process has now: a
+		// region beyond it passes New's checks, which look at memory, and
+		// the engine's allocation fails.
+		n, _ := strconv.ParseUint(extra, 10, 64)
+		vm, err := vmSize()
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "VmSize:", err)
+			return 2
+		}
+		if err := unix.Setrlimit(unix.RLIMIT_AS, &unix.Rlimit{Cur: vm + n, Max: vm + n}); err != nil {
+			fmt.Fprintln(os.Stderr, "RLIMIT_AS:", err)
+			return 2
+		}
+	}
 	for i, c := range strings.Split(os.Getenv("ECX_CASES"), ",") {
 		bs, nb, _ := strings.Cut(c, ":")
 		b, _ := strconv.Atoi(bs)
 		n, _ := strconv.Atoi(nb)
-		tr, err := New(Config{AgentName: fmt.Sprintf("huge-%d", i), BlockSize: b, NumBlocks: n})
+		tr, err := New(Config{AgentName: fmt.Sprintf("huge-%d", i), BlockSize: b, NumBlocks: n,
+			Backend: os.Getenv("ECX_BACKEND")})
 		if err == nil {
 			res.Errs = append(res.Errs, "")
 			_ = tr.Deregister()
@@ -69,6 +86,7 @@ func runHugeRegion() int {
 			res.Errs = append(res.Errs, err.Error())
 		}
 		res.Config = append(res.Config, errors.Is(err, ErrConfig))
+		res.Engine = append(res.Engine, errors.Is(err, ErrEngine))
 	}
 	if ents, err := os.ReadDir("/dev/shm"); err == nil {
 		for _, e := range ents {
@@ -79,6 +97,44 @@ func runHugeRegion() int {
 		return 1
 	}
 	return 0
+}
+
+// vmSize is this process's address space in bytes (VmSize).
+func vmSize() (uint64, error) {
+	b, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		return 0, err
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(l, "VmSize:"); ok {
+			kb, err := strconv.ParseUint(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
+			return kb << 10, err
+		}
+	}
+	return 0, errors.New("no VmSize in /proc/self/status")
+}
+
+// A region New's checks let through (it fits the machine's memory) but
+// that the engine cannot allocate (the process's address space is
+// limited) fails New with ErrEngine, as the API documents, not with a
+// bare system error. Both backends, in a child process.
+func TestNewEngineFailureIsErrEngine(t *testing.T) {
+	exe, err := os.Executable()
+	require.NoError(t, err)
+	for _, backend := range []string{"loopback", "ucx"} {
+		cmd := exec.Command(exe, "-test.run=^$")
+		cmd.Env = append(os.Environ(), roleEnv+"=hugeregion", "ECX_BACKEND="+backend,
+			"ECX_AS_EXTRA="+strconv.Itoa(256<<20), "ECX_CASES=536870912:1")
+		var stderr strings.Builder
+		cmd.Stderr = &stderr
+		out, err := cmd.Output()
+		require.NoError(t, err, "the child died: %s", stderr.String())
+		var res hugeRegionResult
+		require.NoError(t, json.Unmarshal(out, &res), "child said %q", out)
+		require.Len(t, res.Errs, 1)
+		require.NotEmpty(t, res.Errs[0], "%s: 512 MiB fit in 256 MiB of address space", backend)
+		require.True(t, res.Engine[0], "%s: want ErrEngine, got %q", backend, res.Errs[0])
+	}
 }
 
 // memCgroupDir makes a memory cgroup below this process's own, limited to
