@@ -47,7 +47,7 @@ type Stats struct {
 	// chunks first).
 	LiveHandles int64
 	InFlight    int64        // reads the engine or the copy workers are working on
-	Peers       int          // peers currently known
+	Peers       int          // peers currently known (after Close: those it had then)
 	LoopTurns   uint64       // event loop turns
 	Parks       uint64       // times the reactor slept
 	WaitBlocks  uint64       // times Wait spun for WaitSpin and then blocked
@@ -105,7 +105,7 @@ func (r *Reactor) Stats() Stats {
 		EngineErrors:   r.st.engineErrors.Load(),
 		LiveHandles:    r.tab.live.Load(),
 		InFlight:       r.inflight.Load(),
-		Peers:          len(*r.peers.Load()),
+		Peers:          len(r.knownPeers()),
 		LoopTurns:      r.st.loops.Load(),
 		Parks:          r.st.parks.Load(),
 		WaitBlocks:     r.st.waitBlocks.Load(),
@@ -124,13 +124,22 @@ func (r *Reactor) Stats() Stats {
 		if d.pool != nil {
 			st.CopyWorkers, st.CopyBusyTime = d.pool.Workers(), d.pool.BusyTime()
 		}
-		for _, p := range *r.peers.Load() {
+		for _, p := range r.knownPeers() {
 			if p.direct != nil {
 				st.DirectPeers++
 			}
 		}
 	}
 	return st
+}
+
+// knownPeers is the peer map, or once the reactor has closed, the peers
+// it had then (as PeerStats reports them).
+func (r *Reactor) knownPeers() map[string]*Peer {
+	if f := r.final.Load(); f != nil {
+		return *f
+	}
+	return *r.peers.Load()
 }
 
 func (r *Reactor) failedBy() (out [NumFailReasons]uint64) {

@@ -264,3 +264,14 @@ func TestThreadCPUNeverGoesDown(t *testing.T) {
 	require.NoError(t, err)
 	require.GreaterOrEqual(t, after, during, "the reactor's CPU time went down after it stopped")
 }
+
+// After Close, Stats reports the peers the reactor had, as PeerStats does,
+// not an empty table.
+func TestStatsPeersAfterClose(t *testing.T) {
+	leakcheck.Check(t)
+	p := newPair(t, 8, Options{})
+	require.Equal(t, 1, p.cons.Stats().Peers)
+	require.NoError(t, p.cons.Close())
+	require.Equal(t, 1, p.cons.Stats().Peers, "peers after Close")
+	require.Len(t, p.cons.PeerStats(nil), 1)
+}
