@@ -91,7 +91,8 @@ type xfer struct {
 }
 
 // A zombie is a NIXL request released (or failed) while in flight. NIXL
-// would cancel it on release, but UCX 1.13 keeps a cancelled get on its
+// would cancel it on release, but UCX (1.13 when this was written against a
+// source build; the wheel now brings 1.23) keeps a cancelled get on its
 // endpoint until the get completes, and closing that endpoint or
 // destroying the worker first aborts the process (a UCX assertion). So the
 // request is kept and polled until it finishes, and only then released;

@@ -51,9 +51,10 @@
 //
 // A request released while in flight (ReleaseXfer, or its peer
 // invalidated) is not handed to NIXL's release, which would cancel it: with
-// UCX 1.13 a cancelled get stays on its endpoint until it completes, and
-// closing that endpoint (invalidating the peer) or destroying the worker
-// before then aborts the process in a UCX assertion. The request becomes a
+// UCX 1.13 (the version this was found with; the wheel brings 1.23, where
+// it was not tried again) a cancelled get stays on its endpoint until it
+// completes, and closing that endpoint (invalidating the peer) or
+// destroying the worker before then aborts the process in a UCX assertion. The request becomes a
 // zombie instead: it is no longer reported, Progress keeps polling it and
 // releases it once it has finished, so its data may still land and its
 // notification may still be sent. An invalidated peer with zombies is

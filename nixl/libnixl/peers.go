@@ -46,6 +46,11 @@ func (a *Agent) LocalMetadata() ([]byte, error) {
 // ErrNotAllowed and that name, as the contract asks (NIXL itself refuses it
 // without naming the peer). A peer NIXL reported gone is refused the same
 // way, whatever the blob, so the caller invalidates it and loads it anew.
+// NIXL's C API (1.5) reports a peer's disconnect as a backend error, not
+// as REMOTE_DISCONNECT, so today no peer is ever marked gone: READs of a
+// dead peer fail with ErrEngine, and loading its metadata again succeeds
+// and changes nothing; the caller removes the peer (invalidates it) and
+// adds the new one, as the reactor does for a restarted producer.
 func (a *Agent) LoadRemoteMetadata(md []byte) (string, error) {
 	if a.closed {
 		return "", errClosed
