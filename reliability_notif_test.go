@@ -25,6 +25,7 @@ import (
 // consumer's Stats count sent, one per READ counted done, and every READ
 // ends counted once (done, canceled or failed).
 func TestReleasedReadsDoNotNotify(t *testing.T) {
+	leakcheck.Check(t)
 	for _, tc := range []struct {
 		name, backend string
 		opt           func(*Config)
@@ -124,6 +125,7 @@ func TestReleasedReadsDoNotNotify(t *testing.T) {
 // 64 KiB default: the producer drops them, counts them and logs the event
 // once for that sender; a 64 KiB one still arrives.
 func TestOversizedNotifsDropped(t *testing.T) {
+	leakcheck.Check(t)
 	for _, backend := range []string{"loopback", "ucx"} {
 		t.Run(backend, func(t *testing.T) {
 			var logBuf syncBuffer

@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/ecxfer/ecxfer/descriptors"
+	"github.com/ecxfer/ecxfer/internal/leakcheck"
 	"github.com/ecxfer/ecxfer/nixl"
 )
 
@@ -120,6 +121,7 @@ func (p *pump) done(id nixl.XferID) func() bool {
 }
 
 func TestAgentRead(t *testing.T) {
+	leakcheck.Check(t)
 	needNIXL(t)
 	const bs, nb = 5120, 1000
 	prod := newSide(t, testName("prod"), bs, nb)
@@ -160,6 +162,7 @@ func TestAgentRead(t *testing.T) {
 }
 
 func TestAgentMetadata(t *testing.T) {
+	leakcheck.Check(t)
 	needNIXL(t)
 	pn := testName("prod")
 	prod := newSide(t, pn, 4096, 8)
@@ -223,6 +226,7 @@ func TestAgentMetadata(t *testing.T) {
 // recognise, which md.go leaves to NIXL) leaves nothing behind that would
 // make NIXL refuse the same peer's good metadata next.
 func TestAgentHalfLoadedMetadata(t *testing.T) {
+	leakcheck.Check(t)
 	needNIXL(t)
 	prod := newSide(t, testName("prod"), 4096, 8)
 	cons := newSide(t, testName("cons"), 4096, 8)
@@ -245,6 +249,7 @@ func TestAgentHalfLoadedMetadata(t *testing.T) {
 // Metadata whose agent name has a NUL byte is refused: NIXL's C API would
 // hand the name back cut at the NUL, the name of another, loaded peer.
 func TestAgentNameWithNUL(t *testing.T) {
+	leakcheck.Check(t)
 	needNIXL(t)
 	pn := testName("prod")
 	prod := newSide(t, pn, 4096, 8)
@@ -274,6 +279,7 @@ func TestAgentNameWithNUL(t *testing.T) {
 }
 
 func TestAgentBadXfers(t *testing.T) {
+	leakcheck.Check(t)
 	needNIXL(t)
 	prod := newSide(t, testName("prod"), 1024, 4)
 	cons := newSide(t, testName("cons"), 1024, 4)
@@ -395,6 +401,7 @@ func TestAgentCancelAndInvalidate(t *testing.T) {
 }
 
 func TestAgentClosed(t *testing.T) {
+	leakcheck.Check(t)
 	needNIXL(t)
 	a, err := New(Config{Name: testName("c")})
 	require.NoError(t, err)

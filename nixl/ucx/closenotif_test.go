@@ -7,6 +7,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/ecxfer/ecxfer/internal/leakcheck"
 	"github.com/ecxfer/ecxfer/nixl"
 )
 
@@ -16,6 +17,7 @@ import (
 // (mode NONE) or force-closes (mode PEER) them. The notifications are
 // large, so they are still queued or in UCX's buffers at Close.
 func TestCloseDeliversSentNotifs(t *testing.T) {
+	leakcheck.Check(t)
 	for _, mode := range []ErrMode{ErrModeNone, ErrModePeer} {
 		t.Run(fmt.Sprint(mode), func(t *testing.T) {
 			prod := newTestAgent(t, Config{Name: "producer", ErrMode: mode})

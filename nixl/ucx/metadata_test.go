@@ -8,6 +8,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"github.com/vmihailenco/msgpack/v5"
 
+	"github.com/ecxfer/ecxfer/internal/leakcheck"
 	"github.com/ecxfer/ecxfer/nixl"
 )
 
@@ -117,6 +118,7 @@ func TestMetadataHostile(t *testing.T) {
 // TestLoadHostileMetadata feeds hostile blobs to a live agent: each fails
 // with ErrInvalidParam before reaching UCX, and the agent stays usable.
 func TestLoadHostileMetadata(t *testing.T) {
+	leakcheck.Check(t)
 	a := newTestAgent(t, Config{Name: "victim"})
 	b := newTestAgent(t, Config{Name: "peer"})
 	_, _, err := b.AllocMem(8192, nixl.DRAM, 0)

@@ -6,6 +6,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/ecxfer/ecxfer/internal/leakcheck"
 	"github.com/ecxfer/ecxfer/nixl"
 	"github.com/ecxfer/ecxfer/nixl/internal/enginekit"
 )
@@ -14,6 +15,7 @@ import (
 // handler; DroppedNotifs counts it, GetNotifs never returns it, and eager
 // notifications still get through.
 func TestDroppedNotifs(t *testing.T) {
+	leakcheck.Check(t)
 	recv := newTestAgent(t, Config{Name: "receiver"})
 	rndv := newTestAgent(t, Config{Name: "rndv-sender", rndvNotifs: true})
 	eager := newTestAgent(t, Config{Name: "eager-sender"})
@@ -58,6 +60,7 @@ func TestDroppedNotifs(t *testing.T) {
 // negative ints and panic on the reactor thread). One at the limit gets
 // through.
 func TestOversizedNotifsDropped(t *testing.T) {
+	leakcheck.Check(t)
 	recv := newTestAgent(t, Config{Name: "receiver", MaxNotif: enginekit.MaxNotifLimit})
 	big := newTestAgent(t, Config{Name: "big-sender", MaxNotif: enginekit.MaxNotifLimit, oversizeNotifs: true})
 	md, err := recv.LocalMetadata()

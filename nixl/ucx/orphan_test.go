@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/ecxfer/ecxfer/descriptors"
+	"github.com/ecxfer/ecxfer/internal/leakcheck"
 	"github.com/ecxfer/ecxfer/nixl"
 )
 
@@ -18,6 +19,7 @@ import (
 // reply never lands in memory its owner was told is free, or in memory
 // that was unmapped. Then the region deregisters as usual.
 func TestDeregisterWaitsForCancelledGets(t *testing.T) {
+	leakcheck.Check(t)
 	for _, engineMem := range []bool{false, true} {
 		t.Run(map[bool]string{false: "caller memory", true: "engine memory"}[engineMem], func(t *testing.T) {
 			prod := newTestAgent(t, Config{Name: "producer"})
@@ -77,6 +79,7 @@ func TestDeregisterWaitsForCancelledGets(t *testing.T) {
 // like a loaded one: its pidfd, endpoint and keys (with their System V
 // attachments) go. (They stayed until the process exited.)
 func TestCloseWithStagedPeer(t *testing.T) {
+	leakcheck.Check(t)
 	prod := newTestAgent(t, Config{Name: "producer"})
 	_, _, err := prod.AllocMem(1<<20, nixl.DRAM, 0)
 	require.NoError(t, err)

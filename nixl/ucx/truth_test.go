@@ -10,6 +10,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ecxfer/ecxfer/descriptors"
+	"github.com/ecxfer/ecxfer/internal/leakcheck"
 	"github.com/ecxfer/ecxfer/internal/procmaps"
 	"github.com/ecxfer/ecxfer/nixl"
 )
@@ -20,6 +21,7 @@ import (
 // segment mapped here) and for caller memory in a shared file (checked
 // against the peer's own mappings). The truthful blob still loads.
 func TestLyingMetadata(t *testing.T) {
+	leakcheck.Check(t)
 	cons := newTestAgent(t, Config{Name: "cons"})
 
 	alloc := newTestAgent(t, Config{Name: "prod-alloc"})
@@ -115,6 +117,7 @@ func forgerAndVictim(t *testing.T) (md []byte, own, other [4]byte) {
 // there. (It loaded, and READs of the peer returned the other agent's
 // memory.)
 func TestForgedSegmentKeyRefused(t *testing.T) {
+	leakcheck.Check(t)
 	md, own, other := forgerAndVictim(t)
 	forged := withKey(t, md, func(rk []byte) []byte {
 		require.Equal(t, 1, bytes.Count(rk, own[:]), "the segment id once in the key")
@@ -135,6 +138,7 @@ func TestForgedSegmentKeyRefused(t *testing.T) {
 // too. (The host check skipped the key checks, and READs of the forger
 // returned the victim's memory.)
 func TestForgedSegmentKeyClaimingOtherHostRefused(t *testing.T) {
+	leakcheck.Check(t)
 	md, own, other := forgerAndVictim(t)
 	for _, c := range []struct {
 		claim string
@@ -176,6 +180,7 @@ func TestForgedSegmentKeyClaimingOtherHostRefused(t *testing.T) {
 // key would make gets copy from a segment the region check never saw
 // (past its end, here). (READs of it ran.)
 func TestCallerMemoryWithSegmentKeyRefused(t *testing.T) {
+	leakcheck.Check(t)
 	const n = 1 << 20
 	victim := newTestAgent(t, Config{Name: "victim"})
 	_, vbuf, err := victim.AllocMem(n, nixl.DRAM, 0)

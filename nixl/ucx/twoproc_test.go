@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
+	"github.com/ecxfer/ecxfer/internal/leakcheck"
 	"github.com/ecxfer/ecxfer/nixl"
 )
 
@@ -27,6 +28,7 @@ var tlsCases = []tlsCase{
 }
 
 func TestTwoProcessRead(t *testing.T) {
+	leakcheck.Check(t)
 	const blocks = 512
 	for _, tc := range tlsCases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -72,6 +74,7 @@ func TestTwoProcessRead(t *testing.T) {
 // is stalled, so its emulated gets cannot complete), checks it is never
 // reported and sends no notification, and that the agent keeps working.
 func TestTwoProcessCancel(t *testing.T) {
+	leakcheck.Check(t)
 	t.Setenv("UCX_TLS", "shm")
 	ch := startChild(t, childOpts{name: "prod", seed: 3, blocks: 256, tls: "shm"})
 	c := newConsumer(t, Config{Name: "cons"}, 256, testBlock)
@@ -113,6 +116,7 @@ func TestTwoProcessCancel(t *testing.T) {
 // ErrRemoteDisconnect on invalidation; a restarted producer under the same
 // name is refused until the old one is invalidated, then reloaded.
 func TestTwoProcessInvalidateRestart(t *testing.T) {
+	leakcheck.Check(t)
 	t.Setenv("UCX_TLS", "shm")
 	ch := startChild(t, childOpts{name: "prod", seed: 1, blocks: 128, tls: "shm"})
 	c := newConsumer(t, Config{Name: "cons"}, 128, testBlock)
@@ -158,6 +162,7 @@ func TestTwoProcessInvalidateRestart(t *testing.T) {
 // TestTwoProcessKill: SIGKILL a producer while reads are in flight; they end
 // in ErrRemoteDisconnect within a second.
 func TestTwoProcessKill(t *testing.T) {
+	leakcheck.Check(t)
 	cases := []struct {
 		name    string
 		tls     string
@@ -261,6 +266,7 @@ func TestTwoProcessKill(t *testing.T) {
 // PostXfer polled the pidfd, and Progress only every 64th call after
 // LivenessPoll.)
 func TestMultiRoundReadAfterDeath(t *testing.T) {
+	leakcheck.Check(t)
 	const block, blocks = 1 << 20, 32
 	idx := make([]int, blocks)
 	for i := range idx {

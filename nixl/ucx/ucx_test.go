@@ -11,6 +11,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ecxfer/ecxfer/descriptors"
+	"github.com/ecxfer/ecxfer/internal/leakcheck"
 	"github.com/ecxfer/ecxfer/nixl"
 )
 
@@ -164,6 +165,7 @@ func newPair(t *testing.T, prodAlloc bool) *pair {
 func addrOf(b []byte) uint64 { return nixl.Addr(b) }
 
 func TestReadInProcess(t *testing.T) {
+	leakcheck.Check(t)
 	for _, alloc := range []bool{true, false} {
 		name := "registered"
 		if alloc {
@@ -206,6 +208,7 @@ func TestReadInProcess(t *testing.T) {
 }
 
 func TestWriteAndSendNotif(t *testing.T) {
+	leakcheck.Check(t)
 	p := newPair(t, true)
 	src := p.consBuf
 	fillBlocks(src, testBlock, 99)
@@ -233,6 +236,7 @@ func TestWriteAndSendNotif(t *testing.T) {
 }
 
 func TestValidation(t *testing.T) {
+	leakcheck.Check(t)
 	p := newPair(t, true)
 	c := p.cons
 	outside := descriptors.List{{Addr: addrOf(p.prodBuf) + uint64(len(p.prodBuf)) - 10, Len: 20}}
@@ -296,6 +300,7 @@ func TestValidation(t *testing.T) {
 }
 
 func TestCloseIdempotentAndLeaks(t *testing.T) {
+	leakcheck.Check(t)
 	runtime.GC()
 	fds := fdCount(t)
 	goroutines := runtime.NumGoroutine()
@@ -329,6 +334,7 @@ func TestCloseIdempotentAndLeaks(t *testing.T) {
 // gets it answers through the shared-memory receive queue; its allocated
 // memory is read one-sided, and over tcp alone there is no shared queue.
 func TestSharedQueueGets(t *testing.T) {
+	leakcheck.Check(t)
 	for _, c := range []struct {
 		name, tls   string
 		alloc, want bool
@@ -352,6 +358,7 @@ func TestSharedQueueGets(t *testing.T) {
 // A restarted peer's metadata is loaded beside the old peer: the old one
 // keeps working until Commit, and Abort leaves it as it was.
 func TestStageRemoteMetadata(t *testing.T) {
+	leakcheck.Check(t)
 	p := newPair(t, true)
 	read := func(remote nixl.DlistID, seed uint64) error {
 		t.Helper()
