@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"strings"
 	"testing"
+	"unsafe"
 
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
@@ -17,9 +18,10 @@ import (
 
 // TestLyingMetadata: metadata re-encoded with a valid checksum but regions
 // larger than (or shifted off) the memory behind them is refused at
-// LoadRemoteMetadata, both for UCX-allocated memory (checked against the
-// segment mapped here) and for caller memory in a shared file (checked
-// against the peer's own mappings). The truthful blob still loads.
+// LoadRemoteMetadata, both for UCX-allocated memory and for caller memory
+// in a shared file: each region must lie inside one mapping of the peer
+// process, which these lies leave (the segment check behind it is
+// TestCheckTruthSegmentSmaller's). The truthful blob still loads.
 func TestLyingMetadata(t *testing.T) {
 	leakcheck.Check(t)
 	cons := newTestAgent(t, Config{Name: "cons"})
@@ -57,11 +59,51 @@ func TestLyingMetadata(t *testing.T) {
 			require.NoError(t, err)
 			_, err = cons.LoadRemoteMetadata(forged)
 			require.ErrorIs(t, err, nixl.ErrInvalidParam, "%s: %s", prod.Name(), name)
+			require.ErrorContains(t, err, "not mapped in the peer process", "%s: %s", prod.Name(), name)
 		}
 		got, err := cons.LoadRemoteMetadata(md)
 		require.NoError(t, err, prod.Name())
 		require.Equal(t, prod.Name(), got)
 	}
+}
+
+// checkTruth's check that a region of UCX-allocated memory lies inside
+// the segment its key attaches here. A forged blob meets it only where
+// the peer's own mapping is larger than that segment (one not mapped in
+// the peer at all is refused before, TestLyingMetadata), so it is fed
+// here the peer's true mappings and a region longer than the segment.
+func TestCheckTruthSegmentSmaller(t *testing.T) {
+	leakcheck.Check(t)
+	cons := newTestAgent(t, Config{Name: "cons"})
+	prod := newTestAgent(t, Config{Name: "prod"})
+	_, _, err := prod.AllocMem(1<<20, nixl.DRAM, 0)
+	require.NoError(t, err)
+	md, err := prod.LocalMetadata()
+	require.NoError(t, err)
+	name, err := cons.LoadRemoteMetadata(md)
+	require.NoError(t, err)
+	m, err := decodeMetadata(md)
+	require.NoError(t, err)
+	caller, spans, err := callerRegions(m)
+	require.NoError(t, err)
+	require.Equal(t, []bool{false}, caller, "engine memory is a UCX segment")
+	require.NoError(t, truthOf(cons, name, m, caller, spans), "the true regions")
+	m.Region[0].Len += 4 << 20
+	err = truthOf(cons, name, m, caller, spans)
+	require.ErrorIs(t, err, nixl.ErrInvalidParam)
+	require.ErrorContains(t, err, "the shared-memory segment behind it is smaller")
+}
+
+// truthOf runs checkTruth on m with the rkeys a unpacked for peer name.
+// (Step by step and not inlined: written as one expression, Go 1.26.8
+// failed to compile it, an internal compiler error.)
+//
+//go:noinline
+func truthOf(a *Agent, name string, m *metadata, caller []bool, spans []procmaps.Span) error {
+	p := a.peers[name]
+	rk := unsafe.Slice(p.rkeys, len(m.Region))
+	err := checkTruth(m, rk, caller, spans)
+	return err
 }
 
 // segmentAt returns the mapping of this process that holds addr.
