@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strconv"
 	"sync/atomic"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -80,8 +81,10 @@ func Open(a *Advert) (*View, error) {
 		return nil, err
 	}
 	// Reopened through the O_PATH descriptor: the same inode, whatever
-	// the path names by now.
-	fd, err := unix.Open(fmt.Sprintf("/proc/self/fd/%d", pfd), unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NOCTTY, 0)
+	// the path names by now. O_NONBLOCK: a lease the producer holds on
+	// its file fails the open at once (EWOULDBLOCK) instead of holding it
+	// for the kernel's lease-break time (45 s by default).
+	fd, err := unix.Open(fmt.Sprintf("/proc/self/fd/%d", pfd), unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NOCTTY|unix.O_NONBLOCK, 0)
 	if err != nil {
 		return nil, fmt.Errorf("shmview: open %s: %w", a.Path, err)
 	}
@@ -160,7 +163,10 @@ func (v *View) Close() {
 
 // openSysV attaches a System V segment read-only, after checking that the
 // segment was created by the advertised process (a shmid is reused once a
-// segment is gone) and holds the whole window.
+// segment is gone) and holds the whole window, and that the advertised
+// process maps it at Base: a segment outlives its creator, whose pid may
+// name another process by now, and a creator's pid alone would let any
+// process advertise a segment it cannot read itself.
 func openSysV(a *Advert) (*View, error) {
 	id := int(a.Ino)
 	var ds unix.SysvShmDesc
@@ -180,6 +186,10 @@ func openSysV(a *Advert) (*View, error) {
 	if uint64(len(mem)) < a.Offset+a.Size {
 		_ = unix.SysvShmDetach(mem)
 		return nil, fmt.Errorf("%w: segment %d shrank", ErrIdentity, id)
+	}
+	if err := a.mapsSegment(mem); err != nil {
+		_ = unix.SysvShmDetach(mem)
+		return nil, err
 	}
 	v := &View{sysv: true, adv: *a, mem: mem, data: mem[a.Offset : a.Offset+a.Size : a.Offset+a.Size], skew: a.Offset}
 	v.refs.Store(1)
@@ -233,6 +243,25 @@ func (v *View) Populate(descs descriptors.List) uint64 {
 		total += s[1] - s[0]
 	}
 	return total
+}
+
+// mapsSegment checks, for a System V advertisement, that the advertised
+// process maps at Base the segment this process attached at mem: the same
+// device and inode (the shmid) as this process's own mapping shows, at the
+// advertised offset (mappedBy).
+func (a *Advert) mapsSegment(mem []byte) error {
+	self, err := procmaps.Open("self")
+	if err != nil {
+		return fmt.Errorf("%w: cannot read this process's mappings: %v", ErrIdentity, err)
+	}
+	defer self.Close()
+	sp, err := self.At(uint64(uintptr(unsafe.Pointer(&mem[0]))))
+	if err != nil || sp == nil || sp.Ino != a.Ino {
+		return fmt.Errorf("%w: cannot find this process's attachment of segment %d (%v)", ErrIdentity, a.Ino, err)
+	}
+	b := *a
+	b.Dev = sp.Dev
+	return b.mappedBy()
 }
 
 // mappedBy checks that the advertised process maps the advertised file
