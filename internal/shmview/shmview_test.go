@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"os/signal"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -18,6 +19,7 @@ import (
 
 	"github.com/ecxfer/ecxfer/descriptors"
 	"github.com/ecxfer/ecxfer/internal/leakcheck"
+	"github.com/ecxfer/ecxfer/internal/procinfo"
 )
 
 const childEnv = "SHMVIEW_TEST_CHILD"
@@ -26,6 +28,9 @@ func TestMain(m *testing.M) {
 	if os.Getenv(childEnv) == "write-view" {
 		childWriteView()
 		return
+	}
+	if os.Getenv(childEnv) == "lease" {
+		os.Exit(childLease())
 	}
 	os.Exit(m.Run())
 }
@@ -538,10 +543,28 @@ func TestSysV(t *testing.T) {
 	if Mapped() != base {
 		t.Fatal("segment still attached")
 	}
+	// A segment the advertised process created but does not map at Base
+	// (a segment outlives its creator, whose pid may name another process
+	// by now): its creator's pid is not enough.
+	other, err := unix.SysvShmGet(unix.IPC_PRIVATE, size, unix.IPC_CREAT|0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _, _ = unix.SysvShmCtl(other, unix.IPC_RMID, nil) }()
+	hole, err := unix.Mmap(-1, 0, 1<<20, unix.PROT_NONE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Munmap(hole); err != nil {
+		t.Fatal(err)
+	}
 	for name, f := range map[string]func(a *Advert){
-		"other creator": func(a *Advert) { a.PID++ },
-		"too large":     func(a *Advert) { a.Size = size },
-		"no segment":    func(a *Advert) { a.Ino = 1<<31 - 1 },
+		"other creator":             func(a *Advert) { a.PID++ },
+		"too large":                 func(a *Advert) { a.Size = size },
+		"no segment":                func(a *Advert) { a.Ino = 1<<31 - 1 },
+		"a segment it does not map": func(a *Advert) { a.Ino = uint64(other) },
+		"nothing mapped at Base":    func(a *Advert) { a.Base = uint64(uintptr(unsafe.Pointer(&hole[0]))) },
+		"mapped at another offset":  func(a *Advert) { a.Offset = 0 },
 	} {
 		b := a
 		f(&b)
@@ -633,5 +656,90 @@ func TestPopulateOnlyBlocks(t *testing.T) {
 	v.Populate(grid)
 	if got, all := mappedBytes(t, v.mem), uint64(len(grid))*5120/page*page; got < all {
 		t.Errorf("%d bytes mapped after populating every block, want at least %d", got, all)
+	}
+}
+
+// childLease is a producer that maps its region file and holds a write
+// lease on it, ignoring the kernel's signal to give it up, until its
+// stdin closes. It prints the mapping's address.
+func childLease() int {
+	signal.Ignore(unix.SIGIO)
+	fd, err := unix.Open(os.Getenv("LEASE_PATH"), unix.O_RDWR|unix.O_CREAT|unix.O_TRUNC, 0o600)
+	if err != nil {
+		fmt.Println("open:", err)
+		return 2
+	}
+	if err := unix.Ftruncate(fd, 1<<16); err != nil {
+		fmt.Println("truncate:", err)
+		return 2
+	}
+	mem, err := unix.Mmap(fd, 0, 1<<16, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		fmt.Println("mmap:", err)
+		return 2
+	}
+	if _, err := unix.FcntlInt(uintptr(fd), unix.F_SETLEASE, unix.F_WRLCK); err != nil {
+		fmt.Println("lease:", err)
+		return 2
+	}
+	fmt.Printf("ready %d\n", uintptr(unsafe.Pointer(&mem[0])))
+	_, _ = os.Stdin.Read(make([]byte, 1))
+	return 0
+}
+
+// A producer's lease on its region file does not hold Open for the
+// kernel's lease-break time (45 s by default): the open fails at once.
+func TestOpenLeasedFile(t *testing.T) {
+	leakcheck.Check(t)
+	path := filepath.Join("/dev/shm", fmt.Sprintf("ecxfer_shmview_lease_%d", os.Getpid()))
+	defer os.Remove(path)
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), childEnv+"=lease", "LEASE_PATH="+path)
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = stdin.Close(); _ = cmd.Wait() }()
+	var base uint64
+	if n, err := fmt.Fscanf(stdout, "ready %d\n", &base); n != 1 || err != nil {
+		t.Fatalf("producer: %v", err)
+	}
+	var st unix.Stat_t
+	if err := unix.Stat(path, &st); err != nil {
+		t.Fatal(err)
+	}
+	start, err := procinfo.StartTime(cmd.Process.Pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h, err := LocalHost()
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := Advert{Kind: KindFile, Host: h, PID: uint32(cmd.Process.Pid), Start: start, Base: base, Size: 4096,
+		Path: path, Dev: st.Dev, Ino: st.Ino}
+	done := make(chan error, 1)
+	go func() {
+		v, err := Open(&a)
+		if err == nil {
+			v.Close()
+		}
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		if !errors.Is(err, unix.EWOULDBLOCK) {
+			t.Fatalf("Open of a leased file: %v, want EWOULDBLOCK", err)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("Open waited for the producer's lease")
+		// (The goroutine returns once the kernel breaks the lease.)
 	}
 }
