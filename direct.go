@@ -145,7 +145,13 @@ func (t *Transport) directPeer(metadata []byte, descs descriptors.List) ([]byte,
 		// would read; the engine's metadata, which the engine checks, says
 		// which process the peer is. They must agree, or a peer could point
 		// direct READs (and our notifications) at another process.
-		if pid, start, ok := pn.MetadataProcess(md); ok && (pid != uint64(adv.PID) || start != adv.Start) {
+		pid, start, ok := pn.MetadataProcess(md)
+		switch {
+		case !ok:
+			// The engine would refuse it too, but only after the region
+			// had been opened, mapped and its pages loaded.
+			return nil, nil, fmt.Errorf("%w: the engine cannot read the metadata's process", ErrBadMetadata)
+		case pid != uint64(adv.PID) || start != adv.Start:
 			return nil, nil, fmt.Errorf("%w: its region is advertised as process %d (start %d), its engine metadata is process %d (start %d)",
 				ErrBadMetadata, adv.PID, adv.Start, pid, start)
 		}

@@ -1073,6 +1073,24 @@ func TestDirectQueuedNotifsBeforeRemoval(t *testing.T) {
 	}
 }
 
+// Metadata whose engine part the engine cannot read is refused before the
+// advertised region is opened, mapped and its pages loaded (it was
+// refused only after).
+func TestDirectUnreadableMetadataRefusedFirst(t *testing.T) {
+	leakcheck.Check(t)
+	e := env{t: t, backend: "ucx"}
+	const bs, nb = 4096, 16
+	prod := e.transport(uniqueName("uprod"), bs, nb, direct)
+	cons := e.transport(uniqueName("ucons"), bs, nb, direct)
+	_, adv, err := shmview.Split(prod.AgentMetadata())
+	require.NoError(t, err)
+	require.NotNil(t, adv)
+	_, err = cons.AddRemotePeer(shmview.Wrap([]byte("not engine metadata"), adv), prod.MemDescriptor())
+	require.ErrorIs(t, err, ErrBadMetadata)
+	require.ErrorContains(t, err, "cannot read the metadata's process")
+	require.Zero(t, cons.Stats().Peers)
+}
+
 // An advertisement naming another process than the engine metadata does
 // (here init, alive and with its real start time) is refused: the direct
 // path would read that process's memory, and notifications would go to
