@@ -1,8 +1,8 @@
 package ecxfer
 
 import (
-	"bufio"
 	"fmt"
+	"math"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -72,6 +72,15 @@ func sysVPagesInUse(page uint64) uint64 {
 	if err != nil {
 		return 0
 	}
+	return parseSysVPages(b, page)
+}
+
+// parseSysVPages sums, in pages of page bytes, the sizes in the fourth
+// column of /proc/sysvipc/shm's text b (its first line is the header).
+func parseSysVPages(b []byte, page uint64) uint64 {
+	if page == 0 {
+		return 0
+	}
 	var total uint64
 	for i, line := range strings.Split(string(b), "\n") {
 		fs := strings.Fields(line)
@@ -79,7 +88,7 @@ func sysVPagesInUse(page uint64) uint64 {
 			continue // the header
 		}
 		if n, err := strconv.ParseUint(fs[3], 10, 64); err == nil {
-			total += (n + page - 1) / page
+			total += n/page + min(n%page, 1)
 		}
 	}
 	return total
@@ -118,14 +127,19 @@ func memLimits() []memLimit {
 
 // meminfo returns a /proc/meminfo field in bytes.
 func meminfo(field string) (uint64, bool) {
-	f, err := os.Open("/proc/meminfo")
+	b, err := os.ReadFile("/proc/meminfo")
 	if err != nil {
 		return 0, false
 	}
-	defer f.Close()
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		k, v, ok := strings.Cut(sc.Text(), ":")
+	return parseMeminfo(b, field)
+}
+
+// parseMeminfo finds field in /proc/meminfo's text b ("Name:   123 kB")
+// and returns it in bytes; false when it is missing, not a number, or
+// too large for bytes in 64 bits.
+func parseMeminfo(b []byte, field string) (uint64, bool) {
+	for _, line := range strings.Split(string(b), "\n") {
+		k, v, ok := strings.Cut(line, ":")
 		if !ok || k != field {
 			continue
 		}
@@ -138,6 +152,9 @@ func meminfo(field string) (uint64, bool) {
 			return 0, false
 		}
 		if len(fs) > 1 && fs[1] == "kB" {
+			if n > math.MaxUint64>>10 {
+				return 0, false
+			}
 			n <<= 10
 		}
 		return n, true
@@ -168,7 +185,17 @@ func cgroupDirs() []cgroupDir {
 	if err != nil {
 		return nil
 	}
-	v2, v1 := cgroupMounts()
+	mi, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		return nil
+	}
+	v2, v1 := parseCgroupMounts(mi)
+	return parseCgroupDirs(b, v2, v1)
+}
+
+// parseCgroupDirs reads /proc/self/cgroup's text b against the cgroup2
+// mount v2 and the v1 memory controller's mount v1 ("" for none).
+func parseCgroupDirs(b []byte, v2, v1 string) []cgroupDir {
 	var out []cgroupDir
 	for _, line := range strings.Split(strings.TrimSpace(string(b)), "\n") {
 		parts := strings.SplitN(line, ":", 3)
@@ -203,18 +230,12 @@ func hasController(list, name string) bool {
 	return false
 }
 
-// cgroupMounts finds the cgroup2 mount and the v1 memory controller's
-// mount in /proc/self/mountinfo.
-func cgroupMounts() (v2, v1mem string) {
-	f, err := os.Open("/proc/self/mountinfo")
-	if err != nil {
-		return "", ""
-	}
-	defer f.Close()
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
+// parseCgroupMounts finds the cgroup2 mount and the v1 memory
+// controller's mount in /proc/self/mountinfo's text b.
+func parseCgroupMounts(b []byte) (v2, v1mem string) {
+	for _, line := range strings.Split(string(b), "\n") {
 		// id parent major:minor root mountpoint options [optional...] - fstype source superoptions
-		pre, post, ok := strings.Cut(sc.Text(), " - ")
+		pre, post, ok := strings.Cut(line, " - ")
 		if !ok {
 			continue
 		}

@@ -484,3 +484,17 @@ func TestNotesSayWhatDONEIncludes(t *testing.T) {
 	require.False(t, has(s, "notif: each READ"), "%q", s.rep.Notes)
 	require.True(t, has(s, "notif skipped"), "%q", s.rep.Notes)
 }
+
+// FuzzParsePerftest: ucx_perftest's output, whatever its shape, gives a
+// reference for the asked block size or an error, never a panic.
+func FuzzParsePerftest(f *testing.F) {
+	f.Add("Final:                 20000      0.221     0.296     0.296   105503.28  105503.28     3376105     3376105\n")
+	f.Add("garbage")
+	f.Add("Final: 1 2 3 4 5 NaN 7 8\n")
+	f.Fuzz(func(t *testing.T, out string) {
+		ref, err := parsePerftest(out, 5120)
+		if err == nil && (ref.BlockSize != 5120 || ref.P50us != 0 || !strings.Contains(out, "Final:")) {
+			t.Fatalf("%+v from %q", ref, out)
+		}
+	})
+}

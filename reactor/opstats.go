@@ -139,13 +139,19 @@ func schedstatCPU(path string) (time.Duration, error) {
 	if err != nil {
 		return 0, err
 	}
+	return parseSchedstat(b)
+}
+
+// parseSchedstat reads the first field of a schedstat file's text b: the
+// time the thread has run, in ns.
+func parseSchedstat(b []byte) (time.Duration, error) {
 	f := strings.Fields(string(b))
 	if len(f) == 0 {
 		return 0, fmt.Errorf("reactor: empty schedstat")
 	}
 	ns, err := strconv.ParseInt(f[0], 10, 64)
-	if err != nil {
-		return 0, fmt.Errorf("reactor: schedstat: %w", err)
+	if err != nil || ns < 0 {
+		return 0, fmt.Errorf("reactor: schedstat: %q is not a time in ns", f[0])
 	}
 	return time.Duration(ns), nil
 }

@@ -3,6 +3,9 @@ package reactor
 import (
 	"context"
 	"log/slog"
+	"os"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -274,4 +277,28 @@ func TestStatsPeersAfterClose(t *testing.T) {
 	require.NoError(t, p.cons.Close())
 	require.Equal(t, 1, p.cons.Stats().Peers, "peers after Close")
 	require.Len(t, p.cons.PeerStats(nil), 1)
+}
+
+// FuzzSchedstat: the schedstat reader takes any text without panicking
+// and returns a time only for a leading count of nanoseconds.
+func FuzzSchedstat(f *testing.F) {
+	if b, err := os.ReadFile("/proc/thread-self/schedstat"); err == nil {
+		f.Add(b)
+	}
+	f.Add([]byte("123 456 7\n"))
+	f.Add([]byte("-5 0 0"))
+	f.Add([]byte(""))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		d, err := parseSchedstat(b)
+		if err != nil {
+			return
+		}
+		if d < 0 {
+			t.Fatalf("negative time %v", d)
+		}
+		if fs := strings.Fields(string(b)); len(fs) == 0 || fs[0] != strconv.FormatInt(int64(d), 10) &&
+			strings.TrimLeft(fs[0], "+0") != strings.TrimLeft(strconv.FormatInt(int64(d), 10), "0") {
+			t.Fatalf("%v from %q", d, b)
+		}
+	})
 }

@@ -2,6 +2,7 @@ package fleet
 
 import (
 	"context"
+	"encoding/binary"
 	"os"
 	"testing"
 	"time"
@@ -88,4 +89,30 @@ func TestChildErrorReadAfterExit(t *testing.T) {
 	require.NoError(t, err, "reading the child's report after its exit")
 	require.Equal(t, "error", m.Kind)
 	require.Contains(t, m.Strs["error"], "NumBlocks", "the child's own reason")
+}
+
+// FuzzNotifLatencies: the producer's notification records and the
+// consumers' DONE times, as the children send them back, matched in any
+// shape: no panic, and counts and quantiles that agree with each other.
+func FuzzNotifLatencies(f *testing.F) {
+	rec := func(id, seq uint32, at uint64) []byte {
+		b := binary.LittleEndian.AppendUint32(nil, id)
+		b = binary.LittleEndian.AppendUint32(b, seq)
+		return binary.LittleEndian.AppendUint64(b, at)
+	}
+	f.Add(append(rec(0, 1, 100), rec(0, 2, 50)...), []byte{1, 0, 0, 0, 90, 0, 0, 0, 0, 0, 0, 0})
+	f.Add([]byte{}, []byte{})
+	f.Add(rec(0, 0, 1<<63), rec(0, 0, 1<<63)[4:])
+	f.Fuzz(func(t *testing.T, recs, times []byte) {
+		done := map[[2]uint32]int64{}
+		for b := times; len(b) >= 12; b = b[12:] {
+			done[[2]uint32{0, binary.LittleEndian.Uint32(b)}] = int64(binary.LittleEndian.Uint64(b[4:]))
+		}
+		var res ConsumersResult
+		notifLatencies(recs, done, &res)
+		if res.Notifs > len(recs)/16 || res.Early > res.Notifs || res.NotifP50 > res.NotifP99 || res.NotifP50 < 0 {
+			t.Fatalf("%d notifications (%d early) from %d records, p50 %v p99 %v",
+				res.Notifs, res.Early, len(recs)/16, res.NotifP50, res.NotifP99)
+		}
+	})
 }
