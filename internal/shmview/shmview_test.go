@@ -559,12 +559,13 @@ func TestSysV(t *testing.T) {
 		t.Fatal(err)
 	}
 	for name, f := range map[string]func(a *Advert){
-		"other creator":             func(a *Advert) { a.PID++ },
-		"too large":                 func(a *Advert) { a.Size = size },
-		"no segment":                func(a *Advert) { a.Ino = 1<<31 - 1 },
-		"a segment it does not map": func(a *Advert) { a.Ino = uint64(other) },
-		"nothing mapped at Base":    func(a *Advert) { a.Base = uint64(uintptr(unsafe.Pointer(&hole[0]))) },
-		"mapped at another offset":  func(a *Advert) { a.Offset = 0 },
+		"other creator":               func(a *Advert) { a.PID++ },
+		"too large":                   func(a *Advert) { a.Size = size },
+		"no segment":                  func(a *Advert) { a.Ino = 1<<31 - 1 },
+		"a segment it does not map":   func(a *Advert) { a.Ino = uint64(other) },
+		"nothing mapped at Base":      func(a *Advert) { a.Base = uint64(uintptr(unsafe.Pointer(&hole[0]))) },
+		"mapped at another offset":    func(a *Advert) { a.Offset = 0 },
+		"its pid now another process": func(a *Advert) { a.Start++ },
 	} {
 		b := a
 		f(&b)

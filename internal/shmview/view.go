@@ -276,6 +276,12 @@ func (a *Advert) mappedBy() error {
 		return fmt.Errorf("%w: cannot read the mappings of process %d: %v", ErrIdentity, a.PID, err)
 	}
 	defer m.Close()
+	// The pid may have been reused since the caller checked it: what is
+	// open now are the mappings of the process that has the pid now,
+	// which must still be the advertised one.
+	if !a.Alive() {
+		return fmt.Errorf("%w: process %d (start %d) is gone", ErrIdentity, a.PID, a.Start)
+	}
 	for addr, end := a.Base, a.Base+a.Size; addr < end; {
 		sp, err := m.At(addr)
 		if err != nil {
