@@ -60,6 +60,19 @@ func anonRegion(t testing.TB, size int) []byte {
 
 func direct(c *Config) { c.Direct = DirectOn }
 
+// directPair makes a producer and a consumer on the direct path, named
+// with prefix, the consumer knowing the producer.
+func directPair(e env, prefix string, bs, nb int, opts ...func(*Config)) (prod, cons *Transport, pname string) {
+	e.t.Helper()
+	pname = uniqueName(prefix + "-prod")
+	opts = append([]func(*Config){direct}, opts...)
+	prod = e.transport(pname, bs, nb, opts...)
+	cons = e.transport(uniqueName(prefix+"-cons"), bs, nb, opts...)
+	_, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+	require.NoError(e.t, err)
+	return prod, cons, pname
+}
+
 // regionKinds are the producer regions the direct path knows, with the
 // path a consumer gets for each.
 var regionKinds = []struct {
@@ -582,11 +595,7 @@ func TestDirectForgedNotifRefused(t *testing.T) {
 	leakcheck.Check(t)
 	e := env{t: t, backend: "ucx"}
 	const bs, nb = 4096, 16
-	pname := uniqueName("fprod")
-	prod := e.transport(pname, bs, nb, direct)
-	cons := e.transport(uniqueName("fcons"), bs, nb, direct)
-	_, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
-	require.NoError(t, err)
+	prod, cons, pname := directPair(e, "forged", bs, nb)
 	_, adv, err := shmview.Split(prod.AgentMetadata())
 	require.NoError(t, err)
 	require.NotNil(t, adv)
@@ -970,11 +979,7 @@ func TestDirectInlineNotifsSurviveRemoval(t *testing.T) {
 	e := env{t: t, backend: "ucx"}
 	const bs, nb, n = 5120, 64, 300
 	for round := range 5 {
-		pname := uniqueName("nprod")
-		prod := e.transport(pname, bs, nb, direct)
-		cons := e.transport(uniqueName("ncons"), bs, nb, direct)
-		_, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
-		require.NoError(t, err)
+		prod, cons, pname := directPair(e, "removal", bs, nb)
 		for i := range n {
 			h, err := cons.PostRead([]int{i % nb}, pname, []int{(i + 1) % nb}, fmt.Appendf(nil, "r%d-%d", round, i))
 			require.NoError(t, err)
@@ -1001,11 +1006,7 @@ func TestDirectInlineNotifAfterPoolNotif(t *testing.T) {
 	leakcheck.Check(t)
 	e := env{t: t, backend: "ucx"}
 	const bs, nb = 32768, 64
-	pname := uniqueName("oprod")
-	prod := e.transport(pname, bs, nb, direct)
-	cons := e.transport(uniqueName("ocons"), bs, nb, direct)
-	_, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
-	require.NoError(t, err)
+	prod, cons, pname := directPair(e, "order", bs, nb)
 	for i := range nb {
 		copy(block(prod, bs, i), fmt.Appendf(nil, "block %d", i))
 	}

@@ -99,6 +99,26 @@ func runHugeRegion() int {
 	return 0
 }
 
+// hugeRegion runs the "hugeregion" role in a child process, unshared by
+// the CLONE_ flags in unshare, with env added, and returns its report.
+func hugeRegion(t *testing.T, unshare uintptr, env ...string) hugeRegionResult {
+	t.Helper()
+	exe, err := os.Executable()
+	require.NoError(t, err)
+	cmd := exec.Command(exe, "-test.run=^$")
+	cmd.Env = append(append(os.Environ(), roleEnv+"=hugeregion"), env...)
+	if unshare != 0 {
+		cmd.SysProcAttr = &syscall.SysProcAttr{Unshareflags: unshare}
+	}
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	require.NoError(t, err, "the child died: %s", stderr.String())
+	var res hugeRegionResult
+	require.NoError(t, json.Unmarshal(out, &res), "child said %q", out)
+	return res
+}
+
 // vmSize is this process's address space in bytes (VmSize).
 func vmSize() (uint64, error) {
 	b, err := os.ReadFile("/proc/self/status")
@@ -119,18 +139,8 @@ func vmSize() (uint64, error) {
 // limited) fails New with ErrEngine, as the API documents, not with a
 // bare system error. Both backends, in a child process.
 func TestNewEngineFailureIsErrEngine(t *testing.T) {
-	exe, err := os.Executable()
-	require.NoError(t, err)
 	for _, backend := range []string{"loopback", "ucx"} {
-		cmd := exec.Command(exe, "-test.run=^$")
-		cmd.Env = append(os.Environ(), roleEnv+"=hugeregion", "ECX_BACKEND="+backend,
-			"ECX_AS_EXTRA="+strconv.Itoa(256<<20), "ECX_CASES=536870912:1")
-		var stderr strings.Builder
-		cmd.Stderr = &stderr
-		out, err := cmd.Output()
-		require.NoError(t, err, "the child died: %s", stderr.String())
-		var res hugeRegionResult
-		require.NoError(t, json.Unmarshal(out, &res), "child said %q", out)
+		res := hugeRegion(t, 0, "ECX_BACKEND="+backend, "ECX_AS_EXTRA="+strconv.Itoa(256<<20), "ECX_CASES=536870912:1")
 		require.Len(t, res.Errs, 1)
 		require.NotEmpty(t, res.Errs[0], "%s: 512 MiB fit in 256 MiB of address space", backend)
 		require.True(t, res.Engine[0], "%s: want ErrEngine, got %q", backend, res.Errs[0])
@@ -183,18 +193,8 @@ func TestHugeRegionRefused(t *testing.T) {
 		t.Skip("needs root: makes a memory cgroup and mounts a tmpfs")
 	}
 	cg := memCgroupDir(t, 384<<20)
-	exe, err := os.Executable()
-	require.NoError(t, err)
-	cmd := exec.Command(exe, "-test.run=^$")
-	cmd.Env = append(os.Environ(), roleEnv+"=hugeregion", "ECX_CGROUP="+cg, "ECX_SHM_SIZE=96m", "ECX_SHMMAX=67108864",
+	res := hugeRegion(t, syscall.CLONE_NEWNS|syscall.CLONE_NEWIPC, "ECX_CGROUP="+cg, "ECX_SHM_SIZE=96m", "ECX_SHMMAX=67108864",
 		"ECX_CASES="+strings.Join([]string{"1073741824:1", "1099511627776:1", "134217728:1", "8388608:1"}, ","))
-	cmd.SysProcAttr = &syscall.SysProcAttr{Unshareflags: syscall.CLONE_NEWNS | syscall.CLONE_NEWIPC}
-	var stderr strings.Builder
-	cmd.Stderr = &stderr
-	out, err := cmd.Output()
-	require.NoError(t, err, "the child died: %s", stderr.String())
-	var res hugeRegionResult
-	require.NoError(t, json.Unmarshal(out, &res), "child said %q", out)
 	require.Len(t, res.Errs, 4)
 	for i, what := range []string{"cgroup", "MemAvailable", "/dev/shm"} {
 		if i == 2 && res.ShmErr != "" {
@@ -212,15 +212,7 @@ func TestHugeRegionRefused(t *testing.T) {
 	// With System V at its usual limits the same 128 MiB region goes to a
 	// System V segment: a /dev/shm smaller than the region (a container's
 	// 96 MiB, say) does not refuse it.
-	cmd = exec.Command(exe, "-test.run=^$")
-	cmd.Env = append(os.Environ(), roleEnv+"=hugeregion", "ECX_CGROUP="+cg, "ECX_SHM_SIZE=96m", "ECX_CASES=134217728:1")
-	cmd.SysProcAttr = &syscall.SysProcAttr{Unshareflags: syscall.CLONE_NEWNS}
-	stderr.Reset()
-	cmd.Stderr = &stderr
-	out, err = cmd.Output()
-	require.NoError(t, err, "the child died: %s", stderr.String())
-	res = hugeRegionResult{}
-	require.NoError(t, json.Unmarshal(out, &res), "child said %q", out)
+	res = hugeRegion(t, syscall.CLONE_NEWNS, "ECX_CGROUP="+cg, "ECX_SHM_SIZE=96m", "ECX_CASES=134217728:1")
 	if res.ShmErr != "" {
 		t.Skipf("no private /dev/shm: %s", res.ShmErr)
 	}

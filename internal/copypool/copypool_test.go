@@ -21,6 +21,17 @@ type copyJob struct {
 	calls    int
 }
 
+// holdWorker keeps one of p's workers busy with the job holder until
+// block is closed; it returns once that worker has started.
+func holdWorker(p *Pool) (block chan struct{}, holder *copyJob) {
+	block, started := make(chan struct{}), make(chan struct{})
+	holder = newCopyJob(nil, nil)
+	holder.Run = func(lo, hi int) error { close(started); <-block; return nil }
+	p.Submit(&holder.Job, 1)
+	<-started
+	return block, holder
+}
+
 func newCopyJob(dst, src []byte) *copyJob {
 	c := &copyJob{dst: dst, src: src, done: make(chan error, 1)}
 	c.Run = func(lo, hi int) error { copy(c.dst[lo:hi], c.src[lo:hi]); return nil }
@@ -152,11 +163,7 @@ func TestCloseRunsOverflow(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	block, started := make(chan struct{}), make(chan struct{})
-	holder := newCopyJob(nil, nil)
-	holder.Run = func(lo, hi int) error { close(started); <-block; return nil }
-	p.Submit(&holder.Job, 1)
-	<-started
+	block, holder := holdWorker(p)
 	filler := newCopyJob(nil, nil)
 	filler.Run = func(lo, hi int) error { return nil }
 	p.Submit(&filler.Job, 1)
@@ -331,11 +338,7 @@ func TestHelpOneCopiesOneChunk(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer p.Close()
-	block, started := make(chan struct{}), make(chan struct{})
-	holder := newCopyJob(nil, nil)
-	holder.Run = func(lo, hi int) error { close(started); <-block; return nil }
-	p.Submit(&holder.Job, 1)
-	<-started
+	block, _ := holdWorker(p)
 	defer close(block)
 
 	src := bytes.Repeat([]byte("0123456789"), 40)
@@ -380,11 +383,7 @@ func TestHelpTakesUntakenChunks(t *testing.T) {
 	if n := never.Help(); n != 0 {
 		t.Fatalf("Help on a job never submitted copied %d chunks", n)
 	}
-	block, started := make(chan struct{}), make(chan struct{})
-	holder := newCopyJob(nil, nil)
-	holder.Run = func(lo, hi int) error { close(started); <-block; return nil }
-	p.Submit(&holder.Job, 1)
-	<-started
+	block, holder := holdWorker(p)
 
 	src := bytes.Repeat([]byte("0123456789"), 40)
 	dst := make([]byte, len(src))
@@ -489,11 +488,7 @@ func TestOverflowAfterWorkersBlocked(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer p.Close()
-	block, started := make(chan struct{}), make(chan struct{})
-	holder := newCopyJob(nil, nil)
-	holder.Run = func(lo, hi int) error { close(started); <-block; return nil }
-	p.Submit(&holder.Job, 1)
-	<-started
+	block, _ := holdWorker(p)
 	filler := newCopyJob(nil, nil) // takes the channel's only place
 	filler.Run = func(lo, hi int) error { return nil }
 	p.Submit(&filler.Job, 1)
