@@ -296,8 +296,11 @@ func FuzzSchedstat(f *testing.F) {
 		if d < 0 {
 			t.Fatalf("negative time %v", d)
 		}
-		if fs := strings.Fields(string(b)); len(fs) == 0 || fs[0] != strconv.FormatInt(int64(d), 10) &&
-			strings.TrimLeft(fs[0], "+0") != strings.TrimLeft(strconv.FormatInt(int64(d), 10), "0") {
+		fs := strings.Fields(string(b))
+		if len(fs) == 0 {
+			t.Fatalf("%v from blank text", d)
+		}
+		if n, err := strconv.ParseInt(fs[0], 10, 64); err != nil || time.Duration(n) != d {
 			t.Fatalf("%v from %q", d, b)
 		}
 	})
