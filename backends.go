@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/ecxfer/ecxfer/internal/testhook"
 	"github.com/ecxfer/ecxfer/nixl"
 	"github.com/ecxfer/ecxfer/nixl/libnixl"
 	"github.com/ecxfer/ecxfer/nixl/loopback"
@@ -15,6 +16,7 @@ import (
 var ErrNoBackend = errors.New("ecxfer: backend not available")
 
 func newAgent(cfg Config) (nixl.Agent, error) {
+	testhook.Run(&testhook.NewAgent)
 	switch cfg.Backend {
 	case "ucx":
 		a, err := ucx.New(ucx.Config{Name: cfg.AgentName, MaxNotif: cfg.Reactor.MaxNotif})

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"runtime"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -12,15 +13,24 @@ import (
 
 	"github.com/ecxfer/ecxfer/descriptors"
 	"github.com/ecxfer/ecxfer/internal/leakcheck"
+	"github.com/ecxfer/ecxfer/internal/testhook"
 	"github.com/ecxfer/ecxfer/reactor"
 )
 
+// countAgents counts, until the test ends, the engines New starts.
+func countAgents(t *testing.T) *atomic.Int64 {
+	var n atomic.Int64
+	count := func() { n.Add(1) }
+	testhook.NewAgent.Store(&count)
+	t.Cleanup(func() { testhook.NewAgent.Store(nil) })
+	return &n
+}
+
 // Reactor options New cannot use are ErrConfig, found before the engine
-// starts. The "nixl" backend shows the order: without the NIXL library,
-// creating its engine fails with ErrNoBackend, so an ErrConfig from it
-// means the options were refused first.
+// starts: no engine is started for them.
 func TestNewRejectsBadReactorOptions(t *testing.T) {
 	leakcheck.Check(t)
+	agents := countAgents(t)
 	cases := map[string]reactor.Options{
 		"notification larger than the engines carry": {MaxNotif: reactor.MaxNotifLimit + 1},
 		"negative notification limit":                {MaxNotif: -1},
@@ -41,6 +51,7 @@ func TestNewRejectsBadReactorOptions(t *testing.T) {
 				}
 				require.ErrorIs(t, err, ErrConfig)
 				require.False(t, errors.Is(err, ErrEngine), "an engine error: the options reached the engine")
+				require.Zero(t, agents.Load(), "an engine was started")
 			})
 		}
 	}
@@ -50,6 +61,7 @@ func TestNewRejectsBadReactorOptions(t *testing.T) {
 // the engine starts (the copy worker count used to be checked after it).
 func TestNewRejectsBadDirectOptions(t *testing.T) {
 	leakcheck.Check(t)
+	agents := countAgents(t)
 	cases := map[string]func(*Config){
 		"negative copy workers":  func(c *Config) { c.CopyWorkers = -1 },
 		"too many copy workers":  func(c *Config) { c.CopyWorkers = maxCopyWorkers + 1 },
@@ -67,6 +79,7 @@ func TestNewRejectsBadDirectOptions(t *testing.T) {
 				}
 				require.ErrorIs(t, err, ErrConfig)
 				require.False(t, errors.Is(err, ErrNoBackend), "the engine was started first")
+				require.Zero(t, agents.Load(), "an engine was started")
 			})
 		}
 	}

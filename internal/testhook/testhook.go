@@ -1,6 +1,7 @@
 // Package testhook holds the points where tests of other packages widen a
-// race window that is otherwise too narrow to hit on demand. Each is nil
-// outside tests; the code that runs one pays an atomic load.
+// race window that is otherwise too narrow to hit on demand, or see that
+// something happened that leaves no other trace. Each is nil outside
+// tests; the code that runs one pays an atomic load.
 package testhook
 
 import "sync/atomic"
@@ -8,6 +9,10 @@ import "sync/atomic"
 // AfterDirectDone runs on the reactor's loop between publishing a pool
 // READ of a same-host peer DONE and sending its notification.
 var AfterDirectDone atomic.Pointer[func()]
+
+// NewAgent runs when New is about to create its engine: tests count the
+// engines a refused Config started.
+var NewAgent atomic.Pointer[func()]
 
 // Run runs the hook h points at, if any.
 func Run(h *atomic.Pointer[func()]) {
