@@ -37,8 +37,8 @@ type Config struct {
 	// dynamic loader's search path.
 	LibPath string
 	// BackendParams override NIXL's defaults for its UCX backend (keys as
-	// NIXL names them, e.g. "ucx_error_handling_mode": "none"). Keys and
-	// values may not contain '=' or newlines. Nil: taken from
+	// NIXL names them, e.g. "ucx_error_handling_mode": "none"). Keys may
+	// not contain '=' or newlines, values not newlines. Nil: taken from
 	// $ECXFER_NIXL_PARAMS ("key=value,key=value"), if set.
 	BackendParams map[string]string
 	// MaxNotif limits notification size; 0 means nixl.DefaultMaxNotif.
@@ -137,6 +137,41 @@ type Agent struct {
 
 var _ nixl.Agent = (*Agent)(nil)
 
+// parseParams reads $ECXFER_NIXL_PARAMS: "key=value,key=value", blanks
+// around keys and values dropped.
+func parseParams(env string) (map[string]string, error) {
+	out := map[string]string{}
+	for _, kv := range strings.Split(env, ",") {
+		k, v, ok := strings.Cut(kv, "=")
+		if !ok {
+			return nil, nixl.Errorf(nixl.ErrInvalidParam, "libnixl: %s: %q is not key=value", EnvParams, kv)
+		}
+		out[strings.TrimSpace(k)] = strings.TrimSpace(v)
+	}
+	return out, nil
+}
+
+// encodeParams writes the backend parameters as the shim reads them: one
+// "key=value" line each, sorted by key; the shim splits a line at its
+// first '='. A key that is empty or holds '=' or a newline, or a value
+// that holds a newline, is refused.
+func encodeParams(p map[string]string) (string, error) {
+	keys := make([]string, 0, len(p))
+	for k := range p {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	var b strings.Builder
+	for _, k := range keys {
+		v := p[k]
+		if k == "" || strings.ContainsAny(k, "=\n") || strings.ContainsRune(v, '\n') {
+			return "", nixl.Errorf(nixl.ErrInvalidParam, "libnixl: backend parameter %q", k)
+		}
+		b.WriteString(k + "=" + v + "\n")
+	}
+	return b.String(), nil
+}
+
 // New loads the shim library (see Config.LibPath) and creates a NIXL agent
 // with no progress thread and one UCX backend. When the library cannot be
 // found the error wraps ErrNotInstalled; when it cannot be used,
@@ -147,28 +182,15 @@ func New(cfg Config) (*Agent, error) {
 	}
 	if cfg.BackendParams == nil {
 		if env := os.Getenv(EnvParams); env != "" {
-			cfg.BackendParams = map[string]string{}
-			for _, kv := range strings.Split(env, ",") {
-				k, v, ok := strings.Cut(kv, "=")
-				if !ok {
-					return nil, nixl.Errorf(nixl.ErrInvalidParam, "libnixl: %s: %q is not key=value", EnvParams, kv)
-				}
-				cfg.BackendParams[strings.TrimSpace(k)] = strings.TrimSpace(v)
+			var err error
+			if cfg.BackendParams, err = parseParams(env); err != nil {
+				return nil, err
 			}
 		}
 	}
-	var params strings.Builder
-	keys := make([]string, 0, len(cfg.BackendParams))
-	for k := range cfg.BackendParams {
-		keys = append(keys, k)
-	}
-	sort.Strings(keys)
-	for _, k := range keys {
-		v := cfg.BackendParams[k]
-		if k == "" || strings.ContainsAny(k, "=\n") || strings.ContainsRune(v, '\n') {
-			return nil, nixl.Errorf(nixl.ErrInvalidParam, "libnixl: backend parameter %q", k)
-		}
-		params.WriteString(k + "=" + v + "\n")
+	params, err := encodeParams(cfg.BackendParams)
+	if err != nil {
+		return nil, err
 	}
 	l, err := load(cfg.LibPath)
 	if err != nil {
@@ -186,11 +208,11 @@ func New(cfg Config) (*Agent, error) {
 		draining: map[string]*peer{},
 	}
 	cname := C.CString(cfg.Name)
-	cparams := C.CString(params.String())
+	cparams := C.CString(params)
 	const errCap = 1024
 	ebuf := (*C.char)(C.malloc(errCap))
 	*ebuf = 0
-	st := C.ecx_dl_agent_create(l.c, cname, C.size_t(len(cfg.Name)), cparams, C.size_t(params.Len()),
+	st := C.ecx_dl_agent_create(l.c, cname, C.size_t(len(cfg.Name)), cparams, C.size_t(len(params)),
 		&a.c, ebuf, errCap)
 	msg := C.GoString(ebuf)
 	C.free(unsafe.Pointer(cname))
