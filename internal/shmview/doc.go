@@ -25,7 +25,8 @@
 //     View is reference counted: Close unmaps only once the last copy that
 //     acquired it has released it, so a peer can be removed or replaced
 //     while copies out of its old mapping are still running. Populate
-//     faults in the pages of the peer's blocks (and only those) up front.
+//     faults in the pages of the peer's blocks (and only those, and of
+//     those only the ones its file holds: holes stay holes) up front.
 //   - Copy copies with debug.SetPanicOnFault set, so a producer that
 //     truncated its file (SIGBUS on the consumer's next touch) costs that
 //     copy an error instead of the consumer its life.

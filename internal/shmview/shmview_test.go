@@ -660,6 +660,55 @@ func TestPopulateOnlyBlocks(t *testing.T) {
 	}
 }
 
+// Populate maps only the pages the producer's file holds: the holes of a
+// sparse region (vLLM's file until its blocks are filled) stay holes,
+// rather than being allocated in the producer's file and charged to the
+// consumer. A READ of such a block still sees zeros.
+func TestPopulateSkipsHoles(t *testing.T) {
+	const size = 16 << 20
+	page := uint64(os.Getpagesize())
+	mem, path := shmFile(t, size)
+	written := []uint64{0, 3 << 20, 3<<20 + 5120, size - 5120} // offsets of the blocks the producer wrote
+	for _, off := range written {
+		fill(mem[off:off+5120], byte(off))
+	}
+	allocated := func() uint64 {
+		t.Helper()
+		var st unix.Stat_t
+		if err := unix.Stat(path, &st); err != nil {
+			t.Fatal(err)
+		}
+		return uint64(st.Blocks) * 512
+	}
+	before := allocated()
+	v, a := openFile(t, mem)
+	grid := make(descriptors.List, size/5120)
+	for i := range grid {
+		grid[i] = descriptors.Desc{Addr: a.Base + uint64(i)*5120, Len: 5120}
+	}
+	got := v.Populate(grid)
+	if after := allocated(); after != before {
+		t.Fatalf("the producer's file grew from %d to %d bytes: Populate allocated its holes", before, after)
+	}
+	if got == 0 || got > before {
+		t.Errorf("Populate asked for %d bytes, want the file's %d resident ones at most (and some)", got, before)
+	}
+	if m := mappedBytes(t, v.mem); m == 0 || m > before {
+		t.Errorf("%d bytes mapped, want some and at most the file's %d", m, before)
+	}
+	// The blocks written read back; a hole reads as zeros.
+	for _, off := range written {
+		want := make([]byte, 5120)
+		fill(want, byte(off))
+		if !bytes.Equal(v.data[off:off+5120], want) {
+			t.Fatalf("block at %d reads wrong through the view", off)
+		}
+	}
+	if hole := v.data[8<<20 : 8<<20+page]; !bytes.Equal(hole, make([]byte, page)) {
+		t.Fatal("a hole does not read as zeros")
+	}
+}
+
 // childLease is a producer that maps its region file and holds a write
 // lease on it, ignoring the kernel's signal to give it up, until its
 // stdin closes. It prints the mapping's address.

@@ -202,9 +202,12 @@ func openSysV(a *Advert) (*View, error) {
 // the first touch of each page; where the kernel cannot, they fault in as
 // they are read. Only those pages: a peer may advertise a region far
 // larger than the blocks its list names. Blocks outside the region are
-// skipped. Pages the producer never wrote are allocated in its file as
-// zeros, as a READ of them would: the region is the producer's to fill.
-// It returns how many bytes it asked the kernel to map.
+// skipped. Only pages the region's file already holds are mapped: a page
+// the producer never wrote (a hole of a sparse /dev/shm file, as vLLM's
+// region is until its blocks are filled) is left alone, since faulting it
+// in would allocate it in the producer's file, charged to this process's
+// memory cgroup; a READ of such a block still faults it in. It returns how
+// many bytes it asked the kernel to map.
 func (v *View) Populate(descs descriptors.List) uint64 {
 	page := uint64(os.Getpagesize())
 	spans := make([][2]uint64, 0, 1)
@@ -238,9 +241,46 @@ func (v *View) Populate(descs descriptors.List) uint64 {
 		spans = out
 	}
 	var total uint64
+	vec := make([]byte, (min(populateChunk, uint64(len(v.mem)))+page-1)/page)
 	for _, s := range spans {
-		_ = unix.Madvise(v.mem[s[0]:s[1]], unix.MADV_POPULATE_READ)
-		total += s[1] - s[0]
+		for at := s[0]; at < s[1]; {
+			end := min(at+populateChunk, s[1])
+			total += populateResident(v.mem[at:end], vec, page)
+			at = end
+		}
+	}
+	return total
+}
+
+// populateChunk bounds the span populateResident looks at in one mincore
+// call (its vector: one byte per page).
+const populateChunk = 64 << 20
+
+// populateResident maps the runs of pages of mem (page aligned) that are in
+// the page cache, as mincore(2) reports them, and returns their bytes.
+// Where mincore fails, nothing is mapped: READs fault pages in.
+func populateResident(mem, vec []byte, page uint64) uint64 {
+	n := (uint64(len(mem)) + page - 1) / page
+	vec = vec[:n]
+	_, _, errno := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&mem[0])), uintptr(len(mem)),
+		uintptr(unsafe.Pointer(&vec[0])))
+	if errno != 0 {
+		return 0
+	}
+	var total uint64
+	for i := uint64(0); i < n; {
+		if vec[i]&1 == 0 {
+			i++
+			continue
+		}
+		j := i + 1
+		for j < n && vec[j]&1 != 0 {
+			j++
+		}
+		lo, hi := i*page, min(j*page, uint64(len(mem)))
+		_ = unix.Madvise(mem[lo:hi], unix.MADV_POPULATE_READ)
+		total += hi - lo
+		i = j
 	}
 	return total
 }
