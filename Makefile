@@ -2,10 +2,11 @@
 # commands a fresh Debian 12 machine (as root) needs.
 
 GO        ?= go
+GOFMT     ?= $(shell $(GO) env GOROOT 2>/dev/null)/bin/gofmt
 PKGS      ?= ./...
 FUZZTIME  ?= 20000x
 LONGFUZZ  ?= 2000000x
-DEBS      := gcc libc6-dev libucx-dev ucx-utils pkg-config iproute2 python3-msgpack python3-venv
+DEBS      := ca-certificates gcc libc6-dev libucx-dev ucx-utils pkg-config iproute2 python3-msgpack python3-venv
 GO_MIN    := 1.26
 SOAK      ?= 5m
 SOAK_RESTARTS ?= 100
@@ -54,7 +55,7 @@ VENV_STAMP := $(VENV)/.installed
 venv: $(VENV_STAMP)
 
 $(VENV_STAMP): $(VENV_REQS) | debs
-	@test -x $(VENV_PY) || $(PYTHON3) -m venv $(VENV)
+	@$(VENV_PY) -m pip --version >/dev/null 2>&1 || $(PYTHON3) -m venv --clear $(VENV)
 	$(VENV_PY) -m pip install -q --disable-pip-version-check $(addprefix -r ,$(VENV_REQS))
 	@cat $(VENV_REQS) > $@
 
@@ -75,7 +76,7 @@ build: deps
 	$(GO) build $(PKGS)
 
 fmt-check:
-	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
+	@out=$$($(GOFMT) -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')) || exit 1; \
 	if [ -n "$$out" ]; then echo "gofmt needed on:"; echo "$$out"; exit 1; fi
 
 vet: go-check debs
@@ -149,14 +150,14 @@ soak: deps
 		--restart 100ms --restarts $(SOAK_RESTARTS) --notif-bytes 80; s=$$?; rm -f .soak; exit $$s
 
 # A real transfer between two processes (the harness forks a UCX producer)
-# with every workload and mode, bytes verified, and the table (about 45 s).
+# with every workload and mode, bytes verified, and the table (about 65 s).
 run: deps
 	$(GO) run ./cmd/ecxfer-bench run
 
 # The full set: every package's Go benchmarks, then the harness with longer
 # cells, writing bench.json and bench.svg.
 bench: deps
-	$(GO) test -run '^$$' -bench . -benchmem -count 6 $(PKGS)
+	$(GO) test -run '^$$' -bench . -benchtime $(BENCHTIME) -benchmem -count 6 $(PKGS)
 	$(GO) run ./cmd/ecxfer-bench run --duration 5s --warmup 1s --json bench.json --svg bench.svg
 
 # Two hosts on one machine: two network namespaces and a veth pair, made

@@ -488,9 +488,9 @@ func (t *Transport) WaitNotifs(ctx context.Context) (map[string][][]byte, error)
 // (StateDone, nil) done, (StateErr, err) failed or for a bad handle. It is
 // one atomic load: cheap enough to spin on. For a large READ of a direct
 // peer that the copy workers have not finished taking, the call first
-// copies one untaken chunk itself (at most 256 KiB or a quarter of the
-// READ per copy worker, whichever is larger: an eighth with the default
-// two), so a caller that polls lends
+// copies one untaken chunk itself (at most 256 KiB or the READ divided by
+// four times the number of copy workers, whichever is larger: an eighth
+// with the default two), so a caller that polls lends
 // its CPU to the copy (see the reactor package).
 func (t *Transport) CheckXferState(h Handle) (State, error) {
 	st, err := t.r.State(uint64(h))

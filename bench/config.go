@@ -230,7 +230,7 @@ func ParseRunFlags(args []string, stderr io.Writer) (Config, error) {
 	fs.DurationVar(&c.Duration, "duration", c.Duration, "measured time per workload×mode cell")
 	fs.DurationVar(&c.Warmup, "warmup", c.Warmup, "unmeasured time before each cell, in each round")
 	fs.IntVar(&c.Rounds, "rounds", c.Rounds, "split each cell's --duration into this many rounds, modes in alternating order, merged per row")
-	fs.StringVar(&c.Connect, "connect", "", "address of an `ecxfer-bench serve` producer (host:port); default: start one here")
+	fs.StringVar(&c.Connect, "connect", "", "`host:port` of an ecxfer-bench serve producer; default: start one here")
 	cpu := fs.Int("reactor-cpu", -1, "pin the consumer's reactor thread to this CPU (-1: not pinned)")
 	node := fs.Int("numa-node", -1, "bind the consumer's reactor and region to this NUMA node (-1: no binding)")
 	idle := fs.String("idle", "hybrid", "reactor idle strategy: hybrid, spin, yield or park")

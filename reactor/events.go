@@ -15,8 +15,8 @@ import (
 // and repeated events of one kind (timeouts, engine errors) are folded
 // into at most one record per second, with a count.
 const (
-	// EventReactorStart: the loop started. Attributes: pinned, cpu,
-	// numa_node (when bound), idle, spin_for, yield_for, park_timeout,
+	// EventReactorStart: the loop started. Attributes: pinned, cpu (when
+	// pinned to one), numa_node (when bound), idle, spin_for, yield_for, park_timeout,
 	// batch, handles, submit_ring.
 	EventReactorStart = "ecxfer.reactor.start"
 	// EventReactorStop: the loop stopped. Attributes: uptime, cpu_time
