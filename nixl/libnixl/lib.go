@@ -15,6 +15,7 @@ import (
 	"runtime"
 	"strings"
 	"sync"
+	"syscall"
 	"unsafe"
 )
 
@@ -105,7 +106,7 @@ func candidates(explicit string) []string {
 	if v := os.Getenv(EnvVenv); v != "" {
 		c = append(c, filepath.Join(v, shimDir, LibName))
 	}
-	if v := projectVenv(); v != "" {
+	if v, _ := projectVenv(); v != "" {
 		c = append(c, filepath.Join(v, shimDir, LibName))
 	}
 	// Last, the dynamic loader's own search (LD_LIBRARY_PATH, ld.so.cache).
@@ -113,23 +114,79 @@ func candidates(explicit string) []string {
 }
 
 // projectVenv returns the nearest .venv directory from the working
-// directory up, or "".
-func projectVenv() string {
+// directory up that this process may trust, or "". The search climbs into
+// directories other users can write to (a working directory under /tmp),
+// so a .venv is skipped unless it, its lib/ecxfer directories and the
+// library in it belong to this user or root and no other user may write
+// them (see trusted): a library planted there would run its code in this
+// process the moment it is opened.
+// The reasons for the ones skipped on the way come back too.
+func projectVenv() (string, []string) {
 	dir, err := os.Getwd()
 	if err != nil {
-		return ""
+		return "", nil
 	}
+	var skipped []string
 	for {
 		v := filepath.Join(dir, ProjectVenv)
 		if fi, err := os.Stat(v); err == nil && fi.IsDir() {
-			return v
+			err := venvTrusted(v)
+			if err == nil {
+				return v, skipped
+			}
+			skipped = append(skipped, fmt.Sprintf("%s skipped (%v)", v, err))
 		}
 		parent := filepath.Dir(dir)
 		if parent == dir {
-			return ""
+			return "", skipped
 		}
 		dir = parent
 	}
+}
+
+// venvTrusted reports why the library of venv v may not be trusted, or nil:
+// v, v/lib, v/lib/ecxfer and the library (those of them that exist) must
+// each be owned by this process's user or root and not writable by other
+// users, and so must what a symbolic link among them points to.
+func venvTrusted(v string) error {
+	p := v
+	for _, part := range append(strings.Split(shimDir, string(filepath.Separator)), LibName) {
+		if err := trusted(p); err != nil {
+			return err
+		}
+		p = filepath.Join(p, part)
+	}
+	return trusted(p)
+}
+
+// trusted checks one path and, when it is a symbolic link, its target; a
+// path that does not exist is no objection.
+func trusted(p string) error {
+	euid := uint32(os.Geteuid())
+	check := func(fi os.FileInfo) error {
+		st, ok := fi.Sys().(*syscall.Stat_t)
+		if !ok {
+			return fmt.Errorf("%s: no owner to check", p)
+		}
+		if st.Uid != euid && st.Uid != 0 {
+			return fmt.Errorf("%s belongs to uid %d, not to this user or root", p, st.Uid)
+		}
+		if fi.Mode().Perm()&0o002 != 0 {
+			return fmt.Errorf("%s is writable by every user", p)
+		}
+		return nil
+	}
+	fi, err := os.Lstat(p)
+	if err != nil {
+		return nil
+	}
+	if err := check(fi); err != nil || fi.Mode()&os.ModeSymlink == 0 {
+		return err
+	}
+	if fi, err = os.Stat(p); err != nil {
+		return nil
+	}
+	return check(fi)
 }
 
 // load finds and opens the library. Successes are cached per path.
@@ -167,9 +224,12 @@ func load(explicit string) (*lib, error) {
 		}
 		return nil, fmt.Errorf("%w: %s: %s", ErrBadLibrary, path, msg)
 	}
-	if explicit == "" && os.Getenv(EnvLib) == "" && projectVenv() == "" {
-		wd, _ := os.Getwd()
-		tried = append(tried, fmt.Sprintf("no %s in %s or above", ProjectVenv, wd))
+	if explicit == "" && os.Getenv(EnvLib) == "" {
+		if v, skipped := projectVenv(); v == "" {
+			wd, _ := os.Getwd()
+			tried = append(tried, skipped...)
+			tried = append(tried, fmt.Sprintf("no %s in %s or above", ProjectVenv, wd))
+		}
 	}
 	return nil, fmt.Errorf("%w: tried %s; %s", ErrNotInstalled, strings.Join(tried, ", "), buildHint)
 }

@@ -211,3 +211,63 @@ func TestConfigValidation(t *testing.T) {
 	require.ErrorIs(t, err, nixl.ErrInvalidParam)
 	require.Contains(t, err.Error(), EnvParams)
 }
+
+// The search for a project .venv climbs into directories other users may
+// write to (a working directory under /tmp): a .venv there that belongs
+// to another user, or that every user may write, is skipped, and its
+// library is never opened (opening it would run its constructor here).
+func TestProjectVenvOfOtherUserSkipped(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to give a directory to another user")
+	}
+	shared := t.TempDir() // stands in for /tmp
+	marker := filepath.Join(shared, "constructor-ran")
+	dir := filepath.Join(shared, ProjectVenv, "lib", "ecxfer")
+	require.NoError(t, os.MkdirAll(dir, 0o755))
+	src := filepath.Join(shared, "planted.c")
+	require.NoError(t, os.WriteFile(src, []byte(`#include <stdio.h>
+__attribute__((constructor)) static void planted(void) {
+	FILE *f = fopen("`+marker+`", "w");
+	if (f) { fputs("ran\n", f); fclose(f); }
+}
+`), 0o644))
+	lib := filepath.Join(dir, LibName)
+	if out, err := exec.Command("gcc", "-shared", "-fPIC", "-o", lib, src).CombinedOutput(); err != nil {
+		t.Skipf("gcc: %v\n%s", err, out)
+	}
+	work := filepath.Join(shared, "job", "work")
+	require.NoError(t, os.MkdirAll(work, 0o755))
+	t.Chdir(work)
+	t.Setenv(EnvLib, "")
+	t.Setenv(EnvPrefix, "")
+	t.Setenv(EnvVenv, "")
+	venv := filepath.Join(shared, ProjectVenv)
+	for _, c := range []struct {
+		name  string
+		setup func()
+	}{
+		{"other user's .venv", func() { require.NoError(t, os.Chown(venv, 65534, 65534)) }},
+		{"other user's library", func() { require.NoError(t, os.Chown(lib, 65534, 65534)) }},
+		{"world-writable lib/ecxfer", func() { require.NoError(t, os.Chmod(dir, 0o777)) }},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			for _, p := range []string{venv, filepath.Dir(dir), dir, lib} {
+				require.NoError(t, os.Chown(p, 0, 0))
+			}
+			require.NoError(t, os.Chmod(dir, 0o755))
+			c.setup()
+			require.NotContains(t, candidates(""), lib)
+			_, err := load("")
+			require.Error(t, err)
+			require.Contains(t, err.Error(), venv+" skipped", "the error says which .venv was skipped and why")
+			_, statErr := os.Stat(marker)
+			require.True(t, os.IsNotExist(statErr), "the planted library was opened and ran its constructor")
+		})
+	}
+	// The same tree, owned by root and not writable by others, is this
+	// user's (root's) own: it is a candidate.
+	require.NoError(t, os.Chown(venv, 0, 0))
+	require.NoError(t, os.Chown(lib, 0, 0))
+	require.NoError(t, os.Chmod(dir, 0o755))
+	require.Contains(t, candidates(""), lib)
+}
