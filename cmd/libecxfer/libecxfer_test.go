@@ -2,6 +2,7 @@ package main
 
 import (
 	"encoding/binary"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math"
@@ -313,7 +314,48 @@ func FuzzParseOptions(f *testing.F) {
 				t.Fatalf("negative duration %v accepted", d)
 			}
 		}
+		// What is accepted is one JSON object, nothing after it, whose
+		// keys are option names exactly as spelt.
+		if !json.Valid(data) {
+			t.Fatalf("accepted %q, which is not one JSON value", data)
+		}
+		var m map[string]json.RawMessage
+		if err := json.Unmarshal(data, &m); err != nil || m == nil {
+			t.Fatalf("accepted %q, which is not a JSON object (%v)", data, err)
+		}
+		for k := range m {
+			if !optionNames[k] {
+				t.Fatalf("accepted key %q, which is no option as spelt", k)
+			}
+		}
 	})
+}
+
+// Options are one JSON object with each option spelt exactly and given
+// once: encoding/json alone takes keys regardless of case, lets the last
+// of a repeated key win, and its More() passes a stray ] or } after the
+// object.
+func TestOptionsExactKeys(t *testing.T) {
+	const base = `"agent_name":"a","block_size":64,"num_blocks":8`
+	for _, s := range []string{
+		`{` + base + `} x`,
+		`{` + base + `}}`,
+		`{` + base + `}]`,
+		`{` + base + `}]]]garbage`,
+		`{` + base + `}{}`,
+		`{` + base + `,"backend":"ucx","BACKEND":"loopback"}`,
+		`{` + base + `,"Backend":"loopback"}`,
+		`{` + base + `,"backend":"ucx","backend":"loopback"}`,
+		`{` + base + `,"block_size":64}`,
+		`null`,
+		`[{` + base + `}]`,
+	} {
+		_, err := parseOptions([]byte(s))
+		require.ErrorIs(t, err, ecxfer.ErrConfig, "accepted %s", s)
+	}
+	cfg, err := parseOptions([]byte(" {" + base + `,"backend":"loopback"}` + "\n"))
+	require.NoError(t, err, "white space around the object is fine")
+	require.Equal(t, "loopback", cfg.Backend)
 }
 
 // runLocked runs f on one OS thread, as a call from C does.

@@ -4,7 +4,10 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"io"
 	"math"
+	"reflect"
+	"strings"
 	"time"
 
 	"github.com/ecxfer/ecxfer"
@@ -54,16 +57,67 @@ var directModes = map[string]ecxfer.DirectMode{
 	"off":  ecxfer.DirectOff,
 }
 
+// optionNames are the options' JSON names, exactly as spelt.
+var optionNames = func() map[string]bool {
+	m := map[string]bool{}
+	t := reflect.TypeFor[options]()
+	for i := range t.NumField() {
+		name, _, _ := strings.Cut(t.Field(i).Tag.Get("json"), ",")
+		m[name] = true
+	}
+	return m
+}()
+
+// checkKeys requires data to be one JSON object, nothing after it, whose
+// keys are option names exactly as spelt, each at most once:
+// encoding/json matches keys regardless of case and lets a repeated key
+// win, so {"backend": "ucx", "BACKEND": "loopback"} would quietly be
+// loopback.
+func checkKeys(data []byte) error {
+	dec := json.NewDecoder(bytes.NewReader(data))
+	if tok, err := dec.Token(); err != nil {
+		return err
+	} else if tok != json.Delim('{') {
+		return fmt.Errorf("not a JSON object")
+	}
+	seen := map[string]bool{}
+	for dec.More() {
+		tok, err := dec.Token()
+		if err != nil {
+			return err
+		}
+		key, _ := tok.(string)
+		switch {
+		case !optionNames[key]:
+			return fmt.Errorf("unknown option %q", key)
+		case seen[key]:
+			return fmt.Errorf("option %q given twice", key)
+		}
+		seen[key] = true
+		var v json.RawMessage
+		if err := dec.Decode(&v); err != nil {
+			return err
+		}
+	}
+	if _, err := dec.Token(); err != nil { // the closing brace
+		return err
+	}
+	if _, err := dec.Token(); err != io.EOF {
+		return fmt.Errorf("trailing data after the JSON object")
+	}
+	return nil
+}
+
 // parseOptions decodes ecx_new's JSON into a Config (without its region).
 func parseOptions(data []byte) (ecxfer.Config, error) {
+	if err := checkKeys(data); err != nil {
+		return ecxfer.Config{}, fmt.Errorf("%w: options: %v", ecxfer.ErrConfig, err)
+	}
 	var o options
 	dec := json.NewDecoder(bytes.NewReader(data))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(&o); err != nil {
 		return ecxfer.Config{}, fmt.Errorf("%w: options: %v", ecxfer.ErrConfig, err)
-	}
-	if dec.More() {
-		return ecxfer.Config{}, fmt.Errorf("%w: options: trailing data after the JSON object", ecxfer.ErrConfig)
 	}
 	cfg := ecxfer.Config{
 		AgentName: o.AgentName,
