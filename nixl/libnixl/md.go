@@ -17,9 +17,12 @@ import (
 // the good blob of the same peer).
 //
 // Only the name is required. The rest of the walk follows the layout of
-// the NIXL versions this project was written against; a blob whose layout
-// differs (an unknown tag) is handed to NIXL unchecked, but a blob whose
-// records run past its end is refused either way. When the walk succeeds
+// the NIXL versions this project was written against. A blob whose records
+// run past its end is refused, as far as the walk gets: at the first
+// record it does not know (an unknown tag or size, another NIXL's layout)
+// it stops, and since tags carry no length it cannot tell where later
+// records end, so NIXL judges the rest unchecked (if NIXL then refuses
+// the blob, LoadRemoteMetadata drops whatever of it NIXL kept). When the walk succeeds
 // it also yields the DRAM regions the peer advertised, which PrepDlist uses
 // to check remote lists before NIXL does.
 
@@ -86,7 +89,8 @@ type peerMD struct {
 }
 
 // parseMD reads a metadata blob. It fails with ErrInvalidParam when the
-// blob has no magic or name, or when a record runs past its end.
+// blob has no magic or name, or when a record before the first one of an
+// unknown layout runs past its end.
 func parseMD(b []byte) (peerMD, error) {
 	var md peerMD
 	if !bytes.HasPrefix(b, []byte(mdMagic)) {
