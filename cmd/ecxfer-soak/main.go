@@ -141,17 +141,12 @@ func main() {
 // Producer role.
 
 func runProducer() int {
-	// UCX logs to stdout: keep the control channel on a descriptor of its
-	// own and send fd 1 to stderr.
-	fd, err := unix.Dup(1)
+	// UCX logs to stdout: keep the control channel off it.
+	c, err := ctrl.ChildConn()
 	if err != nil {
+		fmt.Fprintln(os.Stderr, "soak producer:", err)
 		return 1
 	}
-	if err := unix.Dup2(2, 1); err != nil {
-		return 1
-	}
-	unix.CloseOnExec(fd)
-	c := ctrl.New(os.Stdin, os.NewFile(uintptr(fd), "ctrl"))
 	bs, _ := strconv.Atoi(os.Getenv("ECX_BS"))
 	seed, _ := strconv.ParseUint(os.Getenv("ECX_SEED"), 10, 64)
 	cfg := ecxfer.Config{AgentName: os.Getenv("ECX_NAME"), BlockSize: bs, NumBlocks: prodNB}

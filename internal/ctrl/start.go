@@ -2,9 +2,11 @@ package ctrl
 
 import (
 	"errors"
+	"fmt"
 	"io"
 	"os"
 	"os/exec"
+	"syscall"
 )
 
 // StartPiped starts cmd with pipes to its standard input and output, the
@@ -45,4 +47,22 @@ func StartPiped(cmd *exec.Cmd) (stdin io.WriteCloser, stdout io.ReadCloser, err 
 		return nil, nil, err
 	}
 	return stdin, r, nil
+}
+
+// ChildConn is the child's side of StartPiped: a Conn over its standard
+// input and a duplicate of its standard output, with descriptor 1 then
+// pointed at standard error. Libraries that print to stdout (UCX logs
+// there) would otherwise write into the control stream and break its
+// framing; their lines now reach stderr.
+func ChildConn() (*Conn, error) {
+	fd, err := syscall.Dup(1)
+	if err != nil {
+		return nil, fmt.Errorf("ctrl: duplicating stdout: %w", err)
+	}
+	syscall.CloseOnExec(fd)
+	if err := syscall.Dup2(2, 1); err != nil {
+		_ = syscall.Close(fd)
+		return nil, fmt.Errorf("ctrl: pointing stdout at stderr: %w", err)
+	}
+	return New(os.Stdin, os.NewFile(uintptr(fd), "ctrl")), nil
 }

@@ -82,12 +82,14 @@ func Consumers(ctx context.Context, cfg ConsumersConfig) (*ConsumersResult, erro
 	if err := cfg.defaults(); err != nil {
 		return nil, err
 	}
-	var all []*Proc
-	defer func() {
-		for _, p := range all {
-			_ = p.Stop(30 * time.Second)
-		}
-	}()
+	res, err := consumers(ctx, cfg)
+	return res, interrupted(ctx, "consumers", err)
+}
+
+func consumers(ctx context.Context, cfg ConsumersConfig) (*ConsumersResult, error) {
+	var all group
+	defer all.stopAll()
+	defer all.watch(ctx)()
 	prod, cons, err := startConsumers(cfg, &all)
 	if err != nil {
 		return nil, err
@@ -127,12 +129,12 @@ func Consumers(ctx context.Context, cfg ConsumersConfig) (*ConsumersResult, erro
 
 // startConsumers starts the producer and the consumers (appending them to
 // all as they start) and waits until every consumer is connected.
-func startConsumers(cfg ConsumersConfig, all *[]*Proc) (*Proc, []*Proc, error) {
+func startConsumers(cfg ConsumersConfig, all *group) (*Proc, []*Proc, error) {
 	prod, err := Spawn("producer", cfg.ProducerWrap, cfg.ProducerEnv)
 	if err != nil {
 		return nil, nil, err
 	}
-	*all = append(*all, prod)
+	all.add(prod)
 	if err := prod.C.Send(ctrl.Message{Kind: "setup", Ints: map[string]int64{"bs": int64(cfg.BlockSize), "nb": int64(cfg.NumBlocks),
 		"idle": int64(cfg.Idle)}}); err != nil {
 		return nil, nil, err
@@ -146,7 +148,7 @@ func startConsumers(cfg ConsumersConfig, all *[]*Proc) (*Proc, []*Proc, error) {
 		if cons[i], err = Spawn("consumer", cfg.ConsumerWrap, cfg.ConsumerEnv); err != nil {
 			return nil, nil, err
 		}
-		*all = append(*all, cons[i])
+		all.add(cons[i])
 		err = cons[i].C.Send(ctrl.Message{Kind: "setup", Metadata: hello.Metadata, MemDesc: hello.MemDesc, Ints: map[string]int64{
 			"id": int64(i), "bs": int64(cfg.BlockSize), "nb": int64(cfg.NumBlocks), "k": int64(cfg.BlocksPerRead),
 			"seed": hello.Ints["seed"], "idle": int64(cfg.Idle)}})

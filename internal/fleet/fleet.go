@@ -7,6 +7,7 @@
 package fleet
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -17,6 +18,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/ecxfer/ecxfer/internal/ctrl"
@@ -32,8 +34,11 @@ func Child() (int, bool) {
 	if role == "" {
 		return 0, false
 	}
-	c := ctrl.New(os.Stdin, os.Stdout)
-	var err error
+	c, err := ctrl.ChildConn()
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "fleet %s (pid %d): %v\n", role, os.Getpid(), err)
+		return 1, true
+	}
 	switch role {
 	case "agents":
 		err = agentsChild(c)
@@ -98,6 +103,64 @@ func (p *Proc) Stop(timeout time.Duration) error {
 		<-p.exited
 		return fmt.Errorf("fleet: child %d did not exit within %v", p.cmd.Process.Pid, timeout)
 	}
+}
+
+// group is the children of one run. Once its context is done (the tool
+// got SIGINT or SIGTERM) every child in it, and every child added later,
+// is killed: the run's blocking reads from them then fail at once instead
+// of the run going on to its end as if nothing had happened.
+type group struct {
+	mu     sync.Mutex
+	procs  []*Proc
+	killed bool
+}
+
+// watch kills the group's children when ctx is done; the returned function
+// ends the watch.
+func (g *group) watch(ctx context.Context) (stop func()) {
+	end := make(chan struct{})
+	go func() {
+		select {
+		case <-ctx.Done():
+			g.mu.Lock()
+			g.killed = true
+			procs := g.procs
+			g.mu.Unlock()
+			for _, p := range procs {
+				_ = p.cmd.Process.Kill()
+			}
+		case <-end:
+		}
+	}()
+	return func() { close(end) }
+}
+
+func (g *group) add(p *Proc) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.procs = append(g.procs, p)
+	if g.killed {
+		_ = p.cmd.Process.Kill()
+	}
+}
+
+// stopAll stops every child (see Proc.Stop).
+func (g *group) stopAll() {
+	g.mu.Lock()
+	procs := g.procs
+	g.mu.Unlock()
+	for _, p := range procs {
+		_ = p.Stop(30 * time.Second)
+	}
+}
+
+// interrupted returns ctx's error, naming what was cut short, when ctx is
+// done, and err otherwise.
+func interrupted(ctx context.Context, what string, err error) error {
+	if ctx.Err() != nil {
+		return fmt.Errorf("fleet: %s interrupted: %w", what, ctx.Err())
+	}
+	return err
 }
 
 // waitEOF blocks until the orchestrator closes the child's stdin.

@@ -57,6 +57,30 @@ func TestConsumers(t *testing.T) {
 		res.Reads, res.GBps(), res.NotifP50, res.NotifP99, res.Early, res.ProducerCPU, res.ProducerCPUPerGB)
 }
 
+// An interrupted run (the tool's SIGINT or SIGTERM cancels its context)
+// ends at once with the context's error, its children gone, instead of
+// running to its end and reporting success.
+func TestConsumersInterrupted(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() { time.Sleep(time.Second); cancel() }()
+	t0 := time.Now()
+	_, err := Consumers(ctx, ConsumersConfig{Consumers: 2, BlockSize: 4096, NumBlocks: 256, BlocksPerRead: 8, Duration: time.Minute})
+	require.ErrorIs(t, err, context.Canceled)
+	require.Less(t, time.Since(t0), 30*time.Second, "the run went on after it was interrupted")
+}
+
+// UCX (and anything else) printing to a child's stdout does not reach the
+// control stream: the child's Conn is on a descriptor of its own.
+func TestChildStdoutIsNotTheControlStream(t *testing.T) {
+	t.Setenv("UCX_LOG_LEVEL", "debug") // UCX prints its debug log to stdout
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	res, err := Consumers(ctx, ConsumersConfig{Consumers: 1, BlockSize: 4096, NumBlocks: 64, BlocksPerRead: 8, Duration: 200 * time.Millisecond})
+	require.NoError(t, err)
+	require.Greater(t, res.Verified, uint64(0))
+}
+
 // quantile is the nearest rank: the smallest value with at least q of the
 // values at or below it (p99 of 256 values is the 254th, not the 253rd).
 func TestQuantile(t *testing.T) {

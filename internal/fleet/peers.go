@@ -71,13 +71,16 @@ func Peers(ctx context.Context, cfg PeersConfig) (*PeersResult, error) {
 	if err := cfg.defaults(); err != nil {
 		return nil, err
 	}
+	res, err := peers(ctx, cfg)
+	return res, interrupted(ctx, "peers", err)
+}
+
+func peers(ctx context.Context, cfg PeersConfig) (*PeersResult, error) {
 	res := &PeersResult{Agents: cfg.Agents, Procs: cfg.Procs}
-	procs, agents, err := startAgents(cfg)
-	defer func() {
-		for _, p := range procs {
-			_ = p.Stop(30 * time.Second)
-		}
-	}()
+	var procs group
+	defer procs.stopAll()
+	defer procs.watch(ctx)()
+	agents, err := startAgents(cfg, &procs)
 	if err != nil {
 		return nil, err
 	}
@@ -177,9 +180,8 @@ func readAll(ctx context.Context, cons *ecxfer.Transport, agents []agentInfo, cf
 }
 
 // startAgents starts the processes and collects every agent's metadata.
-func startAgents(cfg PeersConfig) ([]*Proc, []agentInfo, error) {
+func startAgents(cfg PeersConfig, procs *group) ([]agentInfo, error) {
 	var (
-		procs  []*Proc
 		agents []agentInfo
 		mu     sync.Mutex
 		wg     sync.WaitGroup
@@ -192,9 +194,9 @@ func startAgents(cfg PeersConfig) ([]*Proc, []agentInfo, error) {
 		}
 		proc, err := Spawn("agents", nil, nil)
 		if err != nil {
-			return procs, nil, err
+			return nil, err
 		}
-		procs = append(procs, proc)
+		procs.add(proc)
 		wg.Add(1)
 		go func(p int, proc *Proc) {
 			defer wg.Done()
@@ -209,9 +211,9 @@ func startAgents(cfg PeersConfig) ([]*Proc, []agentInfo, error) {
 	}
 	wg.Wait()
 	if len(errs) > 0 {
-		return procs, nil, fmt.Errorf("fleet: starting agents: %s", strings.Join(errs, "; "))
+		return nil, fmt.Errorf("fleet: starting agents: %s", strings.Join(errs, "; "))
 	}
-	return procs, agents, nil
+	return agents, nil
 }
 
 func setupAgents(c *ctrl.Conn, p, n int, cfg PeersConfig) ([]agentInfo, error) {
