@@ -37,6 +37,8 @@ TMP=$(mktemp -d)
 PIDS=""
 
 cleanup() {
+	# A second signal must not cut the clean-up short.
+	trap '' INT TERM HUP
 	for p in $PIDS; do kill "$p" 2>/dev/null || true; done
 	wait 2>/dev/null || true
 	ip netns del "$NSA" 2>/dev/null || true
@@ -44,7 +46,11 @@ cleanup() {
 	rm -rf "$TMP"
 }
 trap cleanup EXIT
-trap 'exit 130' INT TERM
+# dash runs the EXIT trap only on exit, not when a signal kills it: every
+# signal that ends a run (a closed terminal too) goes through exit.
+trap 'exit 130' INT
+trap 'exit 143' TERM
+trap 'exit 129' HUP
 
 if [ "$(id -u)" != 0 ]; then
 	echo "bench-hosts: needs root (network namespaces)" >&2
