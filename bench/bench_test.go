@@ -389,6 +389,39 @@ func modesOf(rep *Report) map[string]int {
 	return m
 }
 
+// A run interrupted in its last cell or in its references (ecxfer-bench
+// turns SIGINT and SIGTERM into a canceled context) fails: it used to
+// report a full table and exit 0.
+func TestRunInterrupted(t *testing.T) {
+	for _, refs := range []bool{false, true} {
+		cfg := DefaultConfig()
+		cfg.Modes = []string{"raw"}
+		cfg.Backend = "loopback"
+		cfg.Workloads = []string{"latency"}
+		cfg.Rounds = 1
+		cfg.Duration = 2 * time.Second
+		cfg.Warmup = 10 * time.Millisecond
+		cfg.References = refs
+		cfg.RemoteRegion = 0
+		cfg.JSONFile, cfg.SVGFile = "", ""
+		if refs {
+			cfg.Duration = 100 * time.Millisecond
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		// Into the second (last) cell, or past both cells (about 0.4 s
+		// here) into the references (about a second). Wherever it lands,
+		// the run must fail; it must only land before the run ends.
+		at := 3 * time.Second
+		if refs {
+			at = 700 * time.Millisecond
+		}
+		time.AfterFunc(at, cancel)
+		_, err := Run(ctx, cfg)
+		cancel()
+		require.ErrorIs(t, err, context.Canceled, "references %v", refs)
+	}
+}
+
 func TestRunLoopback(t *testing.T) {
 	rep := runShort(t, "loopback", "latency", "notif")
 	// latency at two block sizes, notif at one, for four modes.

@@ -115,11 +115,20 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		err = serr
 	}
 	s.clearProgress()
+	if err == nil && ctx.Err() != nil {
+		// Interrupted during the last cell (runAll looks before each one).
+		err = fmt.Errorf("bench: interrupted: %w", ctx.Err())
+	}
 	if err != nil {
 		return s.rep, err
 	}
 	if cfg.References {
 		s.references(ctx)
+		if ctx.Err() != nil {
+			// A reference cut short is a note, not a measurement: the run
+			// as a whole did not finish.
+			return s.rep, fmt.Errorf("bench: interrupted during the references: %w", ctx.Err())
+		}
 	}
 	s.addNotes()
 	sortResults(s.rep.Results)
