@@ -101,6 +101,12 @@ func ServeHooked(c *ctrl.Conn, backend string, hook TransportHook) error {
 	for {
 		m, err := c.Recv()
 		if errors.Is(err, io.EOF) {
+			if p != nil {
+				// A consumer tears down every producer it set up, also
+				// after an error: this one died or dropped the connection
+				// in the middle of a run.
+				return fmt.Errorf("producer: the consumer went away in the middle of a run (%s producer set up, no teardown)", p.mode)
+			}
 			return nil
 		}
 		if err != nil {
