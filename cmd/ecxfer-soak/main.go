@@ -163,6 +163,9 @@ func runProducer() int {
 			_ = c.Send(ctrl.Message{Kind: "error", Strs: map[string]string{"error": err.Error()}})
 			return 1
 		}
+		// However this process ends, short of being killed: a parent that
+		// died cannot remove the file any more.
+		defer func() { _ = os.Remove(os.Getenv("ECX_SHM_PATH")) }()
 		cfg.Region = region
 	}
 	tr, err := ecxfer.New(cfg)
@@ -487,7 +490,7 @@ func soak(duration time.Duration, nprod, nwork int, restart time.Duration, bs, r
 	restartDone := make(chan struct{})
 	go func() {
 		defer close(restartDone)
-		s.restarter()
+		s.restarter(runDone)
 	}()
 	smp := s.monitor(start)
 	s.stop.Store(true)
@@ -581,8 +584,9 @@ func (s *soakRun) start(nprod int) error {
 }
 
 // restarter replaces one producer every s.restart, alternately killing it
-// and letting it exit, and re-adds it under the same name.
-func (s *soakRun) restarter() {
+// and letting it exit, and re-adds it under the same name, until the run
+// ends (runDone: its duration is up, or it was stopped).
+func (s *soakRun) restarter(runDone <-chan struct{}) {
 	if s.restart <= 0 {
 		return
 	}
@@ -591,7 +595,8 @@ func (s *soakRun) restarter() {
 	for k := 0; ; k++ {
 		select {
 		case <-tick.C:
-		case <-time.After(s.duration + time.Minute):
+		case <-runDone:
+			return
 		}
 		if s.stop.Load() {
 			return

@@ -142,8 +142,10 @@ func TestSoakMetrics(t *testing.T) {
 // TestSoakSignalTearsDown stops a soak with SIGTERM: it tears down as at
 // the end of a run (its producers' /dev/shm region files are removed),
 // says it was interrupted and exits non-zero.
+// The restarter's next replacement is a minute away: the soak stops at
+// once all the same (it used to wait for the tick).
 func TestSoakSignalTearsDown(t *testing.T) {
-	cmd := exec.Command(os.Args[0], "--regions", "shm", "--duration", "5m", "--producers", "2", "--workers", "2", "--restart", "0")
+	cmd := exec.Command(os.Args[0], "--regions", "shm", "--duration", "5m", "--producers", "2", "--workers", "2", "--restart", "1m")
 	cmd.Env = append(os.Environ(), mainEnv+"=1")
 	var out, stderr syncBuf
 	cmd.Stdout, cmd.Stderr = &out, &stderr
@@ -160,7 +162,9 @@ func TestSoakSignalTearsDown(t *testing.T) {
 		60*time.Second, 10*time.Millisecond, "each producer maps a /dev/shm file:\n%s\n%s", out.String(), stderr.String())
 	time.Sleep(300 * time.Millisecond) // let the workers read
 	require.NoError(t, cmd.Process.Signal(syscall.SIGTERM))
+	signaled := time.Now()
 	err := cmd.Wait()
+	require.Less(t, time.Since(signaled), 45*time.Second, "the soak waited for its restarter's next tick")
 	var ee *exec.ExitError
 	require.ErrorAs(t, err, &ee, "an interrupted soak is not a pass:\n%s", out.String())
 	require.Equal(t, 1, ee.ExitCode())
@@ -168,4 +172,28 @@ func TestSoakSignalTearsDown(t *testing.T) {
 	require.NotContains(t, out.String(), "leak after", "the teardown left something behind")
 	left, _ := filepath.Glob(pat)
 	require.Empty(t, left, "the producers' region files are left behind")
+}
+
+// A soak killed outright leaves no region files: its producers see their
+// stdin close and remove their own.
+func TestSoakKilledLeavesNoFiles(t *testing.T) {
+	cmd := exec.Command(os.Args[0], "--regions", "shm", "--duration", "5m", "--producers", "2", "--workers", "2", "--restart", "0")
+	cmd.Env = append(os.Environ(), mainEnv+"=1")
+	var out, stderr syncBuf
+	cmd.Stdout, cmd.Stderr = &out, &stderr
+	require.NoError(t, cmd.Start())
+	pat := fmt.Sprintf("/dev/shm/soak-producer-%d-*.mmap", cmd.Process.Pid)
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		m, _ := filepath.Glob(pat)
+		for _, f := range m {
+			_ = os.Remove(f)
+		}
+	})
+	require.Eventually(t, func() bool { m, _ := filepath.Glob(pat); return len(m) == 2 },
+		60*time.Second, 10*time.Millisecond, "each producer maps a /dev/shm file:\n%s\n%s", out.String(), stderr.String())
+	require.NoError(t, cmd.Process.Kill())
+	_ = cmd.Wait()
+	require.Eventually(t, func() bool { m, _ := filepath.Glob(pat); return len(m) == 0 },
+		30*time.Second, 10*time.Millisecond, "the producers' region files are left behind")
 }
