@@ -895,7 +895,12 @@ func (r *Reactor) teardown() error {
 	// may have ended DONE and queued its notification after the flush
 	// above: send those too, within what is left of the second.
 	r.flushNotifs(max(0, time.Until(flushUntil)))
+	// Notifications that arrived before Close are still handed out after
+	// it: take what the engine and the direct path's socket hold (a loop
+	// turn takes them only after its control operations, Close among them).
+	r.takeNotifs()
 	if r.dir != nil {
+		r.drainNotifSocket()
 		r.dir.ns.close()
 	}
 	for _, p := range *r.peers.Load() {

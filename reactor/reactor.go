@@ -726,6 +726,11 @@ func (r *Reactor) WaitNotifs(ctx context.Context) (map[string][][]byte, error) {
 		case <-ctx.Done():
 			return map[string][][]byte{}, ctx.Err()
 		case <-r.done:
+			// The last turn may have taken some and woken w.ch too, and
+			// select picks at random: hand them out first.
+			if m := r.Notifs(); len(m) > 0 {
+				return m, nil
+			}
 			return map[string][][]byte{}, ErrClosed
 		}
 	}

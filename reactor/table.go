@@ -213,7 +213,13 @@ type idxPool struct {
 var bigIdx idxPool
 
 // maxBigIdx bounds the buffers kept: two per large READ in flight at once.
-const maxBigIdx = 128
+// maxBigIdxLen bounds each one's length: the pool is the process's and
+// outlives every transport, so a few READs of millions of indices must not
+// leave gigabytes behind (128 of 16,384 indices is 16 MiB at most).
+const (
+	maxBigIdx    = 128
+	maxBigIdxLen = 1 << 14
+)
 
 func (p *idxPool) get(n int) []int {
 	p.mu.Lock()
@@ -232,6 +238,9 @@ func (p *idxPool) get(n int) []int {
 }
 
 func (p *idxPool) put(b []int) {
+	if cap(b) > maxBigIdxLen {
+		return
+	}
 	p.mu.Lock()
 	if len(p.free) < maxBigIdx {
 		p.free = append(p.free, b[:0])

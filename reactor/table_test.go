@@ -215,3 +215,14 @@ func TestTablesDoNotShareHandles(t *testing.T) {
 		}
 	}
 }
+
+// The pool of large index buffers is the process's and outlives every
+// transport: buffers of huge READs are not kept.
+func TestIdxPoolKeepsNoHugeBuffers(t *testing.T) {
+	var p idxPool
+	p.put(make([]int, 0, maxBigIdxLen+1))
+	require.Empty(t, p.free, "a buffer longer than maxBigIdxLen was kept")
+	p.put(make([]int, 0, maxBigIdxLen))
+	require.Len(t, p.free, 1)
+	require.Equal(t, maxBigIdxLen, cap(p.get(maxBigIdxLen)), "a kept buffer is reused")
+}
