@@ -34,11 +34,25 @@ func FuzzSplit(f *testing.F) {
 	f.Add([]byte("ECXDIRv1"))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		md, adv, err := Split(b)
-		if err != nil || adv == nil {
-			return
-		}
-		if !bytes.Equal(Wrap(md, adv), b) {
-			t.Fatal("Wrap(Split(b)) != b")
+		switch {
+		case err != nil:
+			// Only a blob that ends in the trailer's magic is refused:
+			// other metadata is never taken for a broken trailer.
+			if !bytes.HasSuffix(b, []byte(wrapMagic)) {
+				t.Fatalf("refused %q, which has no trailer: %v", b, err)
+			}
+		case adv == nil:
+			// No trailer: the metadata comes back whole.
+			if !bytes.Equal(md, b) {
+				t.Fatal("metadata without a trailer came back changed")
+			}
+		default:
+			if !bytes.Equal(Wrap(md, adv), b) {
+				t.Fatal("Wrap(Split(b)) != b")
+			}
+			if adv.Validate() != nil {
+				t.Fatal("split advert does not validate")
+			}
 		}
 	})
 }

@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"testing"
+	"unicode/utf8"
 
 	"github.com/stretchr/testify/require"
 
@@ -104,8 +105,20 @@ func FuzzParseMD(f *testing.F) {
 			require.ErrorIs(t, err, nixl.ErrInvalidParam)
 			return
 		}
+		// The name is the first record's value, as NIXL hands names
+		// back: no NUL (a C string would cut it), UTF-8, at most 4 KiB.
 		require.NotEmpty(t, md.name)
+		require.LessOrEqual(t, len(md.name), 4096)
+		require.NotContains(t, md.name, "\x00")
+		require.True(t, utf8.ValidString(md.name))
+		r := &mdReader{b: b, off: len(mdMagic)}
+		first, err := r.record("Agent")
+		require.NoError(t, err)
+		require.Equal(t, md.name, string(first))
 		if md.known {
+			// The whole walk succeeded: every region lies inside the
+			// blob's records, so there are at most as many as bytes.
+			require.LessOrEqual(t, len(md.regions), len(b)/basicDescSize)
 			_, _ = nixl.NewSpanIndex(md.regions)
 		}
 	})
