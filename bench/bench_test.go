@@ -7,6 +7,7 @@ import (
 	"encoding/xml"
 	"errors"
 	"io"
+	"net"
 	"os"
 	"slices"
 	"strings"
@@ -344,6 +345,46 @@ func TestCells(t *testing.T) {
 	for _, c := range cellsFor(&cfg, SmallBlock, "reactor") {
 		require.NotEqual(t, "notif", c.workload, "notif needs one host's clock")
 	}
+	cfg.sharedClock = true
+	require.True(t, slices.ContainsFunc(cellsFor(&cfg, SmallBlock, "reactor"), func(c cell) bool { return c.workload == "notif" }),
+		"a producer on this machine's clock runs notif across --connect")
+}
+
+// A producer served over TCP by a process on this machine's kernel (here
+// this process: in make bench-hosts, another network namespace) shares
+// its CLOCK_MONOTONIC: the run finds it out and measures notif.
+func TestConnectSharedClockRunsNotif(t *testing.T) {
+	require.NotEmpty(t, clockID())
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer ln.Close()
+	served := make(chan error, 1)
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			served <- err
+			return
+		}
+		defer c.Close()
+		served <- Serve(ctrl.New(c, c), "ucx")
+	}()
+	cfg := DefaultConfig()
+	cfg.Connect = ln.Addr().String()
+	cfg.Modes = []string{"reactor"}
+	cfg.Workloads = []string{"notif"}
+	cfg.Duration = 100 * time.Millisecond
+	cfg.Warmup = 10 * time.Millisecond
+	cfg.References = false
+	cfg.RemoteRegion = 0
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	rep, err := Run(ctx, cfg)
+	require.NoError(t, err)
+	require.Len(t, rep.Results, 1)
+	require.Equal(t, "notif", rep.Results[0].Workload)
+	require.Greater(t, rep.Results[0].Reads, int64(0))
+	require.True(t, slices.ContainsFunc(rep.Notes, func(n string) bool { return strings.Contains(n, "same boot id") }))
+	require.NoError(t, <-served)
 }
 
 func runShort(t *testing.T, backend string, workloads ...string) *Report {

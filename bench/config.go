@@ -70,6 +70,10 @@ type Config struct {
 	// producer; otherwise the harness starts its own (ucx: a child
 	// process, loopback: in-process).
 	Connect string
+	// sharedClock: the producer at Connect reads the same CLOCK_MONOTONIC
+	// as this process (another network namespace of this machine), so the
+	// notif workload can run across it. Run finds it out.
+	sharedClock bool
 	// Reactor tunes both sides' reactors in reactor mode (the producer
 	// child is never pinned: pinning is for the consumer's reactor).
 	Reactor reactor.Options

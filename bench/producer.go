@@ -136,6 +136,10 @@ func ServeHooked(c *ctrl.Conn, backend string, hook TransportHook) error {
 			if err := send(ctrl.Message{Kind: "hello", Name: hello.name, Metadata: hello.md, MemDesc: hello.memDesc}); err != nil {
 				return err
 			}
+		case "clock":
+			if err := send(ctrl.Message{Kind: "clock", Strs: map[string]string{"id": clockID()}}); err != nil {
+				return err
+			}
 		case "timing":
 			if p != nil {
 				p.timing.Store(m.Ints["on"] != 0)

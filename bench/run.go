@@ -24,6 +24,7 @@ import (
 	"github.com/ecxfer/ecxfer"
 	"github.com/ecxfer/ecxfer/internal/ctrl"
 	"github.com/ecxfer/ecxfer/internal/pattern"
+	"github.com/ecxfer/ecxfer/internal/procinfo"
 )
 
 // readLimit is how long one READ may stay in flight before the run fails.
@@ -63,7 +64,7 @@ func cellsFor(cfg *Config, bs int, mode string) []cell {
 				cs = append(cs, cell{workload: w, bs: bs, subs: n, notifMsg: true})
 			}
 		case "notif":
-			if bs != SmallBlock || cfg.Connect != "" {
+			if bs != SmallBlock || (cfg.Connect != "" && !cfg.sharedClock) {
 				continue // another host's CLOCK_MONOTONIC is not ours
 			}
 			cs = append(cs, cell{workload: w, bs: bs, blocks: 1, subs: 1, notifMsg: true})
@@ -94,13 +95,19 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		return nil, err
 	}
 	s := newSession(cfg)
-	if s.total == 0 {
+	// With --connect, notif runs only if the producer shares this clock,
+	// which only the producer can say.
+	if s.total == 0 && (cfg.Connect == "" || !slices.Contains(cfg.Workloads, "notif")) {
 		return nil, fmt.Errorf("%w: nothing to run", ErrUsage)
 	}
 	cpu0 := sampleCPU()
 	stop, err := s.startProducer(ctx)
 	if err != nil {
 		return nil, err
+	}
+	if s.total == 0 {
+		_ = stop()
+		return nil, fmt.Errorf("%w: nothing to run: notif needs a producer on this machine's clock", ErrUsage)
 	}
 	stopProf, err := startProfiles(&cfg)
 	if err != nil {
@@ -149,13 +156,19 @@ func newSession(cfg Config) *session {
 	s := &session{cfg: cfg, start: time.Now()}
 	m.Started = s.start.UTC().Format(time.RFC3339)
 	s.rep = &Report{Machine: m}
+	s.total = countCells(&cfg)
+	return s
+}
+
+// countCells counts the cells a run of cfg measures, over its rounds.
+func countCells(cfg *Config) int {
+	n := 0
 	for _, bs := range blockSizes {
 		for _, mode := range cfg.Modes {
-			s.total += len(cellsFor(&cfg, bs, mode))
+			n += len(cellsFor(cfg, bs, mode))
 		}
 	}
-	s.total *= cfg.Rounds
-	return s
+	return n * cfg.Rounds
 }
 
 // addNotes says in the report how the figures were taken.
@@ -183,7 +196,7 @@ func (s *session) addNotes() {
 			"DONE: reactor and direct READs are DONE once their data has landed, and the notification is sent right after; "+
 				"locked and raw READs are DONE once the engine's send of the notification has also completed (NIXL's order)")
 	}
-	if slices.Contains(cfg.Workloads, "notif") && cfg.Connect == "" {
+	if slices.Contains(cfg.Workloads, "notif") && (cfg.Connect == "" || cfg.sharedClock) {
 		s.rep.Notes = append(s.rep.Notes, fmt.Sprintf(
 			"notif: each READ is posted at a random point of the producer's %v step, so locked's latency is not tied to its phase; reads/s and GB/s include that wait and a control round trip, so are not shown", stepInterval))
 		var early []string
@@ -200,7 +213,11 @@ func (s *session) addNotes() {
 		s.rep.Notes = append(s.rep.Notes, "loopback: producer in this process; its allocations count in allocs/read")
 	}
 	if cfg.Connect != "" && slices.Contains(cfg.Workloads, "notif") {
-		s.rep.Notes = append(s.rep.Notes, "notif skipped: the producer is on another host, CLOCK_MONOTONIC is not shared")
+		if cfg.sharedClock {
+			s.rep.Notes = append(s.rep.Notes, "notif: the producer at --connect runs on this machine's kernel (same boot id and time namespace), so both read one CLOCK_MONOTONIC")
+		} else {
+			s.rep.Notes = append(s.rep.Notes, "notif skipped: the producer is on another host, CLOCK_MONOTONIC is not shared")
+		}
 	}
 }
 
@@ -271,7 +288,44 @@ func (s *session) startProducer(ctx context.Context) (func() error, error) {
 		return nil, err
 	}
 	s.attach(c)
+	if s.cfg.Connect != "" {
+		shared, err := s.clockShared()
+		if err != nil {
+			_ = stop()
+			return nil, err
+		}
+		if shared {
+			s.cfg.sharedClock = true
+			s.total = countCells(&s.cfg)
+		}
+	}
 	return stop, nil
+}
+
+// clockShared asks the producer for its clock's identity (clockID) and
+// compares it with this process's.
+func (s *session) clockShared() (bool, error) {
+	m, err := s.request(ctrl.Message{Kind: "clock"}, "clock")
+	if err != nil {
+		return false, err
+	}
+	mine := clockID()
+	return mine != "" && m.Strs["id"] == mine, nil
+}
+
+// clockID names the CLOCK_MONOTONIC this process reads: the kernel's boot
+// id and the time namespace ("" when either cannot be read). Two processes
+// with the same id read the same clock, whatever their network namespaces.
+func clockID() string {
+	boot, err := procinfo.BootID(64)
+	if err != nil {
+		return ""
+	}
+	timeNS, err := procinfo.NSInode("time")
+	if err != nil {
+		return ""
+	}
+	return fmt.Sprintf("%s/%d", boot, timeNS)
 }
 
 // dialProducer connects to a producer served elsewhere (ecxfer-bench serve).
