@@ -299,11 +299,21 @@ func engineOf(t *testing.T, tr *ecxfer.Transport) *loopback.Agent {
 // their ratio: the cost of being scraped.
 func BenchmarkReadWhileScraped(b *testing.B) {
 	for _, backend := range []string{"loopback", "ucx"} {
-		b.Run(backend, func(b *testing.B) { benchScraped(b, backend) })
+		// Every millisecond (15,000 times Prometheus' usual rate: the
+		// scraper's cost made visible), and every 100 ms, still 150 times
+		// the usual rate, with chunks long enough for a few scrapes each.
+		for _, c := range []struct {
+			every time.Duration
+			chunk int
+		}{{time.Millisecond, 1000}, {100 * time.Millisecond, 40000}} {
+			b.Run(fmt.Sprintf("%s/every=%v", backend, c.every), func(b *testing.B) { benchScraped(b, backend, c.every, c.chunk) })
+		}
 	}
 }
 
-func benchScraped(b *testing.B, backend string) {
+// benchScraped alternates chunks of one-block READs without and with a
+// scraper gathering every interval.
+func benchScraped(b *testing.B, backend string, every time.Duration, chunk int) {
 	prod := newTransport(b, backend, name("bp"))
 	cons := newTransport(b, backend, name("bc"), func(c *ecxfer.Config) {
 		c.Reactor = reactor.Options{Idle: reactor.IdleSpin, Handles: 256}
@@ -340,7 +350,7 @@ func benchScraped(b *testing.B, backend string) {
 	stop, done := make(chan struct{}), make(chan struct{})
 	go func() {
 		defer close(done)
-		tk := time.NewTicker(time.Millisecond)
+		tk := time.NewTicker(every)
 		defer tk.Stop()
 		for {
 			select {
@@ -357,7 +367,6 @@ func benchScraped(b *testing.B, backend string) {
 			}
 		}
 	}()
-	const chunk = 1000
 	var el [2]time.Duration
 	var n [2]int
 	b.ResetTimer()
