@@ -715,7 +715,7 @@ func (r *Reactor) addPeer(md []byte, descs descriptors.List, d *Direct) (_ strin
 		return "", wrapf(ErrConfig, "peer %q: its blocks are memory it registered itself on this host, "+
 			"which the engine reads with gets the peer answers through this process's shared-memory receive queue; "+
 			"a peer that dies mid-answer stops transfers from every peer. "+
-			"Read it directly (Config.Direct auto or on), give the producer an engine-allocated region, "+
+			"Read it directly (Config.Direct auto or on; the option \"direct\" from Python), give the producer an engine-allocated region, "+
 			"or set UCX_TLS without shared memory", name)
 	}
 	var dl nixl.DlistID

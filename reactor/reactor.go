@@ -412,7 +412,7 @@ func (r *Reactor) checkPost(peer string, localIdx, remoteIdx []int, notif []byte
 	}
 	p := (*r.peers.Load())[peer]
 	if p == nil {
-		return nil, nil, wrapf(ErrUnknownPeer, "%q", peer)
+		return nil, nil, wrapf(ErrUnknownPeer, "%q (not added with AddRemotePeer, or removed since)", peer)
 	}
 	loc := r.loc.Load()
 	if loc == nil {
@@ -430,7 +430,7 @@ func (r *Reactor) checkPost(peer string, localIdx, remoteIdx []int, notif []byte
 	if err != nil {
 		switch {
 		case errors.Is(err, descriptors.ErrIndexMismatch):
-			return nil, nil, fmt.Errorf("%w: %v", ErrIndexMismatch, err)
+			return nil, nil, wrapf(ErrIndexMismatch, "%d local, %d remote", len(localIdx), len(remoteIdx))
 		case errors.Is(err, descriptors.ErrIndexRange):
 			return nil, nil, fmt.Errorf("%w: %v", ErrIndexRange, err)
 		default:

@@ -330,6 +330,7 @@ class EcxferDataTransport(_Base):
         add_remote_peer load it afresh."""
         md = _blob_arg("metadata", metadata)
         desc = _blob_arg("mem_descriptor", mem_descriptor)
+        self._live()
         name = ctypes.create_string_buffer(260)
         pid = ctypes.c_uint64()
         rc = _lib_.ecx_add_peer(self._t, md, len(md), desc, len(desc), name, len(name), ctypes.byref(pid))
@@ -375,7 +376,7 @@ class EcxferDataTransport(_Base):
         if pid is None:
             if self._t == 0:
                 raise ClosedError("ecxfer: transport deregistered")
-            raise UnknownPeerError(f"ecxfer: unknown agent {agent_name!r}")
+            raise UnknownPeerError(f"ecxfer: unknown agent {agent_name!r} (add_remote_peer() it first)")
         if type(notif_msg) is not bytes:
             notif_msg = _notif_bytes(notif_msg)
         if _post_py is not None and type(local_indices) in _SEQS and type(remote_indices) in _SEQS:
@@ -485,6 +486,7 @@ class EcxferDataTransport(_Base):
     def stats(self) -> dict[str, int]:
         """The transport's counters (reads posted/done/failed, live
         handles, peers, ...)."""
+        self._live()
         p = ctypes.c_void_p()
         n = _lib_.ecx_stats(self._t, ctypes.byref(p))
         if n < 0:
@@ -503,7 +505,12 @@ class EcxferDataTransport(_Base):
 
     # -- internals ------------------------------------------------------
 
+    def _live(self) -> None:
+        if self._t == 0:
+            raise ClosedError("ecxfer: transport deregistered")
+
     def _blob(self, which: int) -> bytes:
+        self._live()
         p = ctypes.c_void_p()
         n = _lib_.ecx_blob(self._t, which, ctypes.byref(p))
         if n < 0:

@@ -178,12 +178,19 @@ def test_never_raising_methods(pair, caplog):
     assert cons.check_xfer_state(h) == "ERR"
     assert cons.get_new_notifs() == {}
     assert cons.closed
-    with pytest.raises(ecxfer.ClosedError):
+    # One message for every call after deregister(), not the library's
+    # internal id.
+    closed = "^ecxfer: transport deregistered$"
+    with pytest.raises(ecxfer.ClosedError, match=closed):
         cons.post_read([0], peer, [0], b"")
-    with pytest.raises(ecxfer.ClosedError):
+    with pytest.raises(ecxfer.ClosedError, match=closed):
         cons.get_agent_metadata()
-    with pytest.raises(ecxfer.ClosedError):
+    with pytest.raises(ecxfer.ClosedError, match=closed):
+        cons.get_mem_descriptor()
+    with pytest.raises(ecxfer.ClosedError, match=closed):
         cons.add_remote_peer(b"x", b"y")
+    with pytest.raises(ecxfer.ClosedError, match=closed):
+        cons.stats()
 
 
 def test_bad_metadata_and_descriptor(pair):
