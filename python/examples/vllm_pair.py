@@ -31,9 +31,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's ecxfer
-
-from ecxfer import EcxferDataTransport  # noqa: E402
+try:  # an installed ecxfer (pip install ./python) first
+    from ecxfer import EcxferDataTransport
+except ImportError:  # else this checkout's (make python)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from ecxfer import EcxferDataTransport
 
 NUM_BLOCKS, BLOCK_SIZE = 4096, 5120  # 20 MiB; one block = one token's embedding
 ENCODING = range(100, 980)  # the producer's blocks of one image: 880 tokens
