@@ -614,8 +614,15 @@ func (r *Reactor) Wait(ctx context.Context, h uint64) error {
 			}
 			continue
 		}
-		if i%16 == 0 && i > 0 && time.Since(start) >= r.opts.WaitSpin {
-			break
+		if i%16 == 0 && i > 0 {
+			// ctx too: WaitSpin has no upper bound, and a caller's
+			// deadline must not wait for it.
+			if err := ctx.Err(); err != nil {
+				return err
+			}
+			if time.Since(start) >= r.opts.WaitSpin {
+				break
+			}
 		}
 		runtime.Gosched()
 	}

@@ -1,0 +1,192 @@
+package main
+
+import (
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/ecxfer/ecxfer/internal/leakcheck"
+	"github.com/ecxfer/ecxfer/nixl/loopback"
+)
+
+// Every entry point behind the ABI called while deregister runs, as a C or
+// Python caller with several threads does: calls blocked without a time
+// limit (ecx_wait and ecx_notifs with a negative timeout) return as soon
+// as the transport is gone, every call returns a code a caller can act on
+// (closed, unknown transport, or what its own input explains), and nothing
+// is left: no transport in the registry, no goroutine, no descriptor.
+func TestRegistryCallsRacingDeregister(t *testing.T) {
+	leakcheck.Check(t)
+	opts := func(name string) []byte {
+		return fmt.Appendf(nil, `{"agent_name":%q,"backend":"loopback","block_size":64,"num_blocks":16}`, name)
+	}
+	p, err := newTransport(opts("rdprod"), nil)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, deregister(p)) }()
+	md, err := blob(p, blobAgentMetadata)
+	require.NoError(t, err)
+	desc, err := blob(p, blobMemDescriptor)
+	require.NoError(t, err)
+	// A second producer, the one the racing calls read, remove and add:
+	// the first one's stuck READ is never canceled by a removal.
+	p2, err := newTransport(opts("rdprod2"), nil)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, deregister(p2)) }()
+	md2, err := blob(p2, blobAgentMetadata)
+	require.NoError(t, err)
+	desc2, err := blob(p2, blobMemDescriptor)
+	require.NoError(t, err)
+	closedOr := func(what string, err error, allowed ...int) error {
+		code := codeOf(err)
+		for _, a := range append(allowed, codeOK, codeClosed, codeUnknownTransport) {
+			if code == a {
+				return nil
+			}
+		}
+		return fmt.Errorf("%s: code %d (%v)", what, code, err)
+	}
+	for round := 0; round < 10; round++ {
+		c, err := newTransport(opts(fmt.Sprintf("rdcons-%d", round)), nil)
+		require.NoError(t, err)
+		_, pid, err := addPeer(c, md, desc)
+		require.NoError(t, err)
+		_, pid2, err := addPeer(c, md2, desc2)
+		require.NoError(t, err)
+		loopback.Find(fmt.Sprintf("rdcons-%d", round)).SetDelay(time.Hour)
+		stuck, err := postRead(c, []int{0}, pid, []int{1}, []byte("n"))
+		require.NoError(t, err)
+
+		var stop atomic.Bool
+		var wg sync.WaitGroup
+		errs := make(chan error, 32)
+		report := func(err error) {
+			if err != nil {
+				select {
+				case errs <- err:
+				default:
+				}
+			}
+		}
+		// Blocked with no time limit: only the teardown ends them.
+		blocked := make(chan error, 2)
+		go func() {
+			st, err := wait(c, uint64(stuck), -1)
+			if err == nil {
+				err = fmt.Errorf("wait returned state %d", st)
+			}
+			blocked <- err
+		}()
+		go func() {
+			b, err := notifs(c, -1)
+			if err == nil {
+				err = fmt.Errorf("notifs returned %d bytes", len(b))
+			}
+			blocked <- err
+		}()
+		run := func(f func(i int)) {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for i := 0; !stop.Load(); i++ {
+					f(i)
+				}
+			}()
+		}
+		run(func(i int) {
+			h, err := postRead(c, []int{i % 16}, pid2, []int{(i + 1) % 16}, nil)
+			report(closedOr("postRead", err, codeUnknownPeer, codeBusy))
+			if err == nil {
+				_, err = checkState(c, uint64(h))
+				report(closedOr("checkState", err, codeCanceled))
+				_, err = wait(c, uint64(h), time.Millisecond)
+				report(closedOr("wait", err, codeCanceled))
+				report(closedOr("release", release(c, uint64(h))))
+			}
+		})
+		run(func(i int) {
+			if i%2 == 0 {
+				report(closedOr("removePeer", removePeer(c, "rdprod2"), codeUnknownPeer))
+			} else {
+				_, _, err := addPeer(c, md2, desc2)
+				report(closedOr("addPeer", err))
+			}
+			time.Sleep(500 * time.Microsecond)
+		})
+		run(func(i int) {
+			_, err := blob(c, blobAgentMetadata)
+			report(closedOr("blob", err))
+			_, err = stats(c)
+			report(closedOr("stats", err))
+			_, err = notifs(c, 0)
+			report(closedOr("notifs", err))
+		})
+		time.Sleep(time.Duration(5+round) * time.Millisecond)
+		done := make(chan error, 2)
+		go func() { done <- deregister(c) }()
+		go func() { done <- deregister(c) }() // a second caller at once
+		for range 2 {
+			select {
+			case err := <-done:
+				require.NoError(t, err)
+			case <-time.After(20 * time.Second):
+				t.Fatalf("round %d: deregister did not return", round)
+			}
+		}
+		for range 2 {
+			select {
+			case err := <-blocked:
+				require.Equal(t, codeClosed, codeOf(err), "round %d: %v", round, err)
+				require.Error(t, err)
+			case <-time.After(10 * time.Second):
+				t.Fatalf("round %d: a call blocked without a time limit did not return after deregister", round)
+			}
+		}
+		stop.Store(true)
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			require.NoError(t, err, "round %d", round)
+		}
+		_, err = checkState(c, uint64(stuck))
+		require.Equal(t, codeUnknownTransport, codeOf(err))
+		require.Equal(t, 2, liveTransports(), "round %d: only the producers are left", round)
+	}
+}
+
+// ecx_wait's timeout bounds the call whatever wait_spin_us says (an option
+// ecx_new and ECXFER_OPTIONS take, up to any valid duration): a Python
+// wait(h, 0.02) on a READ still in flight returns PROC after about 20 ms.
+func TestWaitTimeoutWithLongWaitSpin(t *testing.T) {
+	leakcheck.Check(t)
+	opts := func(name string) []byte {
+		return fmt.Appendf(nil, `{"agent_name":%q,"backend":"loopback","block_size":64,"num_blocks":16,"wait_spin_us":3000000}`, name)
+	}
+	p, err := newTransport(opts("wsprod"), nil)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, deregister(p)) }()
+	c, err := newTransport(opts("wscons"), nil)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, deregister(c)) }()
+	md, err := blob(p, blobAgentMetadata)
+	require.NoError(t, err)
+	desc, err := blob(p, blobMemDescriptor)
+	require.NoError(t, err)
+	_, pid, err := addPeer(c, md, desc)
+	require.NoError(t, err)
+	loopback.Find("wscons").SetDelay(time.Hour)
+	h, err := postRead(c, []int{0}, pid, []int{1}, nil)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, release(c, uint64(h))) }()
+	for _, timeout := range []time.Duration{0, 20 * time.Millisecond} {
+		start := time.Now()
+		st, err := wait(c, uint64(h), timeout)
+		took := time.Since(start)
+		require.NoError(t, err)
+		require.Equal(t, stateProc, st)
+		require.Less(t, took, timeout+500*time.Millisecond, "ecx_wait with a timeout of %v returned after %v", timeout, took)
+	}
+}
