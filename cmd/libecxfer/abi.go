@@ -232,10 +232,7 @@ func ecx_post_read(t C.uint64_t, local *C.int64_t, nLocal C.int64_t, peer C.uint
 	if err != nil {
 		return C.int64_t(fail(err))
 	}
-	lc, rc := copyIdx(l), copyIdx(r)
-	h, err := postRead(uint64(t), *lc, uint64(peer), *rc, msg)
-	putIdx(lc)
-	putIdx(rc)
+	h, err := postReadCopy(uint64(t), l, uint64(peer), r, msg)
 	if err != nil {
 		return C.int64_t(fail(err))
 	}

@@ -6,6 +6,7 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/stretchr/testify/require"
 
@@ -189,4 +190,42 @@ func TestWaitTimeoutWithLongWaitSpin(t *testing.T) {
 		require.Equal(t, stateProc, st)
 		require.Less(t, took, timeout+500*time.Millisecond, "ecx_wait with a timeout of %v returned after %v", timeout, took)
 	}
+}
+
+// A count above the transport's blocks is refused before the caller's
+// array is read: here the arrays claim 2^30 indices over 8 bytes of memory,
+// which a copy would fault on (or allocate 8 GiB for).
+func TestPostCountRefusedBeforeCopy(t *testing.T) {
+	leakcheck.Check(t)
+	opts := func(name string) []byte {
+		return fmt.Appendf(nil, `{"agent_name":%q,"backend":"loopback","block_size":64,"num_blocks":16}`, name)
+	}
+	p, err := newTransport(opts("pcprod"), nil)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, deregister(p)) }()
+	c, err := newTransport(opts("pccons"), nil)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, deregister(c)) }()
+	md, err := blob(p, blobAgentMetadata)
+	require.NoError(t, err)
+	desc, err := blob(p, blobMemDescriptor)
+	require.NoError(t, err)
+	_, pid, err := addPeer(c, md, desc)
+	require.NoError(t, err)
+	one := []int{0}
+	huge := unsafe.Slice(&one[0], 1<<30)
+	for _, lr := range [][2][]int{{huge, one}, {one, huge}, {huge, huge}} {
+		_, err := postReadCopy(c, lr[0], pid, lr[1], nil)
+		require.Equal(t, codeIndexRange, codeOf(err), "%v", err)
+	}
+	// Counts at the limit still post (and are checked index by index).
+	full := make([]int, 16)
+	for i := range full {
+		full[i] = i
+	}
+	h, err := postReadCopy(c, full, pid, full, nil)
+	require.NoError(t, err)
+	_, err = wait(c, uint64(h), 10*time.Second)
+	require.NoError(t, err)
+	require.NoError(t, release(c, uint64(h)))
 }

@@ -16,7 +16,8 @@ import (
 
 // entry is one live transport and the peer ids handed out for it.
 type entry struct {
-	t *ecxfer.Transport
+	t         *ecxfer.Transport
+	numBlocks int // the transport's; a READ has at most this many indices a side
 
 	// peerMu is held across each add and remove, transport call included:
 	// an add and a remove of one name from two threads must not leave the
@@ -63,7 +64,7 @@ func newTransport(opts []byte, region []byte) (uint64, error) {
 	if err != nil {
 		return 0, err
 	}
-	e := &entry{t: t, byName: map[string]uint64{}}
+	e := &entry{t: t, numBlocks: cfg.NumBlocks, byName: map[string]uint64{}}
 	e.peers.Store(&map[uint64]string{})
 	registry.mu.Lock()
 	if registry.m == nil {
@@ -190,6 +191,27 @@ func postRead(id uint64, local []int, pid uint64, remote []int, notif []byte) (i
 	if err != nil {
 		return 0, err
 	}
+	return e.post(local, pid, remote, notif)
+}
+
+// postReadCopy is postRead for index arrays of the caller's (C's): counts
+// above the transport's blocks are refused before a byte of them is read,
+// and the rest are copied once before they are checked (see copyIdx).
+func postReadCopy(id uint64, local []int, pid uint64, remote []int, notif []byte) (int64, error) {
+	e, err := lookup(id)
+	if err != nil {
+		return 0, err
+	}
+	if len(local) > e.numBlocks || len(remote) > e.numBlocks {
+		return 0, fmt.Errorf("%w: %d local and %d remote indices, the transport has %d blocks",
+			ecxfer.ErrIndexRange, len(local), len(remote), e.numBlocks)
+	}
+	lc, rc := copyIdx(local), copyIdx(remote)
+	defer func() { putIdx(lc); putIdx(rc) }()
+	return e.post(*lc, pid, *rc, notif)
+}
+
+func (e *entry) post(local []int, pid uint64, remote []int, notif []byte) (int64, error) {
 	name, ok := (*e.peers.Load())[pid]
 	if !ok {
 		return 0, fmt.Errorf("%w: peer id %d", ecxfer.ErrUnknownPeer, pid)
