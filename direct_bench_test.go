@@ -24,21 +24,9 @@ func BenchmarkDirectImage(b *testing.B) {
 	}
 	for _, c := range cases {
 		b.Run(c.name, func(b *testing.B) {
-			prod, err := New(Config{AgentName: uniqueName("ip"), BlockSize: bs, NumBlocks: nb, Direct: c.mode})
-			if err != nil {
-				b.Fatal(err)
-			}
-			defer prod.Deregister()
+			prod, cons, pname := benchPair(b, Config{BlockSize: bs, NumBlocks: nb, Direct: c.mode},
+				Config{BlockSize: bs, NumBlocks: nb, Direct: c.mode, CopyWorkers: c.workers})
 			rand.New(rand.NewSource(1)).Read(prod.Region())
-			cons, err := New(Config{AgentName: uniqueName("ic"), BlockSize: bs, NumBlocks: nb, Direct: c.mode, CopyWorkers: c.workers})
-			if err != nil {
-				b.Fatal(err)
-			}
-			defer cons.Deregister()
-			pname, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
-			if err != nil {
-				b.Fatal(err)
-			}
 			rng := rand.New(rand.NewSource(2))
 			local, remote := rng.Perm(nb)[:n], rng.Perm(nb)[:n]
 			read := func() {
@@ -79,20 +67,7 @@ func BenchmarkDirectInline(b *testing.B) {
 		{"notif=80B", make([]byte, 80)},
 	} {
 		b.Run(c.name, func(b *testing.B) {
-			prod, err := New(Config{AgentName: uniqueName("ip"), BlockSize: bs, NumBlocks: nb})
-			if err != nil {
-				b.Fatal(err)
-			}
-			defer prod.Deregister()
-			cons, err := New(Config{AgentName: uniqueName("ic"), BlockSize: bs, NumBlocks: nb})
-			if err != nil {
-				b.Fatal(err)
-			}
-			defer cons.Deregister()
-			pname, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
-			if err != nil {
-				b.Fatal(err)
-			}
+			prod, cons, pname := benchPair(b, Config{BlockSize: bs, NumBlocks: nb}, Config{BlockSize: bs, NumBlocks: nb})
 			if cons.PeerPath(pname) == "engine" {
 				b.Fatal("the producer is not read directly")
 			}

@@ -22,22 +22,31 @@ func BenchmarkRead(b *testing.B) {
 	}
 }
 
+// benchPair makes a producer from pc and a consumer from cc (each named
+// afresh), deregistered when the benchmark ends, and returns them with the
+// consumer's name for the producer.
+func benchPair(b *testing.B, pc, cc Config) (prod, cons *Transport, pname string) {
+	b.Helper()
+	var err error
+	pc.AgentName, cc.AgentName = uniqueName("bp"), uniqueName("bc")
+	if prod, err = New(pc); err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { _ = prod.Deregister() })
+	if cons, err = New(cc); err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { _ = cons.Deregister() })
+	if pname, err = cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor()); err != nil {
+		b.Fatal(err)
+	}
+	return prod, cons, pname
+}
+
 func benchRead(b *testing.B, backend string, direct DirectMode) {
-	prod, err := New(Config{AgentName: uniqueName("bp"), Backend: backend, BlockSize: 5120, NumBlocks: 64, Direct: direct})
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer prod.Deregister()
-	cons, err := New(Config{AgentName: uniqueName("bc"), Backend: backend, BlockSize: 5120, NumBlocks: 64, Direct: direct,
-		Reactor: reactor.Options{Idle: reactor.IdleSpin, Handles: 256}})
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer cons.Deregister()
-	pname, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
-	if err != nil {
-		b.Fatal(err)
-	}
+	_, cons, pname := benchPair(b, Config{Backend: backend, BlockSize: 5120, NumBlocks: 64, Direct: direct},
+		Config{Backend: backend, BlockSize: 5120, NumBlocks: 64, Direct: direct,
+			Reactor: reactor.Options{Idle: reactor.IdleSpin, Handles: 256}})
 	local, remote := []int{1}, []int{2}
 	one := func() {
 		h, err := cons.PostRead(local, pname, remote, nil)

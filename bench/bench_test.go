@@ -468,42 +468,25 @@ func TestRunInterrupted(t *testing.T) {
 // in the middle of a run) reports it: ecxfer-bench serve --once used to
 // say "done" and exit 0.
 func TestServeConsumerGoneMidRun(t *testing.T) {
-	cr, cw := io.Pipe() // consumer -> producer
-	pr, pw := io.Pipe() // producer -> consumer
-	done := make(chan error, 1)
-	go func() {
-		err := Serve(ctrl.New(cr, pw), "loopback")
-		_ = pw.Close()
-		done <- err
-	}()
-	cons := ctrl.New(pr, cw)
-	require.NoError(t, cons.Send(ctrl.Message{Kind: "setup", Strs: map[string]string{"mode": "raw"},
-		Ints: map[string]int64{"block": SmallBlock, "blocks": 64, "seed": 1}}))
+	setup := ctrl.Message{Kind: "setup", Strs: map[string]string{"mode": "raw"},
+		Ints: map[string]int64{"block": SmallBlock, "blocks": 64, "seed": 1}}
+	cons, stop := inProcessProducer()
+	require.NoError(t, cons.Send(setup))
 	_, err := cons.Expect("hello")
 	require.NoError(t, err)
-	require.NoError(t, cw.Close()) // gone, no teardown
-	err = <-done
+	err = stop() // gone, no teardown
 	require.Error(t, err)
 	require.Contains(t, err.Error(), "went away")
 
 	// A consumer that tears down before it leaves ends the serve cleanly.
-	cr, cw = io.Pipe()
-	pr, pw = io.Pipe()
-	go func() {
-		err := Serve(ctrl.New(cr, pw), "loopback")
-		_ = pw.Close()
-		done <- err
-	}()
-	cons = ctrl.New(pr, cw)
-	require.NoError(t, cons.Send(ctrl.Message{Kind: "setup", Strs: map[string]string{"mode": "raw"},
-		Ints: map[string]int64{"block": SmallBlock, "blocks": 64, "seed": 1}}))
+	cons, stop = inProcessProducer()
+	require.NoError(t, cons.Send(setup))
 	_, err = cons.Expect("hello")
 	require.NoError(t, err)
 	require.NoError(t, cons.Send(ctrl.Message{Kind: "teardown"}))
 	_, err = cons.Expect("bye")
 	require.NoError(t, err)
-	require.NoError(t, cw.Close())
-	require.NoError(t, <-done)
+	require.NoError(t, stop())
 }
 
 func TestRunLoopback(t *testing.T) {

@@ -139,18 +139,19 @@ func TestSoakMetrics(t *testing.T) {
 	require.True(t, strings.Contains(ev, ecxfer.EventPeerReplaced), "a restart every second replaces the producer:\n%s", ev)
 }
 
-// TestSoakSignalTearsDown stops a soak with SIGTERM: it tears down as at
-// the end of a run (its producers' /dev/shm region files are removed),
-// says it was interrupted and exits non-zero.
-// The restarter's next replacement is a minute away: the soak stops at
-// once all the same (it used to wait for the tick).
-func TestSoakSignalTearsDown(t *testing.T) {
-	cmd := exec.Command(os.Args[0], "--regions", "shm", "--duration", "5m", "--producers", "2", "--workers", "2", "--restart", "1m")
+// shmSoak starts a soak of two producers with shm regions and restarts
+// every restart ("0": none) as its own process, and returns once both
+// producers have created their /dev/shm files, with the glob that finds
+// them. The test's end kills it and removes what it left.
+func shmSoak(t *testing.T, restart string) (cmd *exec.Cmd, out *syncBuf, pat string) {
+	t.Helper()
+	cmd = exec.Command(os.Args[0], "--regions", "shm", "--duration", "5m", "--producers", "2", "--workers", "2", "--restart", restart)
 	cmd.Env = append(os.Environ(), mainEnv+"=1")
-	var out, stderr syncBuf
-	cmd.Stdout, cmd.Stderr = &out, &stderr
+	var stderr syncBuf
+	out = &syncBuf{}
+	cmd.Stdout, cmd.Stderr = out, &stderr
 	require.NoError(t, cmd.Start())
-	pat := fmt.Sprintf("/dev/shm/soak-producer-%d-*.mmap", cmd.Process.Pid)
+	pat = fmt.Sprintf("/dev/shm/soak-producer-%d-*.mmap", cmd.Process.Pid)
 	t.Cleanup(func() {
 		_ = cmd.Process.Kill()
 		m, _ := filepath.Glob(pat)
@@ -160,6 +161,16 @@ func TestSoakSignalTearsDown(t *testing.T) {
 	})
 	require.Eventually(t, func() bool { m, _ := filepath.Glob(pat); return len(m) == 2 },
 		60*time.Second, 10*time.Millisecond, "each producer maps a /dev/shm file:\n%s\n%s", out.String(), stderr.String())
+	return cmd, out, pat
+}
+
+// TestSoakSignalTearsDown stops a soak with SIGTERM: it tears down as at
+// the end of a run (its producers' /dev/shm region files are removed),
+// says it was interrupted and exits non-zero. The restarter's next
+// replacement is a minute away: the soak stops at once all the same (it
+// used to wait for the tick).
+func TestSoakSignalTearsDown(t *testing.T) {
+	cmd, out, pat := shmSoak(t, "1m")
 	time.Sleep(300 * time.Millisecond) // let the workers read
 	require.NoError(t, cmd.Process.Signal(syscall.SIGTERM))
 	signaled := time.Now()
@@ -177,21 +188,7 @@ func TestSoakSignalTearsDown(t *testing.T) {
 // A soak killed outright leaves no region files: its producers see their
 // stdin close and remove their own.
 func TestSoakKilledLeavesNoFiles(t *testing.T) {
-	cmd := exec.Command(os.Args[0], "--regions", "shm", "--duration", "5m", "--producers", "2", "--workers", "2", "--restart", "0")
-	cmd.Env = append(os.Environ(), mainEnv+"=1")
-	var out, stderr syncBuf
-	cmd.Stdout, cmd.Stderr = &out, &stderr
-	require.NoError(t, cmd.Start())
-	pat := fmt.Sprintf("/dev/shm/soak-producer-%d-*.mmap", cmd.Process.Pid)
-	t.Cleanup(func() {
-		_ = cmd.Process.Kill()
-		m, _ := filepath.Glob(pat)
-		for _, f := range m {
-			_ = os.Remove(f)
-		}
-	})
-	require.Eventually(t, func() bool { m, _ := filepath.Glob(pat); return len(m) == 2 },
-		60*time.Second, 10*time.Millisecond, "each producer maps a /dev/shm file:\n%s\n%s", out.String(), stderr.String())
+	cmd, _, pat := shmSoak(t, "0")
 	require.NoError(t, cmd.Process.Kill())
 	_ = cmd.Wait()
 	require.Eventually(t, func() bool { m, _ := filepath.Glob(pat); return len(m) == 0 },

@@ -14,6 +14,33 @@ import (
 	"github.com/ecxfer/ecxfer/nixl/loopback"
 )
 
+// abiTransport makes a loopback transport of 16 blocks of 64 bytes through
+// the registry, with extra JSON options ("" or `,"key":value...`),
+// deregistered when the test ends; it returns its id, metadata and memory
+// descriptor.
+func abiTransport(t *testing.T, name, extra string) (id uint64, md, desc []byte) {
+	t.Helper()
+	id, err := newTransport(fmt.Appendf(nil, `{"agent_name":%q,"backend":"loopback","block_size":64,"num_blocks":16%s}`, name, extra), nil)
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, deregister(id)) })
+	md, err = blob(id, blobAgentMetadata)
+	require.NoError(t, err)
+	desc, err = blob(id, blobMemDescriptor)
+	require.NoError(t, err)
+	return id, md, desc
+}
+
+// abiPair is a producer and a consumer (abiTransport) and the consumer's
+// id for the producer.
+func abiPair(t *testing.T, prefix, extra string) (cons, pid uint64) {
+	t.Helper()
+	_, md, desc := abiTransport(t, prefix+"prod", extra)
+	cons, _, _ = abiTransport(t, prefix+"cons", extra)
+	_, pid, err := addPeer(cons, md, desc)
+	require.NoError(t, err)
+	return cons, pid
+}
+
 // Every entry point behind the ABI called while deregister runs, as a C or
 // Python caller with several threads does: calls blocked without a time
 // limit (ecx_wait and ecx_notifs with a negative timeout) return as soon
@@ -25,22 +52,10 @@ func TestRegistryCallsRacingDeregister(t *testing.T) {
 	opts := func(name string) []byte {
 		return fmt.Appendf(nil, `{"agent_name":%q,"backend":"loopback","block_size":64,"num_blocks":16}`, name)
 	}
-	p, err := newTransport(opts("rdprod"), nil)
-	require.NoError(t, err)
-	defer func() { require.NoError(t, deregister(p)) }()
-	md, err := blob(p, blobAgentMetadata)
-	require.NoError(t, err)
-	desc, err := blob(p, blobMemDescriptor)
-	require.NoError(t, err)
+	_, md, desc := abiTransport(t, "rdprod", "")
 	// A second producer, the one the racing calls read, remove and add:
 	// the first one's stuck READ is never canceled by a removal.
-	p2, err := newTransport(opts("rdprod2"), nil)
-	require.NoError(t, err)
-	defer func() { require.NoError(t, deregister(p2)) }()
-	md2, err := blob(p2, blobAgentMetadata)
-	require.NoError(t, err)
-	desc2, err := blob(p2, blobMemDescriptor)
-	require.NoError(t, err)
+	_, md2, desc2 := abiTransport(t, "rdprod2", "")
 	closedOr := func(what string, err error, allowed ...int) error {
 		code := codeOf(err)
 		for _, a := range append(allowed, codeOK, codeClosed, codeUnknownTransport) {
@@ -163,21 +178,7 @@ func TestRegistryCallsRacingDeregister(t *testing.T) {
 // wait(h, 0.02) on a READ still in flight returns PROC after about 20 ms.
 func TestWaitTimeoutWithLongWaitSpin(t *testing.T) {
 	leakcheck.Check(t)
-	opts := func(name string) []byte {
-		return fmt.Appendf(nil, `{"agent_name":%q,"backend":"loopback","block_size":64,"num_blocks":16,"wait_spin_us":3000000}`, name)
-	}
-	p, err := newTransport(opts("wsprod"), nil)
-	require.NoError(t, err)
-	defer func() { require.NoError(t, deregister(p)) }()
-	c, err := newTransport(opts("wscons"), nil)
-	require.NoError(t, err)
-	defer func() { require.NoError(t, deregister(c)) }()
-	md, err := blob(p, blobAgentMetadata)
-	require.NoError(t, err)
-	desc, err := blob(p, blobMemDescriptor)
-	require.NoError(t, err)
-	_, pid, err := addPeer(c, md, desc)
-	require.NoError(t, err)
+	c, pid := abiPair(t, "ws", `,"wait_spin_us":3000000`)
 	loopback.Find("wscons").SetDelay(time.Hour)
 	h, err := postRead(c, []int{0}, pid, []int{1}, nil)
 	require.NoError(t, err)
@@ -197,21 +198,7 @@ func TestWaitTimeoutWithLongWaitSpin(t *testing.T) {
 // which a copy would fault on (or allocate 8 GiB for).
 func TestPostCountRefusedBeforeCopy(t *testing.T) {
 	leakcheck.Check(t)
-	opts := func(name string) []byte {
-		return fmt.Appendf(nil, `{"agent_name":%q,"backend":"loopback","block_size":64,"num_blocks":16}`, name)
-	}
-	p, err := newTransport(opts("pcprod"), nil)
-	require.NoError(t, err)
-	defer func() { require.NoError(t, deregister(p)) }()
-	c, err := newTransport(opts("pccons"), nil)
-	require.NoError(t, err)
-	defer func() { require.NoError(t, deregister(c)) }()
-	md, err := blob(p, blobAgentMetadata)
-	require.NoError(t, err)
-	desc, err := blob(p, blobMemDescriptor)
-	require.NoError(t, err)
-	_, pid, err := addPeer(c, md, desc)
-	require.NoError(t, err)
+	c, pid := abiPair(t, "pc", "")
 	one := []int{0}
 	huge := unsafe.Slice(&one[0], 1<<30)
 	for _, lr := range [][2][]int{{huge, one}, {one, huge}, {huge, huge}} {

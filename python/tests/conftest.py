@@ -179,3 +179,21 @@ def gopeer(tmp_path_factory):
 
 def shm_path(tag: str) -> str:
     return f"/dev/shm/vllm_ec_ecxfer-test-{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}.mmap"
+
+
+def lib_runtime() -> dict:
+    """The library's own count of transports and goroutines (ecx_runtime)."""
+    import ctypes
+    import json
+
+    from ecxfer import _lib
+
+    p = ctypes.c_void_p()
+    n = _lib.lib.ecx_runtime(ctypes.byref(p))
+    assert n > 0
+    return json.loads(_lib.take_bytes(p, n))
+
+
+def open_fds() -> set:
+    """This process's open descriptors."""
+    return set(os.listdir("/proc/self/fd"))

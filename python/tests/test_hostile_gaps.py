@@ -4,7 +4,6 @@ dropped without deregister() or never made (failed constructors) and
 what they leave behind, and the vLLM plugin given an environment it does
 not expect."""
 
-import ctypes
 import json
 import os
 import subprocess
@@ -15,17 +14,10 @@ import time
 import pytest
 
 import ecxfer
-from conftest import HELPERS, PYDIR, child_env
-from ecxfer import _lib
+from conftest import HELPERS, PYDIR, child_env, lib_runtime
 
 STUB = str(HELPERS / "stub_vllm")
 
-
-def _runtime():
-    p = ctypes.c_void_p()
-    n = _lib.lib.ecx_runtime(ctypes.byref(p))
-    assert n > 0
-    return json.loads(_lib.take_bytes(p, n))
 
 
 def test_blocked_calls_end_at_deregister_and_methods_after_it():
@@ -34,7 +26,7 @@ def test_blocked_calls_end_at_deregister_and_methods_after_it():
     own thread, return when another thread deregisters: ClosedError and
     {}. Afterwards every method answers at once, as documented or as a
     closed transport: nothing blocks, nothing crashes."""
-    before = _runtime()["transports"]
+    before = lib_runtime()["transports"]
     kw = dict(backend="loopback", handles=256, wait_when_busy=True)
     p = ecxfer.EcxferDataTransport("hg-prod", 0, 16, 64, 16 * 64, **kw)
     c = ecxfer.EcxferDataTransport("hg-cons", 0, 16, 64, 16 * 64, **kw)
@@ -89,22 +81,13 @@ def test_blocked_calls_end_at_deregister_and_methods_after_it():
     with c:  # the context manager on a closed transport
         pass
     p.deregister()
-    assert _runtime()["transports"] == before
+    assert lib_runtime()["transports"] == before
 
 
 LEFT_BEHIND = r'''
-import ctypes, gc, json, os, sys, time
+import gc, json, os, sys, time
 import ecxfer
-from ecxfer import _lib
-from conftest import ShmRegion
-
-def runtime():
-    p = ctypes.c_void_p()
-    n = _lib.lib.ecx_runtime(ctypes.byref(p))
-    return json.loads(_lib.take_bytes(p, n))
-
-def fds():
-    return set(os.listdir("/proc/self/fd"))
+from conftest import ShmRegion, lib_runtime as runtime, open_fds as fds
 
 nb, bs = 16, 4096
 def failing(reg, k):

@@ -12,18 +12,9 @@ import sys
 from conftest import child_env
 
 SCRIPT = r'''
-import ctypes, json, os, time
-from conftest import ShmRegion
+import json, os, time
+from conftest import ShmRegion, lib_runtime as runtime, open_fds as fds
 from ecxfer import EcxferDataTransport
-from ecxfer import _lib
-
-def runtime():
-    p = ctypes.c_void_p()
-    n = _lib.lib.ecx_runtime(ctypes.byref(p))
-    return json.loads(_lib.take_bytes(p, n))
-
-def fds():
-    return set(os.listdir("/proc/self/fd"))
 
 def cycle(tag, reads):
     nb, bs = 128, 4096
