@@ -9,6 +9,7 @@ import (
 	"unsafe"
 
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/ecxfer/ecxfer/internal/leakcheck"
 	"github.com/ecxfer/ecxfer/nixl/loopback"
@@ -194,12 +195,16 @@ func TestWaitTimeoutWithLongWaitSpin(t *testing.T) {
 }
 
 // A count above the transport's blocks is refused before the caller's
-// array is read: here the arrays claim 2^30 indices over 8 bytes of memory,
-// which a copy would fault on (or allocate 8 GiB for).
+// array is read: here the arrays claim 2^30 indices over one page of memory
+// from outside the Go heap, as a C caller's would be, which a copy would
+// fault on (or allocate 8 GiB for).
 func TestPostCountRefusedBeforeCopy(t *testing.T) {
 	leakcheck.Check(t)
 	c, pid := abiPair(t, "pc", "")
-	one := []int{0}
+	page, err := unix.Mmap(-1, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, unix.Munmap(page)) }()
+	one := unsafe.Slice((*int)(unsafe.Pointer(&page[0])), 1)
 	huge := unsafe.Slice(&one[0], 1<<30)
 	for _, lr := range [][2][]int{{huge, one}, {one, huge}, {huge, huge}} {
 		_, err := postReadCopy(c, lr[0], pid, lr[1], nil)
