@@ -511,7 +511,7 @@ func (r *Reactor) state(h uint64) (st State, helped bool, err error) {
 	}
 	s, w := r.tab.lookup(h)
 	if s == nil {
-		return StateErr, false, ErrBadHandle
+		return StateErr, false, r.badHandle()
 	}
 	switch wordState(w) {
 	case stProc:
@@ -527,7 +527,18 @@ func (r *Reactor) state(h uint64) (st State, helped bool, err error) {
 	case stErr:
 		return StateErr, false, codeErrs[wordCode(w, r.tab.mask)]
 	}
-	return StateErr, false, ErrBadHandle // canceling: the handle was released
+	return StateErr, false, r.badHandle() // canceling: the handle was released
+}
+
+// badHandle is the error for a handle the table does not hold: ErrClosed
+// once Close has begun, since its teardown frees the slots of finished
+// READs (a caller that looked at closing just before may find its handle
+// gone), else ErrBadHandle.
+func (r *Reactor) badHandle() error {
+	if r.closing.Load() {
+		return ErrClosed
+	}
+	return ErrBadHandle
 }
 
 // Release frees a handle. A finished transfer's slot is freed at once; an
@@ -542,7 +553,7 @@ func (r *Reactor) Release(h uint64) error {
 	for {
 		s, w := r.tab.lookup(h)
 		if s == nil {
-			return ErrBadHandle
+			return r.badHandle()
 		}
 		switch wordState(w) {
 		case stDone, stErr:
@@ -564,7 +575,7 @@ func (r *Reactor) Release(h uint64) error {
 				return nil
 			}
 		default:
-			return ErrBadHandle
+			return r.badHandle() // canceling: released already
 		}
 	}
 }
