@@ -76,7 +76,9 @@ build: deps
 	$(GO) build $(PKGS)
 
 fmt-check:
-	@out=$$($(GOFMT) -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')) || exit 1; \
+	@files=$$(git ls-files '*.go' 2>/dev/null || find . -name '*.go'); \
+	files=$$(for f in $$files; do [ -e "$$f" ] && echo "$$f"; done); \
+	out=$$($(GOFMT) -l $$files) || exit 1; \
 	if [ -n "$$out" ]; then echo "gofmt needed on:"; echo "$$out"; exit 1; fi
 
 vet: go-check debs

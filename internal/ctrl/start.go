@@ -6,7 +6,8 @@ import (
 	"io"
 	"os"
 	"os/exec"
-	"syscall"
+
+	"golang.org/x/sys/unix"
 )
 
 // StartPiped starts cmd with pipes to its standard input and output, the
@@ -55,13 +56,12 @@ func StartPiped(cmd *exec.Cmd) (stdin io.WriteCloser, stdout io.ReadCloser, err 
 // there) would otherwise write into the control stream and break its
 // framing; their lines now reach stderr.
 func ChildConn() (*Conn, error) {
-	fd, err := syscall.Dup(1)
+	fd, err := unix.FcntlInt(1, unix.F_DUPFD_CLOEXEC, 0)
 	if err != nil {
 		return nil, fmt.Errorf("ctrl: duplicating stdout: %w", err)
 	}
-	syscall.CloseOnExec(fd)
-	if err := syscall.Dup2(2, 1); err != nil {
-		_ = syscall.Close(fd)
+	if err := unix.Dup3(2, 1, 0); err != nil { // Dup2 is not on every Linux arch
+		_ = unix.Close(fd)
 		return nil, fmt.Errorf("ctrl: pointing stdout at stderr: %w", err)
 	}
 	return New(os.Stdin, os.NewFile(uintptr(fd), "ctrl")), nil

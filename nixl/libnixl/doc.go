@@ -17,7 +17,7 @@
 // else $ECXFER_NIXL_LIB, else looked for under $NIXL_PREFIX, then
 // $VIRTUAL_ENV, then the nearest .venv from the working directory up (one
 // that belongs to this user or root, with its lib/ecxfer and the library,
-// none of them writable by other users: a .venv another user left in /tmp
+// none of them writable by every user: a .venv another user left in /tmp
 // is skipped), then on the dynamic loader's path. When it is found nowhere, New fails with
 // ErrNotInstalled; when it exists but cannot be used (not a library, NIXL
 // missing, a symbol missing, another ABI version, or a NIXL release other

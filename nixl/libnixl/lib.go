@@ -117,8 +117,8 @@ func candidates(explicit string) []string {
 // directory up that this process may trust, or "". The search climbs into
 // directories other users can write to (a working directory under /tmp),
 // so a .venv is skipped unless it, its lib/ecxfer directories and the
-// library in it belong to this user or root and no other user may write
-// them (see trusted): a library planted there would run its code in this
+// library in it belong to this user or root and are not writable by every
+// user (see trusted; a group may write them: Debian's per-user groups do): a library planted there would run its code in this
 // process the moment it is opened.
 // The reasons for the ones skipped on the way come back too.
 func projectVenv() (string, []string) {
@@ -146,8 +146,9 @@ func projectVenv() (string, []string) {
 
 // venvTrusted reports why the library of venv v may not be trusted, or nil:
 // v, v/lib, v/lib/ecxfer and the library (those of them that exist) must
-// each be owned by this process's user or root and not writable by other
-// users, and so must what a symbolic link among them points to.
+// each be owned by this process's user or root and not writable by every
+// user, and so must what a symbolic link among them points to (the link
+// itself only owned so).
 func venvTrusted(v string) error {
 	p := v
 	for _, part := range append(strings.Split(shimDir, string(filepath.Separator)), LibName) {
@@ -171,7 +172,9 @@ func trusted(p string) error {
 		if st.Uid != euid && st.Uid != 0 {
 			return fmt.Errorf("%s belongs to uid %d, not to this user or root", p, st.Uid)
 		}
-		if fi.Mode().Perm()&0o002 != 0 {
+		// A link's own mode is always rwxrwxrwx and means nothing: only
+		// its owner (who may repoint it) and its target's mode count.
+		if fi.Mode()&os.ModeSymlink == 0 && fi.Mode().Perm()&0o002 != 0 {
 			return fmt.Errorf("%s is writable by every user", p)
 		}
 		return nil
@@ -228,7 +231,7 @@ func load(explicit string) (*lib, error) {
 		if v, skipped := projectVenv(); v == "" {
 			wd, _ := os.Getwd()
 			tried = append(tried, skipped...)
-			tried = append(tried, fmt.Sprintf("no %s in %s or above", ProjectVenv, wd))
+			tried = append(tried, fmt.Sprintf("no usable %s in %s or above", ProjectVenv, wd))
 		}
 	}
 	return nil, fmt.Errorf("%w: tried %s; %s", ErrNotInstalled, strings.Join(tried, ", "), buildHint)

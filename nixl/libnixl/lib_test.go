@@ -53,7 +53,7 @@ func TestNotInstalledSearch(t *testing.T) {
 	require.Contains(t, msg, filepath.Join(prefix, "lib", "ecxfer", LibName))
 	require.Contains(t, msg, filepath.Join(prefix, "lib", LibName))
 	require.Contains(t, msg, "loader path")
-	require.Contains(t, msg, "no "+ProjectVenv+" in", "the message says no project .venv was found")
+	require.Contains(t, msg, "no usable "+ProjectVenv+" in", "the message says no project .venv was found")
 }
 
 func TestCandidates(t *testing.T) {
@@ -270,4 +270,30 @@ __attribute__((constructor)) static void planted(void) {
 	require.NoError(t, os.Chown(lib, 0, 0))
 	require.NoError(t, os.Chmod(dir, 0o755))
 	require.Contains(t, candidates(""), lib)
+}
+
+// A project .venv that is a symbolic link to this user's own virtual
+// environment is taken: a link's own mode (always rwxrwxrwx) is not held
+// against it, its owner and its target's are checked.
+func TestProjectVenvOwnSymlink(t *testing.T) {
+	root := t.TempDir()
+	real := filepath.Join(root, "venvs", "ecxfer")
+	lib := filepath.Join(real, "lib", "ecxfer", LibName)
+	require.NoError(t, os.MkdirAll(filepath.Dir(lib), 0o755))
+	require.NoError(t, os.WriteFile(lib, []byte("x"), 0o644))
+	proj := filepath.Join(root, "proj")
+	require.NoError(t, os.MkdirAll(proj, 0o755))
+	require.NoError(t, os.Symlink(real, filepath.Join(proj, ProjectVenv)))
+	t.Chdir(proj)
+	t.Setenv(EnvLib, "")
+	t.Setenv(EnvPrefix, "")
+	t.Setenv(EnvVenv, "")
+	v, skipped := projectVenv()
+	require.Equal(t, filepath.Join(proj, ProjectVenv), v, "skipped: %q", skipped)
+	// Its target writable by every user: skipped.
+	require.NoError(t, os.Chmod(filepath.Dir(lib), 0o777))
+	v, skipped = projectVenv()
+	require.Empty(t, v)
+	require.Len(t, skipped, 1)
+	require.Contains(t, skipped[0], "writable by every user")
 }
