@@ -156,7 +156,9 @@ func TestRegistryCallsRacingDeregister(t *testing.T) {
 		for range 2 {
 			select {
 			case err := <-blocked:
-				require.Equal(t, codeClosed, codeOf(err), "round %d: %v", round, err)
+				// Closed if it was blocked when deregister came; a call
+				// its goroutine had not made by then finds the id gone.
+				require.Contains(t, []int{codeClosed, codeUnknownTransport}, codeOf(err), "round %d: %v", round, err)
 				require.Error(t, err)
 			case <-time.After(10 * time.Second):
 				t.Fatalf("round %d: a call blocked without a time limit did not return after deregister", round)
