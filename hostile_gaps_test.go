@@ -447,10 +447,10 @@ func TestBlockedCallsEndAtDeregister(t *testing.T) {
 // Wait given a context that ends (or has ended) while the READ is still in
 // flight returns ctx's error then, whatever Reactor.WaitSpin says: the doc
 // promises "ctx's error when ctx ends first". WaitSpin is a valid option
-// with no upper bound (TestWaitSpinThenBlock uses a minute); here it is 3 s
+// with no upper bound (TestWaitSpinThenBlock uses a minute); here it is 20 s
 // and the READ is held in the engine for an hour.
 func TestWaitHonorsContextDuringSpin(t *testing.T) {
-	_, cons, pname := loopbackPair(t, 512, 8, func(c *Config) { c.Reactor.WaitSpin = 3 * time.Second })
+	_, cons, pname := loopbackPair(t, 512, 8, func(c *Config) { c.Reactor.WaitSpin = 20 * time.Second })
 	engine(t, cons).SetDelay(time.Hour)
 	h, err := cons.PostRead([]int{0}, pname, []int{0}, nil)
 	require.NoError(t, err)
@@ -474,6 +474,6 @@ func TestWaitHonorsContextDuringSpin(t *testing.T) {
 	t.Logf("canceled ctx: %v after %v; 20ms ctx: %v after %v", errCanceled, tookCanceled, errTimeout, tookTimeout)
 	require.ErrorIs(t, errCanceled, context.Canceled)
 	require.ErrorIs(t, errTimeout, context.DeadlineExceeded)
-	require.Less(t, tookCanceled, 500*time.Millisecond, "Wait with a canceled ctx returned after %v", tookCanceled)
-	require.Less(t, tookTimeout, 500*time.Millisecond, "Wait with a 20ms ctx returned after %v", tookTimeout)
+	require.Less(t, tookCanceled, 5*time.Second, "Wait with a canceled ctx returned after %v", tookCanceled)
+	require.Less(t, tookTimeout, 5*time.Second, "Wait with a 20ms ctx returned after %v", tookTimeout)
 }

@@ -77,7 +77,7 @@ def test_blocked_calls_end_at_deregister_and_methods_after_it():
         c.post_read([0], name, [0], b"")
     with pytest.raises(ecxfer.ClosedError):
         c.post_read([0], "never-known", [0], b"")
-    assert time.monotonic() - t0 < 2
+    assert time.monotonic() - t0 < 5
     with c:  # the context manager on a closed transport
         pass
     p.deregister()
@@ -251,7 +251,7 @@ def test_wait_timeout_bounds_the_call_with_long_wait_spin(peers, monkeypatch):
     reg = ShmRegion(256 * 65536)
     t = ecxfer.EcxferDataTransport(
         agent_name="prefill-spin", base_ptr=reg.addr, num_blocks=256, block_size_bytes=65536,
-        total_size_bytes=256 * 65536, direct="off", wait_spin_us=3_000_000,
+        total_size_bytes=256 * 65536, direct="off", wait_spin_us=20_000_000,
     )
     try:
         peer = t.add_remote_peer(base64.b64decode(pm["md"]), base64.b64decode(pm["desc"]))
@@ -267,7 +267,7 @@ def test_wait_timeout_bounds_the_call_with_long_wait_spin(peers, monkeypatch):
             took[timeout] = (st, round(time.monotonic() - t0, 3))
         t.release_xfer_handle(h)
         assert all(st == "PROC" for st, _ in took.values()), took
-        assert all(s < timeout + 0.5 for timeout, (_, s) in took.items()), f"wait(h, timeout) took {took}"
+        assert all(s < timeout + 5 for timeout, (_, s) in took.items()), f"wait(h, timeout) took {took}"
     finally:
         os.kill(prod.p.pid, signal.SIGCONT)
         t.deregister()
