@@ -47,9 +47,10 @@
 // handle; see table.go for the layout and the hashing.
 //
 // Every slot has one owner at a time, and only its owner frees it: the
-// Post that claimed it, until the handle is on the submission ring (on
-// error it frees exactly the word it claimed; Close leaves such a slot to
-// its Post); then the reactor, until it publishes the end; then the caller
+// Post that claimed it, until the handle is on the submission ring (the
+// slot is CLAIMED while Post writes the request, and State and Release
+// refuse a CLAIMED handle; on error Post frees exactly the word it set;
+// Close leaves such a slot to its Post); then the reactor, until it publishes the end; then the caller
 // who releases the handle. A handle released in flight is marked
 // canceling and queued on the cancel ring; its slot is freed by the
 // reactor as it drains that entry (or, for a direct READ whose copy is

@@ -916,13 +916,14 @@ func (r *Reactor) teardown() error {
 	}
 	err := r.agent.Close()
 	// Every transfer the reactor owned has ended: free the slots of ended
-	// transfers. A slot still in PROC belongs to a Post that claimed it and
-	// has not handed it over (or handed it over after the drain above);
-	// that Post sees closing, waits for the loop to end and frees it, so
-	// no other Post can claim the slot while the first still fills it in.
+	// transfers. A slot still CLAIMED or PROC belongs to a Post that
+	// claimed it and has not handed it over (or handed it over after the
+	// drain above); that Post sees closing, waits for the loop to end and
+	// frees it, so no other Post can claim the slot while the first still
+	// fills it in.
 	for i := range r.tab.slots {
 		s := &r.tab.slots[i]
-		if w := s.word.Load(); w != 0 && wordState(w) != stProc {
+		if w := s.word.Load(); w != 0 && wordState(w) != stProc && wordState(w) != stClaimed {
 			r.tab.free(s, w)
 		}
 	}

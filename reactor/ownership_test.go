@@ -1,6 +1,7 @@
 package reactor
 
 import (
+	"context"
 	"errors"
 	"reflect"
 	"runtime"
@@ -10,6 +11,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/cespare/xxhash/v2"
 	"github.com/stretchr/testify/require"
 
 	"github.com/ecxfer/ecxfer/internal/leakcheck"
@@ -237,4 +239,102 @@ func TestControlQueuedBehindClose(t *testing.T) {
 	require.NoError(t, <-closed)
 	require.ErrorIs(t, <-res, ErrClosed)
 	require.False(t, ran, "an operation queued behind Close ran after the teardown")
+}
+
+// A handle whose Post has claimed its slot and not yet returned is not a
+// caller's: State, Wait and Release refuse it (ErrBadHandle) and leave
+// the word alone, so a caller who passes a handle it was never given
+// cannot cancel a READ whose request is still being written.
+func TestClaimedHandleRefused(t *testing.T) {
+	leakcheck.Check(t)
+	p := newPair(t, 16, Options{Handles: 256})
+	h, s := p.cons.tab.claim()
+	require.NotNil(t, s)
+	claimed := p.cons.tab.claimedWord(h)
+	require.Equal(t, claimed, s.word.Load())
+
+	_, err := p.cons.State(h)
+	require.ErrorIs(t, err, ErrBadHandle)
+	require.ErrorIs(t, p.cons.Release(h), ErrBadHandle)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	require.ErrorIs(t, p.cons.Wait(ctx, h), ErrBadHandle)
+	require.Equal(t, claimed, s.word.Load(), "a claimed slot changed under its Post")
+	require.Zero(t, p.cons.cancel.Len(), "a cancel entry queued for a claimed slot")
+	require.True(t, p.cons.tab.free(s, claimed))
+}
+
+// guessHandles returns the handles the table's next claims would most
+// likely get: the next generations at their home slots.
+func guessHandles(tab *table, n int) []uint64 {
+	var out []uint64
+	g := tab.gen.Load()
+	for i := 1; i <= n; i++ {
+		gi := g + uint64(i)
+		var kb [8]byte
+		for j := range kb {
+			kb[j] = byte(gi >> (8 * j))
+		}
+		home := xxhash.Sum64(kb[:]) & tab.mask
+		out = append(out, (gi<<tab.slotBits)&tab.genMask()|home)
+	}
+	return out
+}
+
+// Posts racing a caller that releases the handles they are about to
+// return (guessed: the next generations at their home slots), with a
+// submission ring so small that Posts also fail ErrBusy after their
+// handle was released: every slot is freed once, the counters balance,
+// and (under the race detector) no release reaches a request still being
+// written.
+func TestGuessedReleasesRacingPosts(t *testing.T) {
+	leakcheck.Check(t)
+	p := newPair(t, 16, Options{SubmitRing: 2, BatchSize: 1, Handles: 256})
+	p.consEng.SetDelay(10 * time.Microsecond)
+	stop := make(chan struct{})
+	low := watchLive(p.cons, stop)
+	var wg sync.WaitGroup
+	var hits atomic.Int64
+	deadline := time.Now().Add(time.Second)
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for time.Now().Before(deadline) {
+			for _, h := range guessHandles(p.cons.tab, 4) {
+				if p.cons.Release(h) == nil {
+					hits.Add(1)
+				}
+			}
+		}
+	}()
+	var posted, busy atomic.Int64
+	for g := 0; g < 4; g++ {
+		wg.Add(1)
+		go func(g int) {
+			defer wg.Done()
+			idx := []int{g % 16}
+			for time.Now().Before(deadline) {
+				h, err := p.cons.Post(p.pname, idx, idx, []byte("guess"))
+				if errors.Is(err, ErrBusy) {
+					busy.Add(1)
+					runtime.Gosched()
+					continue
+				}
+				require.NoError(t, err)
+				posted.Add(1)
+				// Released by the guesser already, or ours to release.
+				if err := p.cons.Release(h); err != nil {
+					require.ErrorIs(t, err, ErrBadHandle)
+				}
+			}
+		}(g)
+	}
+	wg.Wait()
+	t.Logf("posted %d, busy %d, guessed releases that hit %d", posted.Load(), busy.Load(), hits.Load())
+	require.Eventually(t, func() bool { return p.cons.tab.live.Load() == 0 }, 10*time.Second, time.Millisecond,
+		"slots left after every handle was released")
+	close(stop)
+	require.GreaterOrEqual(t, <-low, int64(0), "live handles went negative")
+	st := p.cons.Stats()
+	require.Equal(t, st.ReadsPosted, st.ReadsDone+st.ReadsFailed+st.ReadsCanceled, "counters do not balance: %+v", st)
 }

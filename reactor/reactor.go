@@ -333,10 +333,11 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 	if err != nil {
 		return 0, err
 	}
-	// The word claim stored. Until the handle is on the ring the slot is
-	// this Post's alone, and on every error path it frees exactly this
-	// word: a slot that meanwhile holds another word (Close ended the
-	// transfer, another Post claimed the freed slot) is not ours to free.
+	// The word claim stored (state CLAIMED): the slot is this Post's alone
+	// while it fills in the request, since State and Release refuse a
+	// CLAIMED handle. An inline READ leaves it so until it publishes the
+	// end; a queued one is set PROC just before its handle goes on the
+	// ring (queued, below).
 	claimed := r.tab.claimedWord(h)
 	s.start = r.now()
 	s.peer = p
@@ -366,6 +367,13 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 		setIdx(&s.remoteIdx, &s.homeRemote, remoteIdx)
 	}
 
+	// From here the request is written and the handle is a queued READ's:
+	// on every error path Post frees exactly this word; a slot that
+	// meanwhile holds another word (Close ended the transfer, a caller
+	// released the handle, another Post claimed the freed slot) is not
+	// its to free.
+	queued := claimed&^stateMask | stProc
+	s.word.Store(queued)
 	for tries := 0; !r.sub.TryPush(h); tries++ {
 		var err error
 		if r.opts.WaitWhenBusy {
@@ -374,8 +382,16 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 			err = r.busy("submission ring full (%d)", r.sub.Cap())
 		}
 		if err != nil {
-			s.job = nil
-			r.tab.free(s, claimed)
+			if s.word.CompareAndSwap(queued, claimed) {
+				s.job = nil
+				r.tab.free(s, claimed)
+			} else {
+				// Released by a caller who had not been given the handle
+				// (only a guess reaches it before Post returns): its
+				// cancel entry is queued, and the reactor frees the slot
+				// and counts it canceled, so it counts as posted too.
+				r.st.posted.Add(1)
+			}
 			return 0, err
 		}
 	}
@@ -384,17 +400,18 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 		// Close has begun, and its teardown may have drained the ring
 		// before this push. Once the loop is gone, either teardown ended
 		// the transfer and freed its slot, or the handle sits on a ring
-		// nobody drains and the slot still holds the claimed word: ours
+		// nobody drains and the slot still holds the queued word: ours
 		// to free.
 		<-r.done
-		if s.word.Load() == claimed {
+		if s.word.Load() == queued {
 			s.job = nil
 		} else {
-			// Teardown ended it (and counted it failed): posted too, so
-			// that every READ counted ended was counted posted.
+			// Teardown ended it (and counted it failed or canceled):
+			// posted too, so that every READ counted ended was counted
+			// posted.
 			r.st.posted.Add(1)
 		}
-		r.tab.free(s, claimed)
+		r.tab.free(s, queued)
 		return 0, ErrClosed
 	}
 	// Counted once the handle is the caller's: every READ counted here

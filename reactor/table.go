@@ -31,10 +31,16 @@ import (
 // Slot states, in the low stateBits of a word.
 const (
 	stFree      = 0 // no owner (the whole word is zero)
-	stProc      = 1 // claimed by a submitter; queued or in flight
+	stProc      = 1 // queued or in flight: its handle has left Post
 	stDone      = 2 // every byte landed
 	stErr       = 3 // failed; error code in the errcode bits
 	stCanceling = 4 // released while in flight; the reactor frees it
+	// stClaimed: a Post has claimed the slot and is still filling in its
+	// request; its handle has not been handed out. Only that Post changes
+	// the word: State and Release answer ErrBadHandle for it, so a caller
+	// who passes a handle it was never given (the next generation, say)
+	// cannot cancel a READ whose request is half written.
+	stClaimed = 5
 
 	stateBits   = 3
 	stateMask   = 1<<stateBits - 1
@@ -286,7 +292,7 @@ func newTable(capacity int) *table {
 func (t *table) genMask() uint64 { return ^t.mask &^ (1 << 63) }
 
 // claim finds a free slot, probing forward from the generation's hash, and
-// takes it in state PROC. It returns the handle and the slot, or 0 and nil
+// takes it in state CLAIMED. It returns the handle and the slot, or 0 and nil
 // when it found every slot taken. A table with free slots is usually
 // claimed from within a few probes; only a nearly full one is scanned far.
 func (t *table) claim() (uint64, *slot) {
@@ -309,7 +315,7 @@ func (t *table) claim() (uint64, *slot) {
 		if s.word.Load() != 0 {
 			continue
 		}
-		if s.word.CompareAndSwap(0, gbits|stProc) {
+		if s.word.CompareAndSwap(0, gbits|stClaimed) {
 			t.live.Add(1)
 			return gbits | idx, s
 		}
@@ -318,8 +324,8 @@ func (t *table) claim() (uint64, *slot) {
 }
 
 // claimedWord is the word claim stores for handle h: h's generation, state
-// PROC.
-func (t *table) claimedWord(h uint64) uint64 { return h&t.genMask() | stProc }
+// CLAIMED.
+func (t *table) claimedWord(h uint64) uint64 { return h&t.genMask() | stClaimed }
 
 // lookup returns the slot a handle names and the slot's current word, or
 // nil when the handle is malformed or no longer owns the slot.

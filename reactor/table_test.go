@@ -15,7 +15,7 @@ func TestTableClaimLookupFree(t *testing.T) {
 	require.NotZero(t, h)
 	got, w := tab.lookup(h)
 	require.Same(t, s, got)
-	require.Equal(t, uint64(stProc), wordState(w))
+	require.Equal(t, uint64(stClaimed), wordState(w), "claimed, not yet a handle of a caller")
 	require.Equal(t, int64(1), tab.live.Load())
 
 	// A stale generation on the same slot does not match.
