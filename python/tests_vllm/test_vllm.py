@@ -4,7 +4,10 @@ the class vLLM's EC CPU scheduler imports is ecxfer's, a subclass of vLLM's
 real DataTransport; and vLLM's own producer and consumer session code runs
 between two processes over vLLM's ZMQ control plane, on vLLM's shared
 regions, with ecxfer as the transport: the blocks arrive intact and the
-READ's notification unpins them on the producer. A missing vLLM fails it."""
+READ's notification unpins them on the producer; and vLLM's ECCPUConnector
+in its scheduler role, on both ends, runs the same exchange from its own
+_setup_nixl, request_finished, ensure_cache_available and step. A missing
+vLLM fails it."""
 
 import json
 import os
@@ -105,6 +108,47 @@ def test_vllm_sessions_over_ecxfer():
         assert c["bad_blocks"] == [], c
         # vLLM's one READ took the C reader of index lists, not the fallback.
         assert len(c["c_reader"]) == 1 and c["c_reader"][0] > 0, c
+        pr = prod.recv()
+        assert pr == {"pinned_seen": True, "unpinned": True, "held": False}, pr
+        assert cons.finish() == 0
+        assert prod.finish() == 0
+    finally:
+        for x in (prod, cons):
+            if x is not None:
+                x.kill()
+
+
+SCHED_PEER = str(Path(__file__).resolve().parent / "vllm_sched_peer.py")
+
+
+def test_vllm_scheduler_over_ecxfer():
+    """vLLM's ECCPUConnector in its scheduler role on both ends: its
+    _setup_nixl builds ecxfer's transport, request_finished announces the
+    producer's encoding, ensure_cache_available admits the consumer's
+    request once the READ is done, the load the scheduler hands the worker
+    holds the producer's bytes, and the READ's notification unpins the
+    encoding on the producer."""
+    port, tag = free_port(), uuid.uuid4().hex[:8]
+    nb, hidden, n, mm_hash = 1024, 2560, 880, f"mm-{tag}"
+    argv = [str(port), str(nb), str(hidden), mm_hash, str(n)]
+    prod = Proc([VLLM_PY, SCHED_PEER, "producer", f"ecx-{tag}"] + argv, env())
+    cons = None
+    try:
+        p = prod.recv()
+        assert p["ready"] and p["blocks"] == n, p
+        item = p["params"][mm_hash]
+        assert (item["peer_host"], item["peer_port"]) == ("127.0.0.1", port), item
+        assert item["shape"] == [n, hidden] and item["size_bytes"] == n * hidden * 2, item
+        cons = Proc([VLLM_PY, SCHED_PEER, "consumer", f"ecx-{tag}"] + argv, env())
+        cons.p.stdin.write(json.dumps(p["params"]) + "\n")
+        cons.p.stdin.flush()
+        c = cons.recv()
+        for side in (p, c):
+            assert side["class"] == "ecxfer.transport.EcxferDataTransport", side
+            assert side["is_ecxfer"] and side["instance_is_vllm_datatransport"], side
+        assert c["failed"] == [] and c["ready"], c
+        assert c["loaded"] and c["shape"] == [n, hidden], c
+        assert c["bad_blocks"] == [], c
         pr = prod.recv()
         assert pr == {"pinned_seen": True, "unpinned": True, "held": False}, pr
         assert cons.finish() == 0
