@@ -119,15 +119,22 @@ func TestReleaseInFlightStorm(t *testing.T) {
 	require.Equal(t, int64(0), p.cons.inflight.Load())
 }
 
+// claimAsPost claims a slot of p's consumer as Post does first, and
+// returns its handle, the slot and the word the claim stored.
+func claimAsPost(t *testing.T, p *testPair) (uint64, *slot, uint64) {
+	t.Helper()
+	h, s := p.cons.tab.claim()
+	require.NotNil(t, s)
+	return h, s, p.cons.tab.claimedWord(h)
+}
+
 // A slot a Post has claimed and not yet handed to the reactor is the
 // Post's: Close leaves it alone, so no other Post can claim it while the
 // first still fills in its request, and the first frees it itself.
 func TestCloseLeavesClaimedSlotToItsPost(t *testing.T) {
 	leakcheck.Check(t)
 	p := newPair(t, 16, Options{Handles: 256})
-	h, s := p.cons.tab.claim()
-	require.NotNil(t, s)
-	claimed := p.cons.tab.claimedWord(h)
+	_, s, claimed := claimAsPost(t, p)
 	require.NoError(t, p.cons.Close())
 	require.Equal(t, claimed, s.word.Load(), "Close changed a slot a Post still owns")
 	for i := 0; i < len(p.cons.tab.slots); i++ {
@@ -248,9 +255,7 @@ func TestControlQueuedBehindClose(t *testing.T) {
 func TestClaimedHandleRefused(t *testing.T) {
 	leakcheck.Check(t)
 	p := newPair(t, 16, Options{Handles: 256})
-	h, s := p.cons.tab.claim()
-	require.NotNil(t, s)
-	claimed := p.cons.tab.claimedWord(h)
+	h, s, claimed := claimAsPost(t, p)
 	require.Equal(t, claimed, s.word.Load())
 
 	_, err := p.cons.State(h)

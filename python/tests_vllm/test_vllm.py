@@ -61,6 +61,21 @@ class Proc:
             self.p.wait()
 
 
+def unpinned_then_finish(prod, cons):
+    """The producer saw the encoding pinned for the READ and unpinned by its
+    notification; both sides then exit cleanly."""
+    pr = prod.recv()
+    assert pr == {"pinned_seen": True, "unpinned": True, "held": False}, pr
+    assert cons.finish() == 0
+    assert prod.finish() == 0
+
+
+def kill(*procs):
+    for x in procs:
+        if x is not None:
+            x.kill()
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -108,14 +123,9 @@ def test_vllm_sessions_over_ecxfer():
         assert c["bad_blocks"] == [], c
         # vLLM's one READ took the C reader of index lists, not the fallback.
         assert len(c["c_reader"]) == 1 and c["c_reader"][0] > 0, c
-        pr = prod.recv()
-        assert pr == {"pinned_seen": True, "unpinned": True, "held": False}, pr
-        assert cons.finish() == 0
-        assert prod.finish() == 0
+        unpinned_then_finish(prod, cons)
     finally:
-        for x in (prod, cons):
-            if x is not None:
-                x.kill()
+        kill(prod, cons)
 
 
 SCHED_PEER = str(Path(__file__).resolve().parent / "vllm_sched_peer.py")
@@ -149,11 +159,6 @@ def test_vllm_scheduler_over_ecxfer():
         assert c["failed"] == [] and c["ready"], c
         assert c["loaded"] and c["shape"] == [n, hidden], c
         assert c["bad_blocks"] == [], c
-        pr = prod.recv()
-        assert pr == {"pinned_seen": True, "unpinned": True, "held": False}, pr
-        assert cons.finish() == 0
-        assert prod.finish() == 0
+        unpinned_then_finish(prod, cons)
     finally:
-        for x in (prod, cons):
-            if x is not None:
-                x.kill()
+        kill(prod, cons)
