@@ -149,7 +149,7 @@ soak: export UCX_LOG_LEVEL = warn
 soak: deps
 	$(GO) build -o .soak ./cmd/ecxfer-soak
 	./.soak --duration $(SOAK) --producers 3 --regions alloc,mmap,shm --workers 16 \
-		--restart 100ms --restarts $(SOAK_RESTARTS) --notif-bytes 80; s=$$?; rm -f .soak; exit $$s
+		--restart 100ms --restarts $(SOAK_RESTARTS) --notif-bytes 101; s=$$?; rm -f .soak; exit $$s
 
 # A real transfer between two processes (the harness forks a UCX producer)
 # with every workload and mode, bytes verified, and the table (about 65 s).

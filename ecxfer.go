@@ -162,8 +162,8 @@ const (
 	// peer that does not advertise its region or cannot be mapped. On this
 	// path a same-host producer that is replaced keeps its endpoint, and
 	// this process's mappings of its segments, until Deregister once READs
-	// to it carried notifications longer than about 90 bytes with the
-	// consumer's name (UCX 1.13; see the README's "Failure behaviour").
+	// to it carried notifications that, with the consumer's name, exceed
+	// about 100 bytes (UCX 1.13; see the README's "Failure behaviour").
 	DirectOff
 )
 

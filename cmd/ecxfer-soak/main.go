@@ -20,7 +20,10 @@
 // memory, a MAP_SHARED mapping of a /dev/shm file, as vLLM's). --direct
 // chooses the consumer's path to them (auto, on or off: the engine path).
 // The engine path refuses caller memory over shared memory (ecxfer.DirectOff
-// says why): with --direct off use --regions alloc, or UCX_TLS=tcp.
+// says why): with --direct off use --regions alloc, or UCX_TLS=tcp. On
+// that path the mapping check below fails once a notification and the
+// consumer's name exceed about 100 bytes: UCX 1.13 then keeps each
+// replaced producer's endpoint (README, "Failure behaviour").
 //
 // At the end: every accepted READ is accounted for (done + failed +
 // released in flight == accepted), no READ is stuck and no verified block
@@ -105,7 +108,7 @@ func main() {
 	direct := flag.String("direct", "auto", "the consumer's path to its producers: auto, on (direct) or off (the engine)")
 	regions := flag.String("regions", "alloc,mmap", "producers' region kinds, round robin: alloc, mmap, shm")
 	flag.Int64Var(&maxRestarts, "restarts", 0, "end the run after this many producer replacements (0: run for --duration)")
-	flag.IntVar(&notifBytes, "notif-bytes", 0, "length of each READ's notification (0: about 8 bytes; vLLM's are about 80)")
+	flag.IntVar(&notifBytes, "notif-bytes", 0, "length of each READ's notification (0: about 8 bytes; vLLM 0.33's are 101)")
 	flag.BoolVar(&checkMaps, "check-maps", true, "fail if more shared memory is mapped at the end than after warm-up")
 	flag.Parse()
 	var ok bool
