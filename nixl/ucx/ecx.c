@@ -442,8 +442,6 @@ void ecx_destroy(ecx_ctx_t *c)
     ecx_notif_t *n;
     ecx_peer_err_t *e;
 
-    /* Closes still pending (peers that never answered) are abandoned; the
-     * worker owns their requests. */
     /* Closes that never completed (a peer that stopped answering) are
      * abandoned: their requests are released to the worker, and rkeys go
      * before the worker that owns their memory. */
