@@ -29,9 +29,10 @@
 // released in flight == accepted), no READ is stuck and no verified block
 // is wrong, the transport has no live handle and nothing in flight,
 // goroutines and descriptors are back to their baseline, the resident set
-// grew by less than --rss-bound MiB after warm-up, and the consumer has no
+// grew by less than --rss-bound MiB after warm-up, the consumer has no
 // more shared-memory mappings at the end than after warm-up (one per
-// producer and region: a replaced producer's must not stay mapped), and
+// producer and region: a replaced producer's must not stay mapped) and,
+// after Deregister, none more than before the transport was made, and
 // UCX's own teardown report (operations never flushed, requests never
 // returned to their pools), which it prints on this process's standard
 // output at UCX_LOG_LEVEL warn or above, has no line. The totals are
@@ -425,6 +426,10 @@ type samples struct {
 	mapSize0, mapSize1   int64
 	ucxLines             int64 // UCX teardown report lines; -1: not checked
 	mapLines0, mapLines1 []string
+	// Before the consumer was made and after its Deregister: nothing of
+	// the transport or its peers may stay mapped.
+	mapsBase, mapsTorn         int
+	mapLinesBase, mapLinesTorn []string
 }
 
 func soak(duration time.Duration, nprod, nwork int, restart time.Duration, bs, rssBound int) bool {
@@ -450,6 +455,9 @@ func soak(duration time.Duration, nprod, nwork int, restart time.Duration, bs, r
 		fmt.Printf("ecxfer-soak: metrics on http://%s/metrics\n", ex.Addr())
 	}
 	base := leakcheck.Take()
+	var mapsBase int
+	var mapLinesBase []string
+	mapsBase, _, mapLinesBase = sharedMaps()
 	// Captured after the baseline: the pipe and the goroutine are gone
 	// again when the leak check runs.
 	report, err := captureUCX()
@@ -515,6 +523,8 @@ func soak(duration time.Duration, nprod, nwork int, restart time.Duration, bs, r
 	smp.rssMax = max(smp.rssMax, smp.rssEnd)
 
 	st := s.teardown()
+	smp.mapsBase, smp.mapLinesBase = mapsBase, mapLinesBase
+	smp.mapsTorn, _, smp.mapLinesTorn = sharedMaps()
 	// Deregister destroyed the UCX worker, which printed its report.
 	smp.ucxLines = report.stop()
 	if !ucxWarns() {
@@ -707,8 +717,8 @@ func (s *soakRun) report(elapsed time.Duration, st ecxfer.Stats, smp samples) {
 		st.ReadsPosted, st.ReadsDone, st.ReadsFailed, st.ReadsCanceled, st.LiveHandles, st.InFlight)
 	fmt.Printf("  RSS                     %.1f MiB after warm-up, %.1f MiB peak, %.1f MiB at the end (bound +%d MiB)\n",
 		float64(smp.rss0)/(1<<20), float64(smp.rssMax)/(1<<20), float64(smp.rssEnd)/(1<<20), s.rssBound)
-	fmt.Printf("  shared mappings         %d (%.1f MiB) after warm-up, %d (%.1f MiB) at the end\n",
-		smp.maps0, float64(smp.mapSize0)/(1<<20), smp.maps1, float64(smp.mapSize1)/(1<<20))
+	fmt.Printf("  shared mappings         %d (%.1f MiB) after warm-up, %d (%.1f MiB) at the end; %d after Deregister, %d before the transport\n",
+		smp.maps0, float64(smp.mapSize0)/(1<<20), smp.maps1, float64(smp.mapSize1)/(1<<20), smp.mapsTorn, smp.mapsBase)
 	if smp.ucxLines < 0 {
 		fmt.Printf("  UCX teardown report     not checked (UCX_LOG_LEVEL=%s hides it)\n", os.Getenv("UCX_LOG_LEVEL"))
 	} else {
@@ -753,6 +763,10 @@ func (s *soakRun) check(st ecxfer.Stats, smp samples, leakErr error) {
 	if checkMaps && smp.maps1 > smp.maps0 {
 		s.fail("%d shared mappings at the end, %d after warm-up: replaced producers stay mapped\nafter warm-up:\n  %s\nat the end:\n  %s",
 			smp.maps1, smp.maps0, strings.Join(smp.mapLines0, "\n  "), strings.Join(smp.mapLines1, "\n  "))
+	}
+	if smp.mapsTorn > smp.mapsBase {
+		s.fail("%d shared mappings after Deregister, %d before the transport was made: the transport left memory mapped\nbefore:\n  %s\nafter Deregister:\n  %s",
+			smp.mapsTorn, smp.mapsBase, strings.Join(smp.mapLinesBase, "\n  "), strings.Join(smp.mapLinesTorn, "\n  "))
 	}
 	if maxRestarts > 0 && tot.restarts.Load() < maxRestarts {
 		s.fail("%d of %d restarts in %v", tot.restarts.Load(), maxRestarts, s.duration)
