@@ -163,7 +163,7 @@ const (
 	// path a same-host producer that is replaced keeps its endpoint, and
 	// this process's mappings of its segments, until Deregister once READs
 	// to it carried notifications that, with the consumer's name, exceed
-	// about 100 bytes (UCX 1.13; see the README's "Failure behaviour").
+	// about 95 bytes (UCX 1.13; see the README's "Failure behaviour").
 	DirectOff
 )
 

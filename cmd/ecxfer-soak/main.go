@@ -22,7 +22,7 @@
 // The engine path refuses caller memory over shared memory (ecxfer.DirectOff
 // says why): with --direct off use --regions alloc, or UCX_TLS=tcp. On
 // that path the mapping check below fails once a notification and the
-// consumer's name exceed about 100 bytes: UCX 1.13 then keeps each
+// consumer's name exceed about 95 bytes: UCX 1.13 then keeps each
 // replaced producer's endpoint (README, "Failure behaviour").
 //
 // At the end: every accepted READ is accounted for (done + failed +
