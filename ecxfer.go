@@ -533,14 +533,16 @@ func (t *Transport) Wait(ctx context.Context, h Handle) error {
 // Stats is a snapshot of the transport's counters.
 type Stats = reactor.Stats
 
-// Stats returns the counters without stopping the reactor.
+// Stats returns the counters without stopping the reactor. They may trail
+// the states callers see by a moment: the reactor counts a READ it
+// finishes right after publishing its state.
 func (t *Transport) Stats() Stats { return t.r.Stats() }
 
 // PeerStat is one peer's path, state and counters.
 type PeerStat = reactor.PeerStat
 
 // PeerStats appends every known peer's state and counters to dst, in no
-// particular order.
+// particular order; counted as Stats.
 func (t *Transport) PeerStats(dst []PeerStat) []PeerStat { return t.r.PeerStats(dst) }
 
 // ReactorCPU is the CPU time (user and system) the reactor thread has
