@@ -140,16 +140,20 @@ test: deps nixl fmt-check cgo-guard dep-guard vet staticcheck
 
 # Random READs from 16 goroutines against three producer processes (an
 # engine-allocated region, anonymous memory, a /dev/shm file), with releases
-# in flight, vLLM-sized (80-byte) notifications, one producer replaced
+# in flight, vLLM-sized (101-byte) notifications, one producer replaced
 # every 100 ms (killed or exiting) until
 # SOAK_RESTARTS replacements (at most SOAK); checks that every accepted READ
 # is accounted for, nothing leaks (goroutines, descriptors, RSS, shared
 # mappings) and UCX's own teardown report is empty (hence UCX_LOG_LEVEL=warn).
+# Then the same on the engine path (two producers of engine-allocated
+# regions, half the replacements), where notifications go through UCX.
 soak: export UCX_LOG_LEVEL = warn
 soak: deps
 	$(GO) build -o .soak ./cmd/ecxfer-soak
 	./.soak --duration $(SOAK) --producers 3 --regions alloc,mmap,shm --workers 16 \
-		--restart 100ms --restarts $(SOAK_RESTARTS) --notif-bytes 101; s=$$?; rm -f .soak; exit $$s
+		--restart 100ms --restarts $(SOAK_RESTARTS) --notif-bytes 101 && \
+	./.soak --duration $(SOAK) --producers 2 --regions alloc --direct off --workers 8 \
+		--restart 100ms --restarts $$(( $(SOAK_RESTARTS) / 2 )) --notif-bytes 101; s=$$?; rm -f .soak; exit $$s
 
 # A real transfer between two processes (the harness forks a UCX producer)
 # with every workload and mode, bytes verified, and the table (about 65 s).

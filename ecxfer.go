@@ -159,11 +159,7 @@ const (
 	// killed mid-answer can leave stuck for every peer, so AddRemotePeer
 	// refuses such a peer with ErrConfig (unless UCX_TLS leaves shared
 	// memory out). The same holds under DirectAuto and DirectOn for such a
-	// peer that does not advertise its region or cannot be mapped. On this
-	// path a same-host producer that is replaced keeps its endpoint, and
-	// this process's mappings of its segments, until Deregister once READs
-	// to it carried notifications that, with the consumer's name, exceed
-	// about 95 bytes (UCX 1.13; see the README's "Failure behaviour").
+	// peer that does not advertise its region or cannot be mapped.
 	DirectOff
 )
 

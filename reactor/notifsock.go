@@ -19,15 +19,18 @@ import (
 // Notifications between same-host peers on the direct path travel over a
 // Unix datagram socket, not the engine.
 //
-// Why: UCX 1.13 resolves a peer's endpoint id (a wireup exchange the peer
-// must answer) the first time a message misses its short path, which a
-// notification as long as vLLM's "{session}:{mm_hash}" does, and so does
-// any message sent while the peer's receive queue is full. From then on the
-// endpoint's flushed close waits for the peer, and in the error mode shared
-// memory needs there is no forced close: every restart of a producer that
-// had been notified left its endpoint and about 4 MiB of its segments
-// mapped in the consumer until Deregister. With notifications off the
-// engine, an endpoint to a direct peer carries nothing and closes at once.
+// Why: UCX 1.13 resolves a peer's endpoint id (a wireup exchange) the
+// first time a message misses its short path, which a notification as
+// long as vLLM's "{session}:{mm_hash}" does, and so does any message sent
+// while the peer's receive queue is full. Such an endpoint is destroyed
+// only with the worker, and in the error mode shared memory needs there
+// is no forced close: every restart of a producer that had been notified
+// left its endpoint and about 4 MiB of its segments mapped in the
+// consumer until Deregister. (The ucx engine now keeps its notifications
+// to the short path, in fragments when long; the socket came first, and
+// lets a caller send an inline READ's notification itself.) With
+// notifications off the engine, an endpoint to a direct peer carries
+// nothing and closes at once.
 //
 // The producer binds an abstract address (shmview.NotifyAddr: its pid and
 // a random token it advertises) and the socket sits in its reactor's epoll

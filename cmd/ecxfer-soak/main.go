@@ -21,9 +21,8 @@
 // chooses the consumer's path to them (auto, on or off: the engine path).
 // The engine path refuses caller memory over shared memory (ecxfer.DirectOff
 // says why): with --direct off use --regions alloc, or UCX_TLS=tcp. On
-// that path the mapping check below fails once a notification and the
-// consumer's name exceed about 95 bytes: UCX 1.13 then keeps each
-// replaced producer's endpoint (README, "Failure behaviour").
+// that path notifications longer than UCX's short path go in fragments
+// (README, "Failure behaviour"), which the mapping check below covers.
 //
 // At the end: every accepted READ is accounted for (done + failed +
 // released in flight == accepted), no READ is stuck and no verified block

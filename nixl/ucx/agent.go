@@ -107,6 +107,11 @@ type peer struct {
 	regions  []peerRegion // sorted by addr
 	spans    nixl.SpanIndex
 	peerMode bool
+	// shortMax: 0, or the longest active message the peer's endpoint
+	// sends on UCX's short path, to which its notifications keep; frag:
+	// the peer reassembles fragmented notifications (ecx_send_notif).
+	shortMax uint32
+	frag     bool
 	// sharedGets: gets from this peer's caller memory are emulated with
 	// messages over a shared-memory transport (nixl.SharedQueueGetter).
 	sharedGets bool
@@ -179,6 +184,7 @@ type Agent struct {
 	// pidPolled: the pidfds were polled since the last Progress.
 	pidPolled bool
 	dropped   uint64 // notif_dropped, kept when the C context goes at Close
+	frags     reassembler
 	lastPoll  time.Time
 }
 
@@ -222,7 +228,7 @@ func New(cfg Config) (*Agent, error) {
 	}
 	var ma, mi C.uint32_t
 	C.ecx_version(&ma, &mi)
-	a.ucxVer = uint64(ma)<<16 | uint64(mi)
+	a.ucxVer = ucxFeatures(uint64(ma), uint64(mi), featFragNotifs)
 
 	cname := C.CString(cfg.Name)
 	st := C.ecx_create(cname, C.uint32_t(len(cfg.Name)), &a.c)
@@ -343,6 +349,10 @@ func (a *Agent) Arm() (bool, error) {
 // for their closes to complete, together.
 const closeWait = 250 * time.Millisecond
 
+// closingEndpoints counts the endpoint closes not completed yet, those
+// waiting for notifications to go first included.
+func (a *Agent) closingEndpoints() int { return int(C.ecx_closing(a.c)) }
+
 // Close implements nixl.Agent.
 func (a *Agent) Close() error {
 	if a.closed {
@@ -370,10 +380,11 @@ func (a *Agent) Close() error {
 	// drop them. Gets canceled above that the peer still answers are
 	// flushed with them.
 	deadline := time.Now().Add(closeWait)
-	if req := C.ecx_flush_start(a.c); req != nil {
-		for C.ecx_flush_running(req) != 0 && time.Now().Before(deadline) {
-			C.ecx_progress(a.c)
-		}
+	req := C.ecx_flush_start(a.c)
+	for (req != nil && C.ecx_flush_running(req) != 0 || a.c.sending != nil) && time.Now().Before(deadline) {
+		C.ecx_progress(a.c)
+	}
+	if req != nil {
 		C.ecx_flush_end(req)
 	}
 	// Leaving: NONE-mode endpoints go with the worker; PEER-mode ones
@@ -389,7 +400,7 @@ func (a *Agent) Close() error {
 		a.failPeer(st.p, errClosed, true)
 		delete(a.staged, st)
 	}
-	for C.ecx_closing(a.c) > 0 && time.Now().Before(deadline) {
+	for a.closingEndpoints() > 0 && time.Now().Before(deadline) {
 		C.ecx_progress(a.c)
 	}
 	var err error

@@ -115,20 +115,33 @@
 // that it can let go of the memory they wrote). Its endpoint
 // is closed: in PEER mode with UCP_EP_CLOSE_FLAG_FORCE; in NONE mode with a
 // flush, because UCX 1.13 refuses a forced close there (INVALID_PARAM, and
-// nothing is closed). The rkeys go once the close completes. A flushed
-// close completes at once unless UCX has resolved the peer's endpoint id
-// and waits for it to answer: that happens for an emulated get (caller
-// memory on the engine path) and for any message that misses UCX's short
-// path (a notification longer than about 100 bytes with the sender's
-// name, or one sent while the peer's receive queue is full). Such an
-// endpoint of a dead peer, with its mappings of the peer's segments (about
-// 4 MiB), stays until Close destroys the worker; emulated gets the dead
-// peer never answered are released then too (UCX then warns about
-// unreturned requests). To keep endpoints closable, same-host caller
-// memory (recognised from the peer's own mappings) has its rkeys unpacked
-// only before the first transfer: unpacking one makes UCX resolve the
-// endpoint id. (The transport sends notifications to peers it reads
-// directly over a socket of its own, so their endpoints carry nothing.)
+// nothing is closed). The rkeys go once the close completes. But UCX 1.13
+// destroys an endpoint whose id it has resolved (a wireup exchange with
+// the peer) only with the worker: its close completes and the endpoint,
+// with its mappings of the peer's segments (about 4 MiB), stays until
+// Close. UCX resolves it for an emulated get (caller memory on the engine
+// path), when it unpacks such an rkey, and for any active message it
+// cannot send at once on its short path (92 bytes of header and payload
+// over shared memory with UCX's defaults, or any size while the peer's
+// receive queue is full). So on NONE-mode endpoints:
+//   - Same-host caller memory (recognised from the peer's own mappings)
+//     has its rkeys unpacked only before the first transfer.
+//   - Notifications are sent on the short path only
+//     (UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL): one that finds the peer's queue
+//     full waits in C, with every later one, and is retried from
+//     Progress; one whose name and payload exceed the endpoint's short
+//     path (read from ucp_ep_print_info) goes in fragments that fit it,
+//     to a peer whose metadata says it reassembles them (featFragNotifs,
+//     see frag.go). A peer of an older build gets it whole, as before.
+//   - Notifications still waiting when the peer is dropped alive go
+//     before its endpoint closes (within ECX_DRAIN_NS); a dead peer's are
+//     dropped. A peer that died with its receive queue full cannot have
+//     its endpoint flushed: that close never completes (until Close).
+//
+// (The transport sends notifications to peers it reads directly over a
+// socket of its own, so those endpoints carry nothing.) Emulated gets a
+// dead peer never answered are released with the worker too (UCX then
+// warns about unreturned requests).
 //
 // InvalidateRemoteMetadata ends in-flight requests with ErrRemoteDisconnect
 // and closes the endpoint the same way. Close force-closes PEER-mode

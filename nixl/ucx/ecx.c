@@ -9,6 +9,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
+#include <time.h>
 #include <unistd.h>
 
 /* Space reserved by UCX in front of every request we get back: the index of
@@ -35,6 +37,13 @@ struct ecx_post {
     uint8_t queued;   /* on the completion queue */
     uint32_t notif_len;
     char *notif;
+    uint8_t imm;        /* the notification goes on the short path only */
+    uint8_t on_sending; /* on c->sending */
+    uint32_t am_next;   /* its next piece to send (whole: one piece) */
+    ecx_post_t *sending_next;
+    uint32_t nfrags;    /* the notification goes as this many fragments, */
+    uint32_t frag_data; /* of this many bytes of the stream (the last fewer), */
+    char *frags;        /* laid out here, ECX_FRAG_HDR + frag_data apart */
     /* Posting in rounds: ranges [next, nranges) are still to be posted.
      * ranges and rkeys belong to Go and stay valid until the post is
      * cancelled, which takes it off the posting list first. */
@@ -50,7 +59,10 @@ struct ecx_post {
 
 struct ecx_close {
     ecx_close_t *next;
-    void *req;
+    void *req;         /* NULL: not started, ep's notifications go first */
+    ucp_ep_h ep;       /* for one not started: */
+    int force;
+    uint64_t deadline; /* CLOCK_MONOTONIC ns */
     ecx_ep_arg_t *arg; /* freed once the close completed */
     ucp_rkey_h *rkeys; /* destroyed once the close completed */
     uint32_t nrkeys;
@@ -70,13 +82,74 @@ static void rkeys_free(ucp_rkey_h *rkeys, uint32_t n)
     free(rkeys);
 }
 
-/* Allocates a post with nreqs request slots and its own copy of notif,
- * linked on c's live list until post_free; NULL when out of memory. */
-static ecx_post_t *post_new(ecx_ctx_t *c, ucp_ep_h ep, uint32_t nreqs,
-                            const void *notif, uint32_t notif_len)
+static void put_le32(unsigned char *b, uint32_t v)
 {
+    b[0] = (unsigned char)v;
+    b[1] = (unsigned char)(v >> 8);
+    b[2] = (unsigned char)(v >> 16);
+    b[3] = (unsigned char)(v >> 24);
+}
+
+/* Lays out the nfrags fragments of c's name and notif at dst, data bytes
+ * of the stream in each (fewer in the last). */
+static void frags_build(ecx_ctx_t *c, char *dst, uint32_t nfrags, uint32_t data,
+                        const void *notif, uint32_t notif_len)
+{
+    uint32_t total = 2 + c->name_len + notif_len, i, at, k, n, part;
+    unsigned char len2[2] = {(unsigned char)c->name_len, (unsigned char)(c->name_len >> 8)};
+    /* The stream's three pieces, in order. */
+    const unsigned char *piece[3] = {len2, (const unsigned char *)c->name, notif};
+    uint32_t plen[3] = {2, c->name_len, notif_len};
+    uint32_t pi = 0, po = 0; /* where the stream is: piece, offset in it */
+    for (i = 0; i < nfrags; i++) {
+        unsigned char *f = (unsigned char *)dst + (size_t)i * (ECX_FRAG_HDR + data);
+        at = i * data;
+        n = total - at < data ? total - at : data;
+        put_le32(f, (uint32_t)c->token);
+        put_le32(f + 4, (uint32_t)(c->token >> 32));
+        put_le32(f + 8, at);
+        put_le32(f + 12, total);
+        for (k = 0; k < n; k += part) {
+            while (po == plen[pi]) {
+                pi++;
+                po = 0;
+            }
+            part = plen[pi] - po < n - k ? plen[pi] - po : n - k;
+            memcpy(f + ECX_FRAG_HDR + k, piece[pi] + po, part);
+            po += part;
+        }
+    }
+}
+
+/* The bytes of the stream each fragment of a notif_len-byte notification
+ * of c's carries toward an endpoint whose short path takes short_max
+ * bytes: 0 when it goes whole. */
+static uint32_t frag_data_of(const ecx_ctx_t *c, uint32_t notif_len, uint32_t short_max, int frag)
+{
+    uint32_t data;
+    if (!frag || short_max < ECX_FRAG_HDR + ECX_FRAG_MIN_DATA ||
+        (uint64_t)c->name_len + notif_len <= short_max) {
+        return 0;
+    }
+    data = short_max - ECX_FRAG_HDR;
+    return data < ECX_FRAG_MAX_DATA ? data : ECX_FRAG_MAX_DATA;
+}
+
+/* Allocates a post with nops request slots for its operations and one for
+ * its notification (fragments, sent on the short path only, need none),
+ * with its own copy of notif or its fragments, linked on c's live list
+ * until post_free; NULL when out of memory. */
+static ecx_post_t *post_new(ecx_ctx_t *c, ucp_ep_h ep, uint32_t nops,
+                            const void *notif, uint32_t notif_len, uint32_t short_max,
+                            int frag)
+{
+    uint32_t data = frag_data_of(c, notif_len, short_max, frag);
+    uint64_t total = 2 + (uint64_t)c->name_len + notif_len;
+    uint32_t nfrags = data > 0 ? (uint32_t)((total + data - 1) / data) : 0;
+    uint32_t nreqs = nops + 1;
     size_t head = sizeof(ecx_post_t) + (size_t)nreqs * sizeof(void *);
-    ecx_post_t *p = malloc(head + notif_len);
+    size_t body = nfrags > 0 ? (size_t)nfrags * (ECX_FRAG_HDR + data) : notif_len;
+    ecx_post_t *p = malloc(head + body);
     if (p == NULL) {
         return NULL;
     }
@@ -85,10 +158,18 @@ static ecx_post_t *post_new(ecx_ctx_t *c, ucp_ep_h ep, uint32_t nreqs,
     p->ep = ep;
     p->nreqs = nreqs;
     p->status = UCS_OK;
-    p->notif = (char *)&p->reqs[nreqs];
     p->notif_len = notif_len;
-    if (notif_len > 0) {
-        memcpy(p->notif, notif, notif_len);
+    p->imm = nfrags > 0 || (short_max > 0 && (uint64_t)c->name_len + notif_len <= short_max);
+    if (nfrags > 0) {
+        p->nfrags = nfrags;
+        p->frag_data = data;
+        p->frags = (char *)&p->reqs[nreqs];
+        frags_build(c, p->frags, nfrags, data, notif, notif_len);
+    } else {
+        p->notif = (char *)&p->reqs[nreqs];
+        if (notif_len > 0) {
+            memcpy(p->notif, notif, notif_len);
+        }
     }
     p->live_next = c->live;
     if (c->live != NULL) {
@@ -183,6 +264,91 @@ static ucp_request_param_t op_param(ecx_post_t *p)
     return prm;
 }
 
+/* Sends the pieces of p's notification not sent yet (its fragments, or it
+ * whole) on UCX's short path only: UCX 1.13 resolves the receiver's
+ * endpoint id for any active message it cannot send at once (see
+ * ECX_AM_NOTIF_FRAG). Returns 0 while the peer's queue is full (the rest
+ * waits on c->sending), 1 once every piece has gone or one failed (in
+ * p->status). A piece sent on the short path has completed. */
+static int send_pieces(ecx_post_t *p)
+{
+    ecx_ctx_t *c = p->ctx;
+    uint32_t pieces = p->nfrags > 0 ? p->nfrags : 1, n;
+    uint32_t total = 2 + c->name_len + p->notif_len;
+    ucp_request_param_t prm;
+    ucs_status_ptr_t sp;
+    memset(&prm, 0, sizeof(prm));
+    prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL;
+    prm.flags = UCP_AM_SEND_FLAG_EAGER;
+    while (p->am_next < pieces) {
+        if (p->nfrags > 0) {
+            char *f = p->frags + (size_t)p->am_next * (ECX_FRAG_HDR + p->frag_data);
+            n = total - p->am_next * p->frag_data;
+            if (n > p->frag_data) {
+                n = p->frag_data;
+            }
+            sp = ucp_am_send_nbx(p->ep, ECX_AM_NOTIF_FRAG, f, ECX_FRAG_HDR, f + ECX_FRAG_HDR, n, &prm);
+        } else {
+            sp = ucp_am_send_nbx(p->ep, ECX_AM_NOTIF, c->name, c->name_len, p->notif,
+                                 p->notif_len, &prm);
+        }
+        if (UCS_PTR_IS_ERR(sp)) {
+            if (UCS_PTR_STATUS(sp) == UCS_ERR_NO_RESOURCE) {
+                return 0;
+            }
+            if (p->status == UCS_OK) {
+                p->status = UCS_PTR_STATUS(sp);
+            }
+            return 1;
+        }
+        if (sp != NULL) {
+            /* Not expected with FORCE_IMM_CMPL; UCX releases it when done. */
+            ucp_request_free(sp);
+        }
+        p->am_next++;
+    }
+    return 1;
+}
+
+static void sending_append(ecx_post_t *p)
+{
+    ecx_ctx_t *c = p->ctx;
+    p->sending_next = NULL;
+    p->on_sending = 1;
+    if (c->sending_tail != NULL) {
+        c->sending_tail->sending_next = p;
+    } else {
+        c->sending = p;
+    }
+    c->sending_tail = p;
+}
+
+static void sending_remove(ecx_post_t *p)
+{
+    ecx_ctx_t *c = p->ctx;
+    ecx_post_t **at, *prev = NULL;
+    for (at = &c->sending; *at != NULL; prev = *at, at = &(*at)->sending_next) {
+        if (*at == p) {
+            *at = p->sending_next;
+            if (c->sending_tail == p) {
+                c->sending_tail = prev;
+            }
+            break;
+        }
+    }
+    p->on_sending = 0;
+}
+
+/* The end of a post whose operations and notification are done. */
+static void post_end(ecx_post_t *p)
+{
+    if (p->silent) {
+        post_free(p);
+        return;
+    }
+    comp_push(p);
+}
+
 static void send_am(ecx_post_t *p)
 {
     ecx_ctx_t *c = p->ctx;
@@ -194,6 +360,15 @@ static void send_am(ecx_post_t *p)
      * on the Go side. */
     prm.flags = c->send_rndv ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER;
     p->phase = PH_AM;
+    if (p->imm) {
+        /* Behind notifications still waiting, so that none overtakes
+         * another and fragments of two never interleave. */
+        p->am_next = 0;
+        if (c->sending != NULL || !send_pieces(p)) {
+            sending_append(p);
+        }
+        return;
+    }
     sp = ucp_am_send_nbx(p->ep, ECX_AM_NOTIF, c->name, c->name_len, p->notif,
                          p->notif_len, &prm);
     track(p, sp, p->nreqs - 1);
@@ -210,15 +385,11 @@ static void advance(ecx_post_t *p)
     }
     if (p->phase == PH_DATA && p->status == UCS_OK && p->notif_len > 0) {
         send_am(p);
-        if (p->outstanding > 0) {
+        if (p->outstanding > 0 || p->on_sending) {
             return;
         }
     }
-    if (p->silent) {
-        post_free(p);
-        return;
-    }
-    comp_push(p);
+    post_end(p);
 }
 
 static ucs_status_t am_cb(void *arg, const void *header, size_t header_length,
@@ -244,12 +415,46 @@ static ucs_status_t am_cb(void *arg, const void *header, size_t header_length,
     n->next = NULL;
     n->hlen = (uint32_t)header_length;
     n->plen = (uint32_t)length;
+    n->frag = 0;
     if (header_length > 0) {
         memcpy(n->data, header, header_length);
     }
     if (length > 0) {
         memcpy(n->data + header_length, data, length);
     }
+    if (c->notif_tail != NULL) {
+        c->notif_tail->next = n;
+    } else {
+        c->notif_head = n;
+    }
+    c->notif_tail = n;
+    return UCS_OK;
+}
+
+/* A fragment is queued as it came; Go reassembles (notif.go). One that is
+ * not shaped as a fragment is counted as dropped. */
+static ucs_status_t am_frag_cb(void *arg, const void *header, size_t header_length,
+                               void *data, size_t length,
+                               const ucp_am_recv_param_t *param)
+{
+    ecx_ctx_t *c = arg;
+    ecx_notif_t *n;
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || header_length != ECX_FRAG_HDR ||
+        length == 0 || length > ECX_FRAG_MAX_DATA) {
+        c->notif_dropped++;
+        return UCS_OK;
+    }
+    n = malloc(sizeof(*n) + header_length + length);
+    if (n == NULL) {
+        c->notif_dropped++;
+        return UCS_OK;
+    }
+    n->next = NULL;
+    n->hlen = (uint32_t)header_length;
+    n->plen = (uint32_t)length;
+    n->frag = 1;
+    memcpy(n->data, header, header_length);
+    memcpy(n->data + header_length, data, length);
     if (c->notif_tail != NULL) {
         c->notif_tail->next = n;
     } else {
@@ -365,6 +570,17 @@ int ecx_create(const char *name, uint32_t name_len, ecx_ctx_t **out)
     if (st != UCS_OK) {
         goto err_worker;
     }
+    ap.id = ECX_AM_NOTIF_FRAG;
+    ap.cb = am_frag_cb;
+    st = ucp_worker_set_am_recv_handler(c->worker, &ap);
+    if (st != UCS_OK) {
+        goto err_worker;
+    }
+    if (getrandom(&c->token, sizeof(c->token), GRND_NONBLOCK) != (ssize_t)sizeof(c->token)) {
+        /* Tells this sender's fragments from other senders' at a receiver:
+         * unique enough without the entropy pool. */
+        c->token = (uint64_t)getpid() << 32 ^ (uint64_t)time(NULL) ^ (uint64_t)(uintptr_t)c;
+    }
     *out = c;
     return UCS_OK;
 
@@ -416,11 +632,42 @@ void ecx_flush_end(void *req)
     ucp_request_free(req);
 }
 
+static uint64_t mono_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static int sending_to(const ecx_ctx_t *c, ucp_ep_h ep)
+{
+    const ecx_post_t *p;
+    for (p = c->sending; p != NULL; p = p->sending_next) {
+        if (p->ep == ep) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
 static uint32_t reap_closes(ecx_ctx_t *c)
 {
     ecx_close_t **pp = &c->closing, *k;
     uint32_t n = 0;
     while ((k = *pp) != NULL) {
+        if (k->req == NULL) {
+            if (sending_to(c, k->ep) && mono_ns() < k->deadline) {
+                pp = &k->next;
+                continue;
+            }
+            /* Its notifications have gone (or waited long enough): close
+             * it now, tracked anew if it does not close at once. */
+            *pp = k->next;
+            ecx_ep_close_rkeys(c, k->ep, k->arg, k->force, k->rkeys, k->nrkeys, 0);
+            free(k);
+            n++;
+            continue;
+        }
         if (ucp_request_check_status(k->req) != UCS_INPROGRESS) {
             ucp_request_free(k->req);
             *pp = k->next;
@@ -446,7 +693,9 @@ void ecx_destroy(ecx_ctx_t *c)
      * abandoned: their requests are released to the worker, and rkeys go
      * before the worker that owns their memory. */
     for (k = c->closing; k != NULL; k = k->next) {
-        ucp_request_free(k->req);
+        if (k->req != NULL) {
+            ucp_request_free(k->req);
+        }
         rkeys_free(k->rkeys, k->nrkeys);
         k->rkeys = NULL;
     }
@@ -599,11 +848,37 @@ int ecx_ep_create(ecx_ctx_t *c, const void *addr, int peer_mode, uint64_t peer,
 }
 
 void ecx_ep_close_rkeys(ecx_ctx_t *c, ucp_ep_h ep, ecx_ep_arg_t *arg, int force,
-                        ucp_rkey_h *rkeys, uint32_t n)
+                        ucp_rkey_h *rkeys, uint32_t n, int drain)
 {
     ucp_request_param_t prm;
     ucs_status_ptr_t sp;
     ecx_close_t *k;
+    ecx_post_t *p, *next;
+    if (drain && sending_to(c, ep) && (k = calloc(1, sizeof(*k))) != NULL) {
+        /* The peer is alive and reads its queue: its notifications go
+         * before the endpoint (reap_closes). */
+        k->ep = ep;
+        k->force = force;
+        k->deadline = mono_ns() + ECX_DRAIN_NS;
+        k->arg = arg;
+        k->rkeys = rkeys;
+        k->nrkeys = n;
+        k->next = c->closing;
+        c->closing = k;
+        return;
+    }
+    /* Notifications still waiting for room in the peer's queue go with
+     * the endpoint (Go has cancelled its transfers' posts already). */
+    for (p = c->sending; p != NULL; p = next) {
+        next = p->sending_next;
+        if (p->ep == ep) {
+            sending_remove(p);
+            if (p->status == UCS_OK) {
+                p->status = UCS_ERR_CANCELED;
+            }
+            post_end(p);
+        }
+    }
     memset(&prm, 0, sizeof(prm));
     if (force) {
         prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
@@ -644,7 +919,7 @@ void ecx_ep_abandon(ecx_ep_arg_t *arg, ucp_rkey_h *rkeys, uint32_t n)
 
 void ecx_ep_close(ecx_ctx_t *c, ucp_ep_h ep, ecx_ep_arg_t *arg, int force)
 {
-    ecx_ep_close_rkeys(c, ep, arg, force, NULL, 0);
+    ecx_ep_close_rkeys(c, ep, arg, force, NULL, 0, 0);
 }
 
 void ecx_version(uint32_t *major, uint32_t *minor)
@@ -655,22 +930,54 @@ void ecx_version(uint32_t *major, uint32_t *minor)
     *minor = mi;
 }
 
-int ecx_ep_shm_lanes(ucp_ep_h ep)
+/* ucp_ep_print_info's text, malloc'ed; NULL if it cannot be had. */
+static char *ep_info(ucp_ep_h ep)
 {
     char *buf = NULL;
     size_t len = 0;
     FILE *f = open_memstream(&buf, &len);
     if (f == NULL) {
-        return -1;
+        return NULL;
     }
     ucp_ep_print_info(ep, f);
-    if (fclose(f) != 0 || buf == NULL) {
+    if (fclose(f) != 0) {
         free(buf);
+        return NULL;
+    }
+    return buf;
+}
+
+int ecx_ep_shm_lanes(ucp_ep_h ep)
+{
+    char *buf = ep_info(ep);
+    int shm;
+    if (buf == NULL) {
         return -1;
     }
-    int shm = strstr(buf, "sysv/") != NULL || strstr(buf, "posix/") != NULL;
+    shm = strstr(buf, "sysv/") != NULL || strstr(buf, "posix/") != NULL;
     free(buf);
     return shm;
+}
+
+uint32_t ecx_ep_short_max(ucp_ep_h ep)
+{
+    /* "am_send: 0..<egr/short>..93..<egr/bcopy>..": short below 93. */
+    static const char key[] = "am_send: 0..<egr/short>..";
+    char *buf = ep_info(ep), *at, *end;
+    unsigned long n = 0;
+    if (buf == NULL) {
+        return 0;
+    }
+    at = strstr(buf, key);
+    if (at != NULL) {
+        at += sizeof(key) - 1;
+        n = strtoul(at, &end, 10);
+        if (end == at || strncmp(end, "..", 2) != 0 || n > 1u << 20) {
+            n = 0;
+        }
+    }
+    free(buf);
+    return n > 0 ? (uint32_t)(n - 1) : 0;
 }
 
 int ecx_rkey_unpack(ucp_ep_h ep, const void *buf, ucp_rkey_h *out)
@@ -758,12 +1065,14 @@ static uint32_t post_rounds(ecx_ctx_t *c)
 
 int ecx_post(ecx_ctx_t *c, uint64_t id, ucp_ep_h ep, int op,
              const ecx_range_t *r, uint32_t n, ucp_rkey_h *rkeys,
-             const void *notif, uint32_t notif_len, ecx_post_t **out)
+             const void *notif, uint32_t notif_len, uint32_t short_max, int frag,
+             ecx_post_t **out)
 {
     ecx_post_t *p, **tail;
 
-    /* One request slot per range, and one for a write's flush. */
-    p = post_new(c, ep, n + 1, notif, notif_len);
+    /* One request slot per range, and one for a write's flush or the
+     * notification. */
+    p = post_new(c, ep, n, notif, notif_len, short_max, frag);
     if (p == NULL) {
         return UCS_ERR_NO_MEMORY;
     }
@@ -793,6 +1102,13 @@ int ecx_post_cancel(ecx_ctx_t *c, ecx_post_t *p)
 {
     uint32_t i;
     p->orphaned = 1;
+    if (p->on_sending) {
+        /* Its operations are done; its notification is not sent (a part
+         * of its fragments may be: the receiver drops those). */
+        sending_remove(p);
+        post_free(p);
+        return 1;
+    }
     if (p->on_posting) {
         /* Not all posted: post no more (its ranges and rkeys may go once
          * this returns). Quiet, it is on no list: free it now. */
@@ -818,17 +1134,18 @@ int ecx_post_cancel(ecx_ctx_t *c, ecx_post_t *p)
     return 0;
 }
 
-int ecx_send_notif(ecx_ctx_t *c, ucp_ep_h ep, const void *msg, uint32_t len)
+int ecx_send_notif(ecx_ctx_t *c, ucp_ep_h ep, const void *msg, uint32_t len,
+                   uint32_t short_max, int frag)
 {
     ecx_post_t *p;
     int st;
-    p = post_new(c, ep, 1, msg, len);
+    p = post_new(c, ep, 0, msg, len, short_max, frag);
     if (p == NULL) {
         return UCS_ERR_NO_MEMORY;
     }
     p->silent = 1;
     send_am(p);
-    if (p->outstanding == 0) {
+    if (p->outstanding == 0 && !p->on_sending) {
         st = p->status;
         post_free(p);
         return st;
@@ -857,6 +1174,13 @@ uint32_t ecx_progress(ecx_ctx_t *c)
              * kept notifications from their readers for tens of ms. */
             break;
         }
+    }
+    /* Notifications waiting for room in their peers' queues, in order:
+     * the first that still finds none stops the rest. */
+    while ((p = c->sending) != NULL && send_pieces(p)) {
+        sending_remove(p);
+        post_end(p);
+        events++;
     }
     /* advance may put a post back in flight (its notification), whose
      * callback lands on the ready list during a later progress call. */
@@ -930,7 +1254,7 @@ int ecx_arm(ecx_ctx_t *c)
 {
     ucs_status_t st;
     if (c->ready_head != NULL || c->comp_head != NULL || c->notif_head != NULL ||
-        c->err_head != NULL || c->posting != NULL) {
+        c->err_head != NULL || c->posting != NULL || c->sending != NULL) {
         return 0;
     }
     st = ucp_worker_arm(c->worker);

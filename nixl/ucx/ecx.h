@@ -26,6 +26,25 @@
 
 /* Active-message id of notifications. */
 #define ECX_AM_NOTIF 0xEC
+/* Active-message id of a notification's fragments. UCX 1.13 sends an
+ * active message larger than its short path (92 bytes of header and
+ * payload over shared memory with UCX's defaults) only after resolving the
+ * receiver's endpoint id, and an endpoint that did so is destroyed only
+ * with its worker: closing it after its peer died left the peer's
+ * shared-memory segments (about 4 MiB) mapped until the agent closed.
+ * Toward a same-host peer that reassembles them, a notification whose
+ * name and payload exceed the endpoint's short path goes as fragments
+ * that each stay on it. A fragment is an ECX_FRAG_HDR-byte header,
+ * little-endian: the sender's token (u64), the fragment's offset (u32)
+ * and the total (u32) of the byte stream
+ *   name length (u16) | name | payload,
+ * then at most ECX_FRAG_MAX_DATA bytes of the stream from that offset. */
+#define ECX_AM_NOTIF_FRAG 0xED
+#define ECX_FRAG_HDR 16u
+#define ECX_FRAG_MAX_DATA 8192u
+/* The least a fragment carries: an endpoint whose short path is shorter
+ * than header and this gets notifications whole. */
+#define ECX_FRAG_MIN_DATA 16u
 /* The largest notification the handler accepts (enginekit.MaxNotifLimit:
  * no engine may be configured for more), and the longest sender name
  * (an agent name is at most 256 bytes). Larger ones are counted as dropped
@@ -52,11 +71,14 @@ typedef struct ecx_completion {
 /* pad of a cancelled post whose last UCX operation has now called back. */
 #define ECX_ORPHAN_END 1
 
-/* One received notification: header (sender name) then payload. */
+/* One received notification: header (sender name) then payload; for a
+ * fragment (frag 1), its ECX_FRAG_HDR header then its bytes. */
 typedef struct ecx_notif {
     struct ecx_notif *next;
     uint32_t hlen;
     uint32_t plen;
+    uint32_t frag;
+    uint32_t pad;
     char data[];
 } ecx_notif_t;
 
@@ -82,6 +104,7 @@ typedef struct ecx_ctx {
 
     char *name; /* AM header of every notification we send */
     uint32_t name_len;
+    uint64_t token; /* names this context in the fragments it sends */
 
     ecx_post_t *live;       /* every post not yet freed */
     ecx_post_t *ready_head; /* posts whose UCX operations all finished */
@@ -94,6 +117,9 @@ typedef struct ecx_ctx {
     ecx_peer_err_t *err_tail;
     ecx_close_t *closing;   /* endpoint closes in progress */
     ecx_post_t *posting;    /* posts with ranges not yet posted */
+    ecx_post_t *sending;    /* posts with notification pieces not yet sent,
+                               in order (read by Go without a call) */
+    ecx_post_t *sending_tail;
     uint64_t budget;        /* bytes left to post this round */
     uint8_t last_in_rounds; /* the last ecx_post left ranges for later
                                rounds (read by Go without a call) */
@@ -127,13 +153,20 @@ int ecx_ep_create(ecx_ctx_t *c, const void *addr, int peer_mode,
 void ecx_ep_close(ecx_ctx_t *c, ucp_ep_h ep, ecx_ep_arg_t *arg, int force);
 /* Like ecx_ep_close, and destroys the n rkeys of the malloc'ed array rkeys
  * (then frees it) once no operation can use them any more: right away for
- * a forced close, after the flush otherwise. */
+ * a forced close, after the flush otherwise. Notifications to ep still
+ * waiting for room in the peer's queue are dropped, or with drain (a peer
+ * still alive) sent first, the close starting once they are (within
+ * ECX_DRAIN_NS, after which the rest are dropped). */
 void ecx_ep_close_rkeys(ecx_ctx_t *c, ucp_ep_h ep, ecx_ep_arg_t *arg, int force,
-                        ucp_rkey_h *rkeys, uint32_t n);
+                        ucp_rkey_h *rkeys, uint32_t n, int drain);
+#define ECX_DRAIN_NS 5000000000ull
 void ecx_version(uint32_t *major, uint32_t *minor);
 /* 1 if one of ep's lanes runs over a shared-memory transport (sysv or
  * posix), 0 if none does, -1 if it cannot tell. Reads ucp_ep_print_info. */
 int ecx_ep_shm_lanes(ucp_ep_h ep);
+/* The longest header and payload ep sends an active message of on UCX's
+ * short path (ucp_ep_print_info's am_send line); 0 if it cannot tell. */
+uint32_t ecx_ep_short_max(ucp_ep_h ep);
 int ecx_rkey_unpack(ucp_ep_h ep, const void *buf, ucp_rkey_h *out);
 void ecx_rkey_destroy(ucp_rkey_h rkey);
 /* Destroys the n rkeys of rkeys and frees arg, leaving the endpoint to
@@ -149,14 +182,22 @@ int ecx_rkey_ptr(ucp_rkey_h rkey, uint64_t raddr, void **out);
  * negative status (then nothing was posted). */
 int ecx_post(ecx_ctx_t *c, uint64_t id, ucp_ep_h ep, int op,
              const ecx_range_t *r, uint32_t n, ucp_rkey_h *rkeys,
-             const void *notif, uint32_t notif_len, ecx_post_t **out);
+             const void *notif, uint32_t notif_len, uint32_t short_max, int frag,
+             ecx_post_t **out);
 /* Cancels a post: its completion will not be reported. Returns 1 when no
  * UCX operation of it is outstanding (nothing of it will touch memory
  * again), 0 when some are: UCX cannot call gets back, and ecx_drain
  * reports the end of those with ECX_ORPHAN_END in pad. */
 int ecx_post_cancel(ecx_ctx_t *c, ecx_post_t *p);
-/* Sends a notification outside any transfer (fire and forget). */
-int ecx_send_notif(ecx_ctx_t *c, ucp_ep_h ep, const void *msg, uint32_t len);
+/* Sends a notification outside any transfer (fire and forget).
+ * short_max (here and in ecx_post) is 0 or, for an endpoint in error mode
+ * NONE, its ecx_ep_short_max: then the notification is only ever sent on
+ * UCX's short path, retried from ecx_progress while the peer's queue is
+ * full, whole when its name and payload fit and in fragments when not and
+ * the peer reassembles them (frag); only a longer one to a peer that does
+ * not is sent as before. */
+int ecx_send_notif(ecx_ctx_t *c, ucp_ep_h ep, const void *msg, uint32_t len,
+                   uint32_t short_max, int frag);
 
 /* Progress: drives the worker until idle (bounded), then advances ready
  * posts and pending endpoint closes. Returns the number of events. */

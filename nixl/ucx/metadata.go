@@ -22,6 +22,10 @@ import (
 //	[name str, boot str, netns uint, pidns uint, pid uint, start uint,
 //	 ucx uint, worker bin, regions [[addr uint, len uint, rkey bin]...]]
 //
+// ucx is major<<16 | features<<8 | minor: the UCX library's version and
+// this build's features (featFragNotifs). Builds before features compare
+// the major alone, so they read the metadata of builds that have them.
+//
 // magic, version and checksum are checked before the body is parsed, so a
 // truncated or corrupted blob never reaches UCX.
 const (
@@ -52,6 +56,15 @@ type region struct {
 	Addr, Len uint64
 	Rkey      []byte
 }
+
+// ucxFeatures packs the UCX version and feature bits into the ucx field.
+func ucxFeatures(major, minor, features uint64) uint64 {
+	return major<<16 | (features&0xff)<<8 | minor&0xff
+}
+
+func (m *metadata) ucxMajor() uint64    { return m.UCX >> 16 }
+func (m *metadata) ucxMinor() uint64    { return m.UCX & 0xff }
+func (m *metadata) ucxFeatures() uint64 { return m.UCX >> 8 & 0xff }
 
 type metadata struct {
 	Name   string

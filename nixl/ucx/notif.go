@@ -39,7 +39,7 @@ func (a *Agent) SendNotif(peerName string, msg []byte) error {
 	if len(msg) > 0 {
 		buf = C.CBytes(msg)
 	}
-	st := C.ecx_send_notif(a.c, p.ep, buf, C.uint32_t(len(msg)))
+	st := C.ecx_send_notif(a.c, p.ep, buf, C.uint32_t(len(msg)), C.uint32_t(p.shortMax), cbool(p.frag))
 	C.free(buf)
 	return ucsErr(st, "ucx: send notification")
 }
@@ -53,6 +53,14 @@ func (a *Agent) GetNotifs(dst map[string][][]byte) int {
 	n := 0
 	for e := list; e != nil; e = e.next {
 		data := unsafe.Add(unsafe.Pointer(e), C.ECX_NOTIF_DATA_OFF)
+		if e.frag != 0 {
+			name, msg, ok := a.frags.add(unsafe.Slice((*byte)(data), int(e.hlen+e.plen)))
+			if ok {
+				dst[name] = append(dst[name], msg)
+				n++
+			}
+			continue
+		}
 		name := C.GoStringN((*C.char)(data), C.int(e.hlen))
 		msg := C.GoBytes(unsafe.Add(data, e.hlen), C.int(e.plen))
 		dst[name] = append(dst[name], msg)
@@ -68,12 +76,21 @@ func (a *Agent) GetNotifs(dst map[string][][]byte) int {
 // such a message comes from another sender or exceeded what the transport
 // sends eagerly), one whose payload exceeds 1 MiB (MaxNotif's limit) or
 // whose sender name exceeds 256 bytes, and one it could not allocate
-// memory for.
+// memory for; of fragmented notifications (frag.go), a fragment not
+// shaped as one and a notification given up on before all its fragments
+// came (its sender died, or more than 64 were incomplete at once).
 func (a *Agent) DroppedNotifs() uint64 {
 	if a.c == nil {
-		return a.dropped
+		return a.dropped + a.frags.dropped
 	}
-	return uint64(a.c.notif_dropped)
+	return uint64(a.c.notif_dropped) + a.frags.dropped
 }
 
 var _ nixl.NotifDropper = (*Agent)(nil)
+
+func cbool(b bool) C.int {
+	if b {
+		return 1
+	}
+	return 0
+}

@@ -188,9 +188,10 @@ func (a *Agent) SharedQueueGets(peerName string) bool {
 
 // checkCompatible refuses a peer whose UCX this build cannot talk to.
 func (a *Agent) checkCompatible(m *metadata) error {
-	if m.UCX>>16 != a.ucxVer>>16 {
+	own := metadata{UCX: a.ucxVer}
+	if m.ucxMajor() != own.ucxMajor() {
 		return nixl.Errorf(nixl.ErrInvalidParam, "ucx: peer %q runs UCX %d.%d, this is %d.%d",
-			m.Name, m.UCX>>16, m.UCX&0xffff, a.ucxVer>>16, a.ucxVer&0xffff)
+			m.Name, m.ucxMajor(), m.ucxMinor(), own.ucxMajor(), own.ucxMinor())
 	}
 	// The low nibble of a packed UCP worker address is its format version;
 	// a peer built against the same UCX writes the same one.
@@ -243,6 +244,15 @@ func (a *Agent) connect(p *peer, m *metadata) error {
 	C.free(waddr)
 	if st != 0 {
 		return ucsErr(st, "ucx: ep_create")
+	}
+	if !p.peerMode && !a.cfg.rndvNotifs {
+		// An endpoint in error mode NONE cannot be force-closed, and one
+		// that ever sent an active message off UCX's short path stays
+		// until the worker goes: notifications to it keep to the short
+		// path, in fragments when too long and the peer reassembles them
+		// (see ECX_AM_NOTIF_FRAG in ecx.h).
+		p.shortMax = uint32(C.ecx_ep_short_max(p.ep))
+		p.frag = m.ucxFeatures()&featFragNotifs != 0
 	}
 	// The peer's regions and keys are checked against its mappings when
 	// it is on this host, and also when its metadata says otherwise but
@@ -344,10 +354,10 @@ func (a *Agent) unpack(p *peer, i int, packed []byte) error {
 //
 // Why they wait: UCX 1.13 reaches caller memory on this host with gets it
 // emulates over active messages, and unpacking such an rkey makes UCX
-// resolve the peer's endpoint id at once (a wireup exchange). From then
-// on a flushed close of the endpoint waits for the peer to acknowledge,
-// which a dead peer never does, and an endpoint in error mode NONE cannot
-// be force-closed: the endpoint and its mappings of the peer's segments
+// resolve the peer's endpoint id at once (a wireup exchange). An endpoint
+// whose id is resolved is destroyed only with the worker (its close
+// completes, the endpoint stays), and one in error mode NONE cannot be
+// force-closed: the endpoint and its mappings of the peer's segments
 // (about 4 MiB) stayed until Close, once per producer restart. A peer that
 // is read directly never transfers through the engine, so its endpoint
 // carries only notifications and closes at once.
@@ -376,12 +386,25 @@ func (a *Agent) unpackDeferred(p *peer) error {
 
 // closeEp closes p's endpoint and, once nothing can use them, its first n
 // rkeys: forced in error mode PEER, flushed in mode NONE (see failPeer).
+// Notifications to p still waiting for room in its queue are sent first
+// if its process is alive (within ECX_DRAIN_NS), dropped if not.
 func (a *Agent) closeEp(p *peer, n int) {
 	f := C.int(0)
 	if p.peerMode {
 		f = 1
 	}
-	C.ecx_ep_close_rkeys(a.c, p.ep, p.eparg, f, p.rkeys, C.uint32_t(n))
+	drain := C.int(0)
+	if p.pidfd >= 0 && !pidExited(p.pidfd) {
+		drain = 1
+	}
+	C.ecx_ep_close_rkeys(a.c, p.ep, p.eparg, f, p.rkeys, C.uint32_t(n), drain)
+}
+
+// pidExited reports whether the process of pidfd has exited.
+func pidExited(pidfd int) bool {
+	fds := [1]unix.PollFd{{Fd: int32(pidfd), Events: unix.POLLIN}}
+	n, _ := unix.Poll(fds[:], 0)
+	return n > 0
 }
 
 // failPeer ends every in-flight transfer to p with err and closes p's
@@ -412,7 +435,7 @@ func (a *Agent) failPeer(p *peer, err error, leaving bool) {
 	case leaving && !p.peerMode:
 		C.ecx_ep_abandon(p.eparg, p.rkeys, C.uint32_t(len(p.regions)))
 	case leaving:
-		C.ecx_ep_close_rkeys(a.c, p.ep, p.eparg, 0, p.rkeys, C.uint32_t(len(p.regions)))
+		C.ecx_ep_close_rkeys(a.c, p.ep, p.eparg, 0, p.rkeys, C.uint32_t(len(p.regions)), 0)
 	default:
 		a.closeEp(p, len(p.regions))
 	}
