@@ -353,6 +353,20 @@ const closeWait = 250 * time.Millisecond
 // waiting for notifications to go first included.
 func (a *Agent) closingEndpoints() int { return int(C.ecx_closing(a.c)) }
 
+// waitingNotifs counts the notifications to the named peer (every peer's
+// for "") waiting for room in its queue.
+func (a *Agent) waitingNotifs(name string) int {
+	var ep C.ucp_ep_h
+	if name != "" {
+		p := a.peers[name]
+		if p == nil || p.ep == nil {
+			return 0
+		}
+		ep = p.ep
+	}
+	return int(C.ecx_waiting(a.c, ep))
+}
+
 // Close implements nixl.Agent.
 func (a *Agent) Close() error {
 	if a.closed {

@@ -128,7 +128,7 @@
 //     has its rkeys unpacked only before the first transfer.
 //   - Notifications are sent on the short path only
 //     (UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL): one that finds the peer's queue
-//     full waits in C, with every later one, and is retried from
+//     full waits in C, with every later one to that peer, and is retried from
 //     Progress; one whose name and payload exceed the endpoint's short
 //     path (read from ucp_ep_print_info) goes in fragments that fit it,
 //     to a peer whose metadata says it reassembles them (featFragNotifs,

@@ -310,6 +310,18 @@ static int send_pieces(ecx_post_t *p)
     return 1;
 }
 
+/* 1 if a notification to ep is waiting. */
+static int sending_to(const ecx_ctx_t *c, ucp_ep_h ep)
+{
+    const ecx_post_t *p;
+    for (p = c->sending; p != NULL; p = p->sending_next) {
+        if (p->ep == ep) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
 static void sending_append(ecx_post_t *p)
 {
     ecx_ctx_t *c = p->ctx;
@@ -361,10 +373,10 @@ static void send_am(ecx_post_t *p)
     prm.flags = c->send_rndv ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER;
     p->phase = PH_AM;
     if (p->imm) {
-        /* Behind notifications still waiting, so that none overtakes
-         * another and fragments of two never interleave. */
+        /* Behind notifications to the same peer still waiting, so that
+         * none overtakes another and fragments of two never interleave. */
         p->am_next = 0;
-        if (c->sending != NULL || !send_pieces(p)) {
+        if (sending_to(c, p->ep) || !send_pieces(p)) {
             sending_append(p);
         }
         return;
@@ -594,6 +606,18 @@ err:
     return st;
 }
 
+uint32_t ecx_waiting(ecx_ctx_t *c, ucp_ep_h ep)
+{
+    uint32_t n = 0;
+    ecx_post_t *p;
+    for (p = c->sending; p != NULL; p = p->sending_next) {
+        if (ep == NULL || p->ep == ep) {
+            n++;
+        }
+    }
+    return n;
+}
+
 uint32_t ecx_closing(ecx_ctx_t *c)
 {
     uint32_t n = 0;
@@ -637,17 +661,6 @@ static uint64_t mono_ns(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-static int sending_to(const ecx_ctx_t *c, ucp_ep_h ep)
-{
-    const ecx_post_t *p;
-    for (p = c->sending; p != NULL; p = p->sending_next) {
-        if (p->ep == ep) {
-            return 1;
-        }
-    }
-    return 0;
 }
 
 static uint32_t reap_closes(ecx_ctx_t *c)
@@ -1153,6 +1166,52 @@ int ecx_send_notif(ecx_ctx_t *c, ucp_ep_h ep, const void *msg, uint32_t len,
     return UCS_OK;
 }
 
+/* 1 if a notification to p's peer waits before p (past send_waiting's
+ * record of blocked peers). */
+static int waiting_before(const ecx_ctx_t *c, const ecx_post_t *p)
+{
+    const ecx_post_t *q;
+    for (q = c->sending; q != p; q = q->sending_next) {
+        if (q->ep == p->ep) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Sends the notifications waiting for room in their peers' queues, each
+ * peer's in order: the first to a peer that still finds none holds back
+ * that peer's later ones, not other peers'. Returns how many went. */
+static uint32_t send_waiting(ecx_ctx_t *c)
+{
+    enum { MAX_BLOCKED = 16 };
+    ucp_ep_h blocked[MAX_BLOCKED];
+    uint32_t nblocked = 0, i, sent = 0;
+    ecx_post_t **pp = &c->sending, *p, *prev = NULL;
+    while ((p = *pp) != NULL) {
+        for (i = 0; i < nblocked && blocked[i] != p->ep; i++) {
+        }
+        if (i == nblocked && (nblocked < MAX_BLOCKED || !waiting_before(c, p))) {
+            if (send_pieces(p)) {
+                *pp = p->sending_next;
+                if (c->sending_tail == p) {
+                    c->sending_tail = prev;
+                }
+                p->on_sending = 0;
+                post_end(p);
+                sent++;
+                continue;
+            }
+            if (nblocked < MAX_BLOCKED) {
+                blocked[nblocked++] = p->ep;
+            }
+        }
+        prev = p;
+        pp = &p->sending_next;
+    }
+    return sent;
+}
+
 uint32_t ecx_progress(ecx_ctx_t *c)
 {
     uint32_t events = 0, k, i;
@@ -1175,13 +1234,7 @@ uint32_t ecx_progress(ecx_ctx_t *c)
             break;
         }
     }
-    /* Notifications waiting for room in their peers' queues, in order:
-     * the first that still finds none stops the rest. */
-    while ((p = c->sending) != NULL && send_pieces(p)) {
-        sending_remove(p);
-        post_end(p);
-        events++;
-    }
+    events += send_waiting(c);
     /* advance may put a post back in flight (its notification), whose
      * callback lands on the ready list during a later progress call. */
     while ((p = c->ready_head) != NULL) {

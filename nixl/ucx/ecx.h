@@ -118,7 +118,8 @@ typedef struct ecx_ctx {
     ecx_close_t *closing;   /* endpoint closes in progress */
     ecx_post_t *posting;    /* posts with ranges not yet posted */
     ecx_post_t *sending;    /* posts with notification pieces not yet sent,
-                               in order (read by Go without a call) */
+                               each peer's in order (read by Go without a
+                               call) */
     ecx_post_t *sending_tail;
     uint64_t budget;        /* bytes left to post this round */
     uint8_t last_in_rounds; /* the last ecx_post left ranges for later
@@ -216,6 +217,9 @@ int ecx_arm(ecx_ctx_t *c);
 
 /* Pending endpoint closes. */
 uint32_t ecx_closing(ecx_ctx_t *c);
+/* Notifications waiting for room in ep's peer's queue (every peer's for a
+ * NULL ep). */
+uint32_t ecx_waiting(ecx_ctx_t *c, ucp_ep_h ep);
 void *ecx_flush_start(ecx_ctx_t *c);
 int ecx_flush_running(void *req);
 void ecx_flush_end(void *req);

@@ -285,6 +285,62 @@ func TestNotifBurstPastFullQueue(t *testing.T) {
 	require.Zero(t, p.prod.DroppedNotifs())
 }
 
+// A peer that stopped reading its queue holds back only its own
+// notifications: another peer's, sent after, arrive at once, and the
+// stopped ones get every one of their own, in order, once they read
+// again. Also with more stopped peers than the retry loop keeps a record
+// of (16).
+func TestStoppedPeerHoldsBackOnlyItsOwn(t *testing.T) {
+	for _, nstopped := range []int{1, 17} {
+		t.Run(fmt.Sprint(nstopped), func(t *testing.T) {
+			leakcheck.Check(t)
+			cons := newTestAgent(t, Config{Name: "consumer"})
+			live := newTestAgent(t, Config{Name: "live"})
+			stopped := make([]*Agent, nstopped)
+			for i := range stopped {
+				stopped[i] = newTestAgent(t, Config{Name: fmt.Sprintf("stopped-%d", i)})
+			}
+			for _, prod := range append([]*Agent{live}, stopped...) {
+				md, err := prod.LocalMetadata()
+				require.NoError(t, err)
+				_, err = cons.LoadRemoteMetadata(md)
+				require.NoError(t, err)
+			}
+			toStopped := make([][][]byte, nstopped)
+			for k, prod := range stopped {
+				full := false
+				for i := 0; !full && i < 10000; i++ {
+					msg := []byte(fmt.Sprintf("s%d", i))
+					require.NoError(t, cons.SendNotif(prod.name, msg))
+					toStopped[k] = append(toStopped[k], msg)
+					full = cons.waitingNotifs(prod.name) > 0
+				}
+				require.True(t, full, "the queue of %s never filled", prod.name)
+				msg := bytes.Repeat([]byte("after"), 40) // in fragments
+				require.NoError(t, cons.SendNotif(prod.name, msg))
+				toStopped[k] = append(toStopped[k], msg)
+			}
+			var toLive [][]byte
+			for i := range 100 {
+				msg := []byte(fmt.Sprintf("l%d", i))
+				if i%10 == 0 {
+					msg = bytes.Repeat(msg, 50) // in fragments
+				}
+				require.NoError(t, cons.SendNotif("live", msg))
+				toLive = append(toLive, msg)
+			}
+			got := collectNotifs(t, live, len(toLive), 10*time.Second, cons)
+			require.Equal(t, toLive, got["consumer"])
+			require.NotNil(t, cons.c.sending, "the stopped peers' notifications went while they read nothing")
+			for k, prod := range stopped {
+				got = collectNotifs(t, prod, len(toStopped[k]), 10*time.Second, cons)
+				require.Equal(t, toStopped[k], got["consumer"], prod.name)
+			}
+			require.Nil(t, cons.c.sending)
+		})
+	}
+}
+
 // A peer whose metadata does not say it reassembles (an older build) gets
 // long notifications whole, as before.
 func TestLongNotifsToOldPeerWhole(t *testing.T) {
