@@ -107,11 +107,11 @@ type peer struct {
 	regions  []peerRegion // sorted by addr
 	spans    nixl.SpanIndex
 	peerMode bool
-	// shortMax: 0, or the longest active message the peer's endpoint
-	// sends on UCX's short path, to which its notifications keep; frag:
-	// the peer reassembles fragmented notifications (ecx_send_notif).
-	shortMax uint32
-	frag     bool
+	// notifTo says how notifications go to the peer (ecx_notif_to_t):
+	// short_max, 0 or the longest active message its endpoint sends on
+	// UCX's short path, to which they then keep; frag, the peer
+	// reassembles fragmented ones; dest, its worker. C copies it.
+	notifTo C.ecx_notif_to_t
 	// sharedGets: gets from this peer's caller memory are emulated with
 	// messages over a shared-memory transport (nixl.SharedQueueGetter).
 	sharedGets bool

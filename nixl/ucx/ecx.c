@@ -38,6 +38,7 @@ struct ecx_post {
     uint32_t notif_len;
     char *notif;
     uint8_t imm;        /* the notification goes on the short path only */
+    uint64_t dest;      /* its receiver: the worker its endpoint reaches */
     uint8_t on_sending; /* on c->sending */
     uint32_t am_next;   /* its next piece to send (whole: one piece) */
     ecx_post_t *sending_next;
@@ -140,9 +141,11 @@ static uint32_t frag_data_of(const ecx_ctx_t *c, uint32_t notif_len, uint32_t sh
  * with its own copy of notif or its fragments, linked on c's live list
  * until post_free; NULL when out of memory. */
 static ecx_post_t *post_new(ecx_ctx_t *c, ucp_ep_h ep, uint32_t nops,
-                            const void *notif, uint32_t notif_len, uint32_t short_max,
-                            int frag)
+                            const void *notif, uint32_t notif_len,
+                            const ecx_notif_to_t *to)
 {
+    uint32_t short_max = to != NULL ? to->short_max : 0;
+    int frag = to != NULL && to->frag;
     uint32_t data = frag_data_of(c, notif_len, short_max, frag);
     uint64_t total = 2 + (uint64_t)c->name_len + notif_len;
     uint32_t nfrags = data > 0 ? (uint32_t)((total + data - 1) / data) : 0;
@@ -160,6 +163,7 @@ static ecx_post_t *post_new(ecx_ctx_t *c, ucp_ep_h ep, uint32_t nops,
     p->status = UCS_OK;
     p->notif_len = notif_len;
     p->imm = nfrags > 0 || (short_max > 0 && (uint64_t)c->name_len + notif_len <= short_max);
+    p->dest = to != NULL ? to->dest : 0;
     if (nfrags > 0) {
         p->nfrags = nfrags;
         p->frag_data = data;
@@ -322,6 +326,18 @@ static int sending_to(const ecx_ctx_t *c, ucp_ep_h ep)
     return 0;
 }
 
+/* 1 if a notification to the receiver dest is waiting. */
+static int sending_dest(const ecx_ctx_t *c, uint64_t dest)
+{
+    const ecx_post_t *p;
+    for (p = c->sending; p != NULL; p = p->sending_next) {
+        if (p->dest == dest) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
 static void sending_append(ecx_post_t *p)
 {
     ecx_ctx_t *c = p->ctx;
@@ -373,10 +389,11 @@ static void send_am(ecx_post_t *p)
     prm.flags = c->send_rndv ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER;
     p->phase = PH_AM;
     if (p->imm) {
-        /* Behind notifications to the same peer still waiting, so that
-         * none overtakes another and fragments of two never interleave. */
+        /* Behind notifications to the same receiver still waiting (over
+         * this endpoint, or an older one to the same worker), so that none
+         * overtakes another and fragments of two never interleave. */
         p->am_next = 0;
-        if (sending_to(c, p->ep) || !send_pieces(p)) {
+        if (sending_dest(c, p->dest) || !send_pieces(p)) {
             sending_append(p);
         }
         return;
@@ -1078,14 +1095,14 @@ static uint32_t post_rounds(ecx_ctx_t *c)
 
 int ecx_post(ecx_ctx_t *c, uint64_t id, ucp_ep_h ep, int op,
              const ecx_range_t *r, uint32_t n, ucp_rkey_h *rkeys,
-             const void *notif, uint32_t notif_len, uint32_t short_max, int frag,
+             const void *notif, uint32_t notif_len, const ecx_notif_to_t *to,
              ecx_post_t **out)
 {
     ecx_post_t *p, **tail;
 
     /* One request slot per range, and one for a write's flush or the
      * notification. */
-    p = post_new(c, ep, n, notif, notif_len, short_max, frag);
+    p = post_new(c, ep, n, notif, notif_len, to);
     if (p == NULL) {
         return UCS_ERR_NO_MEMORY;
     }
@@ -1148,11 +1165,11 @@ int ecx_post_cancel(ecx_ctx_t *c, ecx_post_t *p)
 }
 
 int ecx_send_notif(ecx_ctx_t *c, ucp_ep_h ep, const void *msg, uint32_t len,
-                   uint32_t short_max, int frag)
+                   const ecx_notif_to_t *to)
 {
     ecx_post_t *p;
     int st;
-    p = post_new(c, ep, 0, msg, len, short_max, frag);
+    p = post_new(c, ep, 0, msg, len, to);
     if (p == NULL) {
         return UCS_ERR_NO_MEMORY;
     }
@@ -1172,7 +1189,7 @@ static int waiting_before(const ecx_ctx_t *c, const ecx_post_t *p)
 {
     const ecx_post_t *q;
     for (q = c->sending; q != p; q = q->sending_next) {
-        if (q->ep == p->ep) {
+        if (q->dest == p->dest) {
             return 1;
         }
     }
@@ -1185,11 +1202,11 @@ static int waiting_before(const ecx_ctx_t *c, const ecx_post_t *p)
 static uint32_t send_waiting(ecx_ctx_t *c)
 {
     enum { MAX_BLOCKED = 16 };
-    ucp_ep_h blocked[MAX_BLOCKED];
+    uint64_t blocked[MAX_BLOCKED];
     uint32_t nblocked = 0, i, sent = 0;
     ecx_post_t **pp = &c->sending, *p, *prev = NULL;
     while ((p = *pp) != NULL) {
-        for (i = 0; i < nblocked && blocked[i] != p->ep; i++) {
+        for (i = 0; i < nblocked && blocked[i] != p->dest; i++) {
         }
         if (i == nblocked && (nblocked < MAX_BLOCKED || !waiting_before(c, p))) {
             if (send_pieces(p)) {
@@ -1203,7 +1220,7 @@ static uint32_t send_waiting(ecx_ctx_t *c)
                 continue;
             }
             if (nblocked < MAX_BLOCKED) {
-                blocked[nblocked++] = p->ep;
+                blocked[nblocked++] = p->dest;
             }
         }
         prev = p;

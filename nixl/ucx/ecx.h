@@ -178,27 +178,34 @@ void ecx_ep_abandon(ecx_ep_arg_t *arg, ucp_rkey_h *rkeys, uint32_t n);
  * shared-memory rkeys (ucp_rkey_ptr); a negative status otherwise. */
 int ecx_rkey_ptr(ucp_rkey_h rkey, uint64_t raddr, void **out);
 
+/* How notifications go to a peer (ecx_post, ecx_send_notif): short_max is
+ * 0 or, for an endpoint in error mode NONE, its ecx_ep_short_max: then a
+ * notification is only ever sent on UCX's short path, retried from
+ * ecx_progress while the peer's queue is full (behind earlier ones to the
+ * same dest, the receiving worker), whole when its name and payload fit
+ * and in fragments when not and the peer reassembles them (frag); only a
+ * longer one to a peer that does not is sent as before. */
+typedef struct ecx_notif_to {
+    uint32_t short_max;
+    int32_t frag;
+    uint64_t dest;
+} ecx_notif_to_t;
+
 /* Transfers. Posts every range with one call; *out is the post to cancel
  * with ecx_post_cancel (valid until drained or cancelled). Returns 0 or a
  * negative status (then nothing was posted). */
 int ecx_post(ecx_ctx_t *c, uint64_t id, ucp_ep_h ep, int op,
              const ecx_range_t *r, uint32_t n, ucp_rkey_h *rkeys,
-             const void *notif, uint32_t notif_len, uint32_t short_max, int frag,
+             const void *notif, uint32_t notif_len, const ecx_notif_to_t *to,
              ecx_post_t **out);
 /* Cancels a post: its completion will not be reported. Returns 1 when no
  * UCX operation of it is outstanding (nothing of it will touch memory
  * again), 0 when some are: UCX cannot call gets back, and ecx_drain
  * reports the end of those with ECX_ORPHAN_END in pad. */
 int ecx_post_cancel(ecx_ctx_t *c, ecx_post_t *p);
-/* Sends a notification outside any transfer (fire and forget).
- * short_max (here and in ecx_post) is 0 or, for an endpoint in error mode
- * NONE, its ecx_ep_short_max: then the notification is only ever sent on
- * UCX's short path, retried from ecx_progress while the peer's queue is
- * full, whole when its name and payload fit and in fragments when not and
- * the peer reassembles them (frag); only a longer one to a peer that does
- * not is sent as before. */
+/* Sends a notification outside any transfer (fire and forget). */
 int ecx_send_notif(ecx_ctx_t *c, ucp_ep_h ep, const void *msg, uint32_t len,
-                   uint32_t short_max, int frag);
+                   const ecx_notif_to_t *to);
 
 /* Progress: drives the worker until idle (bounded), then advances ready
  * posts and pending endpoint closes. Returns the number of events. */

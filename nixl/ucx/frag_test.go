@@ -221,9 +221,9 @@ func TestFragmentedNotifsRoundTrip(t *testing.T) {
 	_, err = long.LoadRemoteMetadata(md)
 	require.NoError(t, err)
 	sp := p.cons.peers[p.peer]
-	require.Positive(t, sp.shortMax, "the endpoint's short path was not found")
-	require.True(t, sp.frag)
-	limit := int(sp.shortMax)
+	require.Positive(t, int(sp.notifTo.short_max), "the endpoint's short path was not found")
+	require.Equal(t, 1, int(sp.notifTo.frag))
+	limit := int(sp.notifTo.short_max)
 
 	rng := rand.New(rand.NewSource(3))
 	whole := limit - len("consumer") // the longest that goes whole
@@ -356,7 +356,7 @@ func TestLongNotifsToOldPeerWhole(t *testing.T) {
 	require.NoError(t, err)
 	_, err = send.LoadRemoteMetadata(old)
 	require.NoError(t, err)
-	require.False(t, send.peers["receiver"].frag)
+	require.Zero(t, int(send.peers["receiver"].notifTo.frag))
 
 	msg := bytes.Repeat([]byte("w"), 2000)
 	require.NoError(t, send.SendNotif("receiver", msg))
@@ -459,7 +459,8 @@ func TestQueuedNotifsToDeadPeerDropped(t *testing.T) {
 }
 
 // Notifications still waiting for room in a live peer's queue when the
-// peer is dropped reach it before its endpoint closes.
+// peer is dropped reach it before its endpoint closes, and before those
+// sent once it is loaded again.
 func TestQueuedNotifsSentBeforeClose(t *testing.T) {
 	leakcheck.Check(t)
 	p := newPair(t, true)
@@ -476,6 +477,18 @@ func TestQueuedNotifsSentBeforeClose(t *testing.T) {
 	require.NoError(t, p.cons.ReleaseDlist(p.remote))
 	require.NoError(t, p.cons.InvalidateRemoteMetadata(p.peer))
 	require.Positive(t, p.cons.closingEndpoints(), "the close did not wait")
+	// Loaded again, its notifications take a new endpoint to the same
+	// queue: they wait behind the old endpoint's (fragments of two never
+	// interleave, none overtakes another).
+	md, err := p.prod.LocalMetadata()
+	require.NoError(t, err)
+	_, err = p.cons.LoadRemoteMetadata(md)
+	require.NoError(t, err)
+	for i := range 20 {
+		msg := bytes.Repeat([]byte(fmt.Sprintf("again %d,", i)), 30)
+		require.NoError(t, p.cons.SendNotif(p.peer, msg))
+		want = append(want, msg)
+	}
 	got := collectNotifs(t, p.prod, len(want), 20*time.Second, p.cons)
 	require.Equal(t, want, got["consumer"])
 	deadline := time.Now().Add(5 * time.Second)

@@ -39,7 +39,7 @@ func (a *Agent) SendNotif(peerName string, msg []byte) error {
 	if len(msg) > 0 {
 		buf = C.CBytes(msg)
 	}
-	st := C.ecx_send_notif(a.c, p.ep, buf, C.uint32_t(len(msg)), C.uint32_t(p.shortMax), cbool(p.frag))
+	st := C.ecx_send_notif(a.c, p.ep, buf, C.uint32_t(len(msg)), &p.notifTo)
 	C.free(buf)
 	return ucsErr(st, "ucx: send notification")
 }
@@ -87,10 +87,3 @@ func (a *Agent) DroppedNotifs() uint64 {
 }
 
 var _ nixl.NotifDropper = (*Agent)(nil)
-
-func cbool(b bool) C.int {
-	if b {
-		return 1
-	}
-	return 0
-}

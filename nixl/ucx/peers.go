@@ -13,6 +13,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/cespare/xxhash/v2"
 	"golang.org/x/sys/unix"
 
 	"github.com/ecxfer/ecxfer/descriptors"
@@ -251,8 +252,14 @@ func (a *Agent) connect(p *peer, m *metadata) error {
 		// until the worker goes: notifications to it keep to the short
 		// path, in fragments when too long and the peer reassembles them
 		// (see ECX_AM_NOTIF_FRAG in ecx.h).
-		p.shortMax = uint32(C.ecx_ep_short_max(p.ep))
-		p.frag = m.ucxFeatures()&featFragNotifs != 0
+		p.notifTo.short_max = C.ecx_ep_short_max(p.ep)
+		if m.ucxFeatures()&featFragNotifs != 0 {
+			p.notifTo.frag = 1
+		}
+		// Endpoints of one worker share its receive queue: notifications
+		// to it wait in one line whichever endpoint they take (the old
+		// one of a reloaded peer, the new one).
+		p.notifTo.dest = C.uint64_t(xxhash.Sum64(m.Worker))
 	}
 	// The peer's regions and keys are checked against its mappings when
 	// it is on this host, and also when its metadata says otherwise but

@@ -196,7 +196,7 @@ func (a *Agent) PostXfer(id nixl.XferID) error {
 	// The out parameter lives in C memory: a Go variable whose address
 	// goes to C would escape to the heap on every post.
 	st := C.ecx_post(a.c, C.uint64_t(x.id), p.ep, op, x.ranges, C.uint32_t(x.nranges), p.rkeys,
-		unsafe.Pointer(x.notif), C.uint32_t(x.nlen), C.uint32_t(p.shortMax), cbool(p.frag), a.postOut)
+		unsafe.Pointer(x.notif), C.uint32_t(x.nlen), &p.notifTo, a.postOut)
 	if st != 0 {
 		return ucsErr(st, "ucx: post")
 	}
