@@ -314,28 +314,28 @@ static int send_pieces(ecx_post_t *p)
     return 1;
 }
 
-/* 1 if a notification to ep is waiting. */
-static int sending_to(const ecx_ctx_t *c, ucp_ep_h ep)
+/* How many notifications wait over ep, or, for a NULL ep, to the
+ * receiver dest; at most max are counted. */
+static uint32_t waiting(const ecx_ctx_t *c, ucp_ep_h ep, uint64_t dest, uint32_t max)
 {
     const ecx_post_t *p;
-    for (p = c->sending; p != NULL; p = p->sending_next) {
-        if (p->ep == ep) {
-            return 1;
+    uint32_t n = 0;
+    for (p = c->sending; p != NULL && n < max; p = p->sending_next) {
+        if (ep != NULL ? p->ep == ep : p->dest == dest) {
+            n++;
         }
     }
-    return 0;
+    return n;
 }
 
-/* 1 if a notification to the receiver dest is waiting. */
+static int sending_to(const ecx_ctx_t *c, ucp_ep_h ep)
+{
+    return waiting(c, ep, 0, 1) > 0;
+}
+
 static int sending_dest(const ecx_ctx_t *c, uint64_t dest)
 {
-    const ecx_post_t *p;
-    for (p = c->sending; p != NULL; p = p->sending_next) {
-        if (p->dest == dest) {
-            return 1;
-        }
-    }
-    return 0;
+    return waiting(c, NULL, dest, 1) > 0;
 }
 
 static void sending_append(ecx_post_t *p)
@@ -421,30 +421,20 @@ static void advance(ecx_post_t *p)
     post_end(p);
 }
 
-static ucs_status_t am_cb(void *arg, const void *header, size_t header_length,
-                          void *data, size_t length,
-                          const ucp_am_recv_param_t *param)
+/* Queues a copy of a received message for Go (counted as dropped if it
+ * cannot be allocated). */
+static void notif_queue(ecx_ctx_t *c, const void *header, size_t header_length,
+                        const void *data, size_t length, uint32_t frag)
 {
-    ecx_ctx_t *c = arg;
-    ecx_notif_t *n;
-    if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
-        /* Senders force eager; a rendezvous message is not ours. */
-        c->notif_dropped++;
-        return UCS_OK;
-    }
-    if (header_length > ECX_NOTIF_MAX_NAME || length > ECX_NOTIF_MAX_PAYLOAD) {
-        c->notif_dropped++;
-        return UCS_OK;
-    }
-    n = malloc(sizeof(*n) + header_length + length);
+    ecx_notif_t *n = malloc(sizeof(*n) + header_length + length);
     if (n == NULL) {
         c->notif_dropped++;
-        return UCS_OK;
+        return;
     }
     n->next = NULL;
     n->hlen = (uint32_t)header_length;
     n->plen = (uint32_t)length;
-    n->frag = 0;
+    n->frag = frag;
     if (header_length > 0) {
         memcpy(n->data, header, header_length);
     }
@@ -457,6 +447,23 @@ static ucs_status_t am_cb(void *arg, const void *header, size_t header_length,
         c->notif_head = n;
     }
     c->notif_tail = n;
+}
+
+static ucs_status_t am_cb(void *arg, const void *header, size_t header_length,
+                          void *data, size_t length,
+                          const ucp_am_recv_param_t *param)
+{
+    ecx_ctx_t *c = arg;
+    if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
+        /* Senders force eager; a rendezvous message is not ours. */
+        c->notif_dropped++;
+        return UCS_OK;
+    }
+    if (header_length > ECX_NOTIF_MAX_NAME || length > ECX_NOTIF_MAX_PAYLOAD) {
+        c->notif_dropped++;
+        return UCS_OK;
+    }
+    notif_queue(c, header, header_length, data, length, 0);
     return UCS_OK;
 }
 
@@ -467,29 +474,12 @@ static ucs_status_t am_frag_cb(void *arg, const void *header, size_t header_leng
                                const ucp_am_recv_param_t *param)
 {
     ecx_ctx_t *c = arg;
-    ecx_notif_t *n;
     if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || header_length != ECX_FRAG_HDR ||
         length == 0 || length > ECX_FRAG_MAX_DATA) {
         c->notif_dropped++;
         return UCS_OK;
     }
-    n = malloc(sizeof(*n) + header_length + length);
-    if (n == NULL) {
-        c->notif_dropped++;
-        return UCS_OK;
-    }
-    n->next = NULL;
-    n->hlen = (uint32_t)header_length;
-    n->plen = (uint32_t)length;
-    n->frag = 1;
-    memcpy(n->data, header, header_length);
-    memcpy(n->data + header_length, data, length);
-    if (c->notif_tail != NULL) {
-        c->notif_tail->next = n;
-    } else {
-        c->notif_head = n;
-    }
-    c->notif_tail = n;
+    notif_queue(c, header, header_length, data, length, 1);
     return UCS_OK;
 }
 
@@ -625,12 +615,13 @@ err:
 
 uint32_t ecx_waiting(ecx_ctx_t *c, ucp_ep_h ep)
 {
+    const ecx_post_t *p;
     uint32_t n = 0;
-    ecx_post_t *p;
+    if (ep != NULL) {
+        return waiting(c, ep, 0, UINT32_MAX);
+    }
     for (p = c->sending; p != NULL; p = p->sending_next) {
-        if (ep == NULL || p->ep == ep) {
-            n++;
-        }
+        n++;
     }
     return n;
 }

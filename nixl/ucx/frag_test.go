@@ -269,20 +269,29 @@ func TestFragmentedNotifsRoundTrip(t *testing.T) {
 func TestNotifBurstPastFullQueue(t *testing.T) {
 	leakcheck.Check(t)
 	p := newPair(t, true)
-	var want [][]byte
-	for i := range 400 {
-		msg := []byte(fmt.Sprintf("n%d", i))
-		if i%50 == 0 {
-			msg = bytes.Repeat(msg, 200)
-		}
-		require.NoError(t, p.cons.SendNotif(p.peer, msg))
-		want = append(want, msg)
-	}
-	require.NotNil(t, p.cons.c.sending, "the queue never filled: this tests nothing")
+	want := sendBurst(t, p, 400, 50)
 	got := collectNotifs(t, p.prod, len(want), 20*time.Second, p.cons)
 	require.Equal(t, want, got["consumer"])
 	require.Nil(t, p.cons.c.sending)
 	require.Zero(t, p.prod.DroppedNotifs())
+}
+
+// sendBurst sends n notifications from p's consumer to its producer, which
+// does not read them meanwhile, every long-th of them long enough to go in
+// fragments, and returns them; the producer's queue must have filled.
+func sendBurst(t *testing.T, p *pair, n, long int) [][]byte {
+	t.Helper()
+	var sent [][]byte
+	for i := range n {
+		msg := []byte(fmt.Sprintf("n%d", i))
+		if i%long == 0 {
+			msg = bytes.Repeat(msg, 200)
+		}
+		require.NoError(t, p.cons.SendNotif(p.peer, msg))
+		sent = append(sent, msg)
+	}
+	require.NotNil(t, p.cons.c.sending, "the queue never filled: this tests nothing")
+	return sent
 }
 
 // A peer that stopped reading its queue holds back only its own
@@ -464,16 +473,7 @@ func TestQueuedNotifsToDeadPeerDropped(t *testing.T) {
 func TestQueuedNotifsSentBeforeClose(t *testing.T) {
 	leakcheck.Check(t)
 	p := newPair(t, true)
-	var want [][]byte
-	for i := range 300 {
-		msg := []byte(fmt.Sprintf("n%d", i))
-		if i%100 == 0 {
-			msg = bytes.Repeat(msg, 300)
-		}
-		require.NoError(t, p.cons.SendNotif(p.peer, msg))
-		want = append(want, msg)
-	}
-	require.NotNil(t, p.cons.c.sending, "the queue never filled: this tests nothing")
+	want := sendBurst(t, p, 300, 100)
 	require.NoError(t, p.cons.ReleaseDlist(p.remote))
 	require.NoError(t, p.cons.InvalidateRemoteMetadata(p.peer))
 	require.Positive(t, p.cons.closingEndpoints(), "the close did not wait")
