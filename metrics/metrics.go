@@ -39,7 +39,9 @@
 //	                                                (longer than MaxNotif) or engine (the engine
 //	                                                could not hand them over); on the way out,
 //	                                                undelivered (queued for a full producer
-//	                                                socket, then the producer exited)
+//	                                                socket or, on the ucx engine over shared
+//	                                                memory, receive queue, then the producer
+//	                                                exited or went away)
 //	ecxfer_engine_errors_total          [counter]   engine calls that failed
 //	ecxfer_peers{path,state}            [gauge]     known peers by path (engine, direct-file,
 //	                                                direct-sysv, direct-proc) and state (up, dead);

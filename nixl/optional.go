@@ -15,6 +15,15 @@ type NotifDropper interface {
 	DroppedNotifs() uint64
 }
 
+// NotifUndeliverer is implemented by engines that hold notifications back
+// when a peer cannot take them yet, and so may drop some unsent: their
+// peer died, or went away before they could go. UndeliveredNotifs counts
+// them since the agent was created (those still held when it closes
+// included) and keeps its value after Close; it never decreases.
+type NotifUndeliverer interface {
+	UndeliveredNotifs() uint64
+}
+
 // SharedQueueGetter is implemented by engines that can tell, for a loaded
 // peer, whether its gets are served by the peer writing into a receive
 // queue in shared memory that this process shares with all its same-host

@@ -248,13 +248,22 @@ func (r *Reactor) turn() bool {
 	return work
 }
 
+// engineNotifCounts copies the engine's counts of notifications it lost
+// into the stats.
+func (r *Reactor) engineNotifCounts() {
+	if r.dropper != nil {
+		r.st.notifsDroppedByEngine.Store(r.dropper.DroppedNotifs())
+	}
+	if r.undeliverer != nil {
+		r.st.notifsUndeliveredByEngine.Store(r.undeliverer.UndeliveredNotifs())
+	}
+}
+
 // takeNotifs moves the notifications the engine received into the map
 // NewNotifs and WaitNotifs read, and reports whether there were any.
 func (r *Reactor) takeNotifs() bool {
 	n := r.agent.GetNotifs(r.notifTmp)
-	if r.dropper != nil {
-		r.st.notifsDroppedByEngine.Store(r.dropper.DroppedNotifs())
-	}
+	r.engineNotifCounts()
 	if n == 0 {
 		return false
 	}
@@ -915,6 +924,7 @@ func (r *Reactor) teardown() error {
 		_ = r.agent.ReleaseDlist(loc.dlist)
 	}
 	err := r.agent.Close()
+	r.engineNotifCounts() // with what Close dropped
 	// Every transfer the reactor owned has ended: free the slots of ended
 	// transfers. A slot still CLAIMED or PROC belongs to a Post that
 	// claimed it and has not handed it over (or handed it over after the

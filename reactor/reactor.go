@@ -105,6 +105,9 @@ type Reactor struct {
 	epoch time.Time
 
 	dropper nixl.NotifDropper // agent, if it counts notifications it lost; else nil
+	// undeliverer: agent, if it counts notifications it dropped unsent;
+	// else nil.
+	undeliverer nixl.NotifUndeliverer
 
 	sub    *ring.MPSC[uint64] // handles of new transfers
 	cancel *ring.MPSC[uint64] // handles released while in flight
@@ -177,11 +180,15 @@ func Start(agent nixl.Agent, opts Options, setup Setup) (*Reactor, error) {
 		return nil, err
 	}
 	r := &Reactor{
-		agent:    agent,
-		opts:     o,
-		tab:      newTable(o.Handles),
-		epoch:    time.Now(),
-		dropper:  dropper(agent),
+		agent:   agent,
+		opts:    o,
+		tab:     newTable(o.Handles),
+		epoch:   time.Now(),
+		dropper: dropper(agent),
+		undeliverer: func() nixl.NotifUndeliverer {
+			u, _ := agent.(nixl.NotifUndeliverer)
+			return u
+		}(),
 		sub:      ring.NewMPSC[uint64](o.SubmitRing),
 		ctrl:     ring.NewMPSC[*ctrlOp](64),
 		done:     make(chan struct{}),

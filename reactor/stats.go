@@ -13,6 +13,7 @@ type counters struct {
 	bytes                          atomic.Uint64
 	notifsSent, notifsReceived     atomic.Uint64
 	notifsDroppedByEngine          atomic.Uint64
+	notifsUndeliveredByEngine      atomic.Uint64
 	notifsOversized                atomic.Uint64
 	engineErrors                   atomic.Uint64
 	loops, parks                   atomic.Uint64
@@ -60,16 +61,20 @@ type Stats struct {
 
 	// NotifsDroppedByEngine counts notifications that reached this
 	// process and that the engine threw away instead of handing them over
-	// (ucx: arrived by rendezvous, oversized, or no memory to queue them;
-	// libnixl: records it could not parse). It stays 0 for an engine that
+	// (ucx: arrived by rendezvous, oversized, or no memory to queue them,
+	// and fragments it could not put back together; libnixl: records it
+	// could not parse). It stays 0 for an engine that
 	// cannot tell (one that is no nixl.NotifDropper). Notifications a peer
 	// never sent are not in it, nor those the reactor itself drops
 	// (NotifsOversized).
 	NotifsDroppedByEngine uint64
 	// NotifsUndelivered counts notifications in NotifsSent that waited
-	// (direct path: for a full producer socket, or an inline READ's for
-	// the reactor) and were dropped unsent: the producer exited, or the
-	// send failed for good (also an engine error).
+	// and were dropped unsent. Direct path: for a full producer socket, or
+	// an inline READ's for the reactor, and the producer exited or the
+	// send failed for good (also an engine error). Engine path (an engine
+	// that is a nixl.NotifUndeliverer; ucx over shared memory): for room
+	// in the producer's receive queue, and the producer died, or was
+	// removed and did not take them in time, or the transport closed.
 	NotifsUndelivered uint64
 
 	// The direct path.
@@ -115,10 +120,11 @@ func (r *Reactor) Stats() Stats {
 		BusyTime:       time.Duration(r.st.busyNs.Load()),
 
 		NotifsDroppedByEngine: r.st.notifsDroppedByEngine.Load(),
+		NotifsUndelivered:     r.st.notifsUndeliveredByEngine.Load(),
 		NotifsOversized:       r.st.notifsOversized.Load(),
 	}
 	if d := r.dir; d != nil {
-		st.NotifsUndelivered = d.ns.undelivered.Load()
+		st.NotifsUndelivered += d.ns.undelivered.Load()
 		st.InlineReads = d.inlineReads.Load()
 		st.DirectReads = d.reads.Load()
 		if d.pool != nil {

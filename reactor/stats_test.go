@@ -49,6 +49,36 @@ func TestStatsNotifsDroppedByEngine(t *testing.T) {
 	require.Equal(t, uint64(7), r.Stats().NotifsDroppedByEngine)
 }
 
+// undeliveringAgent is a loopback agent that claims, through
+// nixl.NotifUndeliverer, to have dropped notifications unsent.
+type undeliveringAgent struct {
+	*loopback.Agent
+	undelivered atomic.Uint64
+}
+
+func (a *undeliveringAgent) UndeliveredNotifs() uint64 { return a.undelivered.Load() }
+
+// The engine's undelivered notifications reach Stats while the reactor
+// runs, and those it counts as it closes, after.
+func TestStatsNotifsUndeliveredByEngine(t *testing.T) {
+	leakcheck.Check(t)
+	la, err := loopback.New("stats-undelivered")
+	require.NoError(t, err)
+	a := &undeliveringAgent{Agent: la}
+	r, err := Start(a, Options{}, noSetup)
+	require.NoError(t, err)
+	require.Zero(t, r.Stats().NotifsUndelivered)
+	a.undelivered.Store(3)
+	deadline := time.Now().Add(5 * time.Second)
+	for r.Stats().NotifsUndelivered != 3 && time.Now().Before(deadline) {
+		time.Sleep(time.Millisecond)
+	}
+	require.Equal(t, uint64(3), r.Stats().NotifsUndelivered)
+	a.undelivered.Store(5) // as if Close had dropped two more
+	require.NoError(t, r.Close())
+	require.Equal(t, uint64(5), r.Stats().NotifsUndelivered)
+}
+
 // An engine that cannot count drops leaves the counter at 0.
 func TestStatsNotifsDroppedNoDropper(t *testing.T) {
 	leakcheck.Check(t)

@@ -184,8 +184,11 @@ type Agent struct {
 	// pidPolled: the pidfds were polled since the last Progress.
 	pidPolled bool
 	dropped   uint64 // notif_dropped, kept when the C context goes at Close
-	frags     reassembler
-	lastPoll  time.Time
+	// undelivered is notif_undelivered and the notifications still
+	// waiting, kept when the C context goes at Close.
+	undelivered uint64
+	frags       reassembler
+	lastPoll    time.Time
 }
 
 var _ nixl.Agent = (*Agent)(nil)
@@ -426,6 +429,7 @@ func (a *Agent) Close() error {
 	a.mems.Clear()
 	a.dlists.Clear()
 	a.dropped = uint64(a.c.notif_dropped)
+	a.undelivered = uint64(a.c.notif_undelivered) + uint64(C.ecx_waiting(a.c, nil))
 	C.ecx_destroy(a.c)
 	a.c = nil
 	C.free(unsafe.Pointer(a.compBuf))

@@ -897,6 +897,7 @@ void ecx_ep_close_rkeys(ecx_ctx_t *c, ucp_ep_h ep, ecx_ep_arg_t *arg, int force,
             if (p->status == UCS_OK) {
                 p->status = UCS_ERR_CANCELED;
             }
+            c->notif_undelivered++;
             post_end(p);
         }
     }

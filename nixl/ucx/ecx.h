@@ -127,6 +127,8 @@ typedef struct ecx_ctx {
 
     uint64_t nlive;          /* posts alive */
     uint64_t notif_dropped;  /* notifications received and not queued */
+    uint64_t notif_undelivered; /* waiting ones dropped unsent with their
+                                   endpoint */
     int send_rndv;           /* tests: send notifications by rendezvous, as
                                 a sender that does not force eager would */
 } ecx_ctx_t;

@@ -454,6 +454,8 @@ func TestQueuedNotifsToDeadPeerDropped(t *testing.T) {
 	if c.a.c.sending == nil {
 		t.Skip("the transport took 100,000 notifications without refusing one (UCX_TLS=tcp): nothing waits")
 	}
+	waiting := c.a.waitingNotifs(c.peer)
+	require.Zero(t, c.a.UndeliveredNotifs())
 	ch.kill()
 	deadline := time.Now().Add(5 * time.Second)
 	for c.a.peers[c.peer].Dead == nil && time.Now().Before(deadline) {
@@ -461,6 +463,7 @@ func TestQueuedNotifsToDeadPeerDropped(t *testing.T) {
 	}
 	require.NotNil(t, c.a.peers[c.peer].Dead)
 	require.Nil(t, c.a.c.sending, "notifications to the dead producer still waiting")
+	require.Equal(t, uint64(waiting), c.a.UndeliveredNotifs())
 	require.ErrorIs(t, c.a.SendNotif(c.peer, []byte("late")), nixl.ErrRemoteDisconnect)
 	require.Nil(t, c.a.c.sending)
 	require.NoError(t, c.a.ReleaseDlist(c.remote))
@@ -498,6 +501,19 @@ func TestQueuedNotifsSentBeforeClose(t *testing.T) {
 	}
 	require.Zero(t, p.cons.closingEndpoints())
 	require.Zero(t, p.prod.DroppedNotifs())
+	require.Zero(t, p.cons.UndeliveredNotifs())
+}
+
+// Notifications still waiting for a peer that reads nothing when the
+// agent closes are counted undelivered, after Close too.
+func TestUndeliveredAtClose(t *testing.T) {
+	leakcheck.Check(t)
+	p := newPair(t, true)
+	sendBurst(t, p, 300, 100)
+	waiting := p.cons.waitingNotifs(p.peer)
+	require.Positive(t, waiting)
+	require.NoError(t, p.cons.Close())
+	require.Equal(t, uint64(waiting), p.cons.UndeliveredNotifs())
 }
 
 // sharedMaps counts this process's shared mappings.

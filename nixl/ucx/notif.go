@@ -87,3 +87,17 @@ func (a *Agent) DroppedNotifs() uint64 {
 }
 
 var _ nixl.NotifDropper = (*Agent)(nil)
+
+// UndeliveredNotifs implements nixl.NotifUndeliverer: notifications to a
+// same-host peer that waited for room in its receive queue (see
+// ECX_AM_NOTIF_FRAG in ecx.h) and were dropped unsent, because the peer
+// died, or was dropped and did not take them within ECX_DRAIN_NS, or this
+// agent closed first.
+func (a *Agent) UndeliveredNotifs() uint64 {
+	if a.c == nil {
+		return a.undelivered
+	}
+	return uint64(a.c.notif_undelivered)
+}
+
+var _ nixl.NotifUndeliverer = (*Agent)(nil)
