@@ -7,6 +7,7 @@ import (
 	"github.com/ecxfer/ecxfer/descriptors"
 	"github.com/ecxfer/ecxfer/internal/affinity"
 	"github.com/ecxfer/ecxfer/internal/copypool"
+	"github.com/ecxfer/ecxfer/internal/lifeword"
 	"github.com/ecxfer/ecxfer/internal/shmview"
 	"github.com/ecxfer/ecxfer/nixl"
 	"github.com/ecxfer/ecxfer/reactor"
@@ -57,12 +58,30 @@ func (t *Transport) startDirect() error {
 		return fmt.Errorf("%w: %v", ErrConfig, err)
 	}
 	t.direct, t.host, t.pool = true, h, p
+	// A lifeword tells same-host consumers this process is alive with a
+	// load instead of a poll of its pidfd after every READ (package
+	// lifeword); its descriptor travels in the notification socket's
+	// token. Without one (no memfd, a seccomp filter) they poll.
+	life := -1
+	if h, err := lifeword.Hold(); err == nil {
+		t.life, life = h, h.FD()
+	}
 	// Same-host notifications travel over a socket of ours (see the
 	// reactor package); without one they go through the engine.
-	if ns, err := reactor.ListenNotify(); err == nil {
+	if ns, err := reactor.ListenNotify(life); err == nil {
 		t.notify = ns
+	} else {
+		t.stopLife()
 	}
 	return nil
+}
+
+// stopLife stops the lifeword: consumers go back to polling our pidfd.
+func (t *Transport) stopLife() {
+	if t.life != nil {
+		_ = t.life.Stop()
+		t.life = nil
+	}
 }
 
 // copyCPUs pins the copy workers like the reactor: to the NUMA node's
@@ -91,6 +110,7 @@ func (t *Transport) closePool() {
 	}
 	t.notify.Close()
 	t.notify = nil
+	t.stopLife()
 }
 
 // advertise appends the region's advertisement to the metadata. Reactor

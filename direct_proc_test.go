@@ -17,6 +17,7 @@ import (
 	"github.com/ecxfer/ecxfer/internal/leakcheck"
 	"github.com/ecxfer/ecxfer/internal/pattern"
 	"github.com/ecxfer/ecxfer/internal/shmview"
+	"github.com/ecxfer/ecxfer/internal/testhook"
 )
 
 // Two-process tests of the direct path: real producer processes (this test
@@ -333,4 +334,89 @@ func TestEngineTruncatedOverTCP(t *testing.T) {
 		require.NoError(t, directReadVerify(cons, healthy, all[:64], all[64:], 72, bs, nil), "round %d: the healthy producer", round)
 		require.NoError(t, cons.RemoveRemotePeer(victim))
 	}
+}
+
+// countPidfdPolls counts the direct path's polls of producers' pidfds
+// after copies until the test ends.
+func countPidfdPolls(t *testing.T) *atomic.Int64 {
+	var n atomic.Int64
+	f := func() { n.Add(1) }
+	testhook.PidfdPoll.Store(&f)
+	t.Cleanup(func() { testhook.PidfdPoll.Store(nil) })
+	return &n
+}
+
+// TestDirectLifewordTwoProcess: a producer process advertises its lifeword
+// (the token of its notification socket names it); the consumer's direct
+// READs, inline and on the copy workers, check that the producer is alive
+// with a load of it instead of a poll of its pidfd, bytes verified; a
+// READ posted once the producer has been killed fails. Every region kind.
+func TestDirectLifewordTwoProcess(t *testing.T) {
+	for _, c := range directRegions {
+		t.Run(c.region, func(t *testing.T) {
+			leakcheck.Check(t)
+			const bs, nb, seed = 5120, 1024, 33
+			pname := uniqueName("dl-prod")
+			p, _ := startDirectProducer(t, pname, c.region, bs, nb, seed)
+			cons := ucxEnv(t).transport(uniqueName("dl-cons"), bs, nb, direct)
+			_, err := cons.AddRemotePeer(p.hello.Metadata, p.hello.MemDesc)
+			require.NoError(t, err)
+			require.Equal(t, c.path, cons.PeerPath(pname))
+			require.Equal(t, "lifeword", cons.r.PeerLiveness(pname))
+			polls := countPidfdPolls(t)
+			rng := rand.New(rand.NewSource(seed))
+			for i := range 200 {
+				require.NoError(t, directReadVerify(cons, pname, []int{i}, []int{rng.Intn(nb)}, seed, bs, nil))
+			}
+			for range 3 {
+				require.NoError(t, directReadVerify(cons, pname, rng.Perm(nb)[:880], rng.Perm(nb)[:880], seed, bs, nil))
+			}
+			require.Zero(t, polls.Load(), "READs of a producer with a lifeword polled its pidfd")
+			require.Equal(t, uint64(203), cons.Stats().DirectReads)
+			p.kill()
+			h, err := cons.PostRead([]int{0}, pname, []int{1}, nil)
+			require.NoError(t, err)
+			st, err := wait(t, cons, h)
+			require.Equal(t, StateErr, st)
+			require.ErrorIs(t, err, ErrRemoteDisconnect)
+			require.NoError(t, cons.ReleaseXferHandle(h))
+		})
+	}
+}
+
+// TestDirectLifewordForgedFallsBack: metadata whose token names a
+// descriptor of the producer that is not its lifeword (its stdin, a pipe)
+// gets the pidfd check: READs work and poll, and a killed producer is
+// still caught.
+func TestDirectLifewordForgedFallsBack(t *testing.T) {
+	leakcheck.Check(t)
+	const bs, nb, seed = 5120, 1024, 34
+	pname := uniqueName("dlf-prod")
+	p, _ := startDirectProducer(t, pname, "shm", bs, nb, seed)
+	md, adv, err := shmview.Split(p.hello.Metadata)
+	require.NoError(t, err)
+	require.NotNil(t, adv)
+	_, ok := adv.LifeFD()
+	require.True(t, ok, "the producer advertises a lifeword")
+	adv.Notify = shmview.LifeToken(adv.Notify, 0)
+	cons := ucxEnv(t).transport(uniqueName("dlf-cons"), bs, nb, direct)
+	_, err = cons.AddRemotePeer(shmview.Wrap(md, adv), p.hello.MemDesc)
+	require.NoError(t, err)
+	require.Equal(t, "direct-file", cons.PeerPath(pname))
+	require.Equal(t, "pidfd", cons.r.PeerLiveness(pname))
+	polls := countPidfdPolls(t)
+	for i := range 20 {
+		require.NoError(t, directReadVerify(cons, pname, []int{i}, []int{i + 7}, seed, bs, nil))
+	}
+	require.Equal(t, int64(20), polls.Load())
+	p.kill()
+	require.Eventually(t, func() bool {
+		h, err := cons.PostRead([]int{0}, pname, []int{1}, nil)
+		if err != nil {
+			return false
+		}
+		defer func() { _ = cons.ReleaseXferHandle(h) }()
+		st, err := wait(t, cons, h)
+		return st == StateErr && errors.Is(err, ErrRemoteDisconnect)
+	}, 10*time.Second, time.Millisecond)
 }

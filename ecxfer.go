@@ -11,6 +11,7 @@ import (
 	"github.com/ecxfer/ecxfer/descriptors"
 	"github.com/ecxfer/ecxfer/internal/affinity"
 	"github.com/ecxfer/ecxfer/internal/copypool"
+	"github.com/ecxfer/ecxfer/internal/lifeword"
 	"github.com/ecxfer/ecxfer/internal/shmview"
 	"github.com/ecxfer/ecxfer/nixl"
 	"github.com/ecxfer/ecxfer/reactor"
@@ -212,6 +213,7 @@ type Transport struct {
 	pool   *copypool.Pool // copy workers of the direct path
 	// notify is the notification socket until the reactor takes it.
 	notify *reactor.NotifySocket
+	life   *lifeword.Holder // this process's lifeword for same-host consumers, or nil
 }
 
 var _ DataTransport = (*Transport)(nil)

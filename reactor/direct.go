@@ -13,6 +13,7 @@ import (
 
 	"github.com/ecxfer/ecxfer/descriptors"
 	"github.com/ecxfer/ecxfer/internal/copypool"
+	"github.com/ecxfer/ecxfer/internal/lifeword"
 	"github.com/ecxfer/ecxfer/internal/procmem"
 	"github.com/ecxfer/ecxfer/internal/shmview"
 	"github.com/ecxfer/ecxfer/internal/testhook"
@@ -43,8 +44,9 @@ import (
 // Direct is a same-host peer's region as this process reaches it.
 type Direct struct {
 	adv   shmview.Advert
-	view  *shmview.View // nil for a kernel copy (KindProc)
-	pidfd int           // the producer's process, open while refs > 0
+	view  *shmview.View     // nil for a kernel copy (KindProc)
+	pidfd int               // the producer's process, open while refs > 0
+	life  *lifeword.Watcher // the producer's lifeword, or nil; mapped while refs > 0
 	// dead: READs of this region fail, because the producer exited or a
 	// copy faulted (it truncated its file). exitSeen: the producer
 	// exited, so its notifications have nobody to go to; a producer
@@ -75,13 +77,23 @@ func OpenDirect(adv *shmview.Advert, descs descriptors.List) (*Direct, error) {
 	if err != nil {
 		return nil, fmt.Errorf("pidfd_open(%d): %w", adv.PID, err)
 	}
+	d := &Direct{adv: *adv, pidfd: fd}
+	if lfd, ok := adv.LifeFD(); ok {
+		// Looked up by pid: the start time checked below names the
+		// process it belongs to. A word that cannot be watched (another
+		// user's process, an older producer whose token matched the
+		// tag by chance) leaves the pidfd to answer.
+		if w, err := lifeword.Watch(int(adv.PID), lfd); err == nil {
+			d.life = w
+		}
+	}
 	// The pid could have been recycled before pidfd_open: the start time
 	// read after it names the process the pidfd holds.
 	if !adv.Alive() {
+		d.closeLife()
 		_ = unix.Close(fd)
 		return nil, fmt.Errorf("process %d is not the advertised one", adv.PID)
 	}
-	d := &Direct{adv: *adv, pidfd: fd}
 	d.refs.Store(1)
 	if adv.Notify != 0 {
 		name := shmview.NotifyAddr(adv.PID, adv.Notify)
@@ -96,12 +108,14 @@ func OpenDirect(adv *shmview.Advert, descs descriptors.List) (*Direct, error) {
 		// failing its READs.
 		var b [1]byte
 		if err := procmem.Copy(int(adv.PID), b[:], adv.Base); err != nil {
+			d.closeLife()
 			_ = unix.Close(fd)
 			return nil, fmt.Errorf("kernel copy from process %d: %w", adv.PID, err)
 		}
 	}
 	if adv.Kind != shmview.KindProc {
 		if d.view, err = shmview.Open(adv); err != nil {
+			d.closeLife()
 			_ = unix.Close(fd)
 			return nil, err
 		}
@@ -139,6 +153,7 @@ func (d *Direct) release() {
 		if d.view != nil {
 			d.view.Close()
 		}
+		d.closeLife()
 		_ = unix.Close(d.pidfd)
 	case n < 0:
 		panic("reactor: Direct released more often than acquired")
@@ -154,15 +169,45 @@ func (d *Direct) Close() {
 	}
 }
 
-// exited reports whether the producer has exited: its pidfd is readable.
-// One poll(2) (0.2-2 µs here), after the copy of every direct READ and
-// before it is published: a READ is DONE only if its producer was alive
-// when its copy ended, so no READ reports what a dead producer left
-// behind as data. The caller holds a reference.
+func (d *Direct) closeLife() {
+	if d.life != nil {
+		d.life.Close()
+		d.life = nil
+	}
+}
+
+// Liveness names how READs of the peer learn that its process is alive:
+// "lifeword" (a load of the producer's lifeword) or "pidfd" (a poll).
+func (d *Direct) Liveness() string {
+	if d.life != nil {
+		return "lifeword"
+	}
+	return "pidfd"
+}
+
+// exited reports whether the producer has exited, after the copy of every
+// direct READ and before it is published: a READ is DONE only if its
+// producer was alive when its copy ended, so no READ reports what a dead
+// producer left behind as data. The producer's lifeword answers with a
+// load when it has one (the kernel marks it before the pidfd turns
+// readable); else, or once the producer has stopped its word (it closed
+// its transport but may live on), its pidfd does: one poll(2), 0.2-2 µs
+// here. The caller holds a reference.
 func (d *Direct) exited() bool {
 	if d.dead.Load() {
 		return true
 	}
+	if d.life != nil {
+		switch d.life.State() {
+		case lifeword.Alive:
+			return false
+		case lifeword.Died:
+			d.exitSeen.Store(true)
+			d.dead.Store(true)
+			return true
+		}
+	}
+	testhook.Run(&testhook.PidfdPoll)
 	fds := [1]unix.PollFd{{Fd: int32(d.pidfd), Events: unix.POLLIN}}
 	if n, _ := unix.Poll(fds[:], 0); n > 0 {
 		d.exitSeen.Store(true)
@@ -334,6 +379,16 @@ func (r *Reactor) PeerPath(name string) string {
 		return "engine"
 	}
 	return p.direct.Path()
+}
+
+// PeerLiveness says how direct READs of a peer check that its process is
+// alive ("lifeword" or "pidfd"); "" for a peer not read directly.
+func (r *Reactor) PeerLiveness(name string) string {
+	p := r.peer(name)
+	if p == nil || p.direct == nil || r.dir == nil {
+		return ""
+	}
+	return p.direct.Liveness()
 }
 
 // notifRec is an inline READ's notification on its way to the reactor. It
@@ -781,7 +836,7 @@ func (r *Reactor) endJob(j *dirJob) {
 	if j.err == nil && j.endCode == 0 && p.direct.exited() {
 		// Checked after the copy, not when it was posted: a READ is DONE
 		// only if its producer outlived the whole copy. (The caller's
-		// Post does not pay the poll; the reactor does, once per job.)
+		// Post does not pay the check; the reactor does, once per job.)
 		j.err = errPeerExited
 	}
 	p.direct.release()

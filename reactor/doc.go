@@ -29,8 +29,9 @@
 // before Post returns; a larger one goes through the submission ring like
 // any READ, and the reactor hands its runs (or, between two block grids,
 // its index lists) to the copy workers instead of the engine. A READ is
-// published DONE only if the producer's pidfd shows it alive after its
-// copy ended. Every notification is sent once, after its READ is
+// published DONE only if the producer is alive after its copy ended: its
+// lifeword says so with a load (package lifeword), or else its pidfd with
+// a poll. Every notification is sent once, after its READ is
 // published DONE: by the caller inside Post for an inline READ when the
 // producer's socket takes it at once, otherwise by the reactor. The
 // reactor keeps what must stay serialized: it ends READs on

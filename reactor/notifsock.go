@@ -82,13 +82,15 @@ type NotifySocket struct {
 
 // ListenNotify opens and binds this process's notification socket. It is
 // handed to the reactor in DirectOptions, which owns it from then on; an
-// owner that never hands it over closes it.
-func ListenNotify() (*NotifySocket, error) {
+// owner that never hands it over closes it. lifeFD (-1: none) is the
+// descriptor of the producer's lifeword, which the socket's token names
+// (shmview.LifeToken).
+func ListenNotify(lifeFD int) (*NotifySocket, error) {
 	var b [8]byte
 	if _, err := rand.Read(b[:]); err != nil {
 		return nil, err
 	}
-	token := binary.LittleEndian.Uint64(b[:]) | 1 // never 0: 0 means none
+	token := shmview.LifeToken(binary.LittleEndian.Uint64(b[:]), lifeFD)
 	var key [shmview.NotifyKeyLen]byte
 	if _, err := rand.Read(key[:]); err != nil {
 		return nil, err

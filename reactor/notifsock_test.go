@@ -85,7 +85,7 @@ func socketPeer(t *testing.T, ns *NotifySocket) *Peer {
 // once when the receiver reads again. Once the receiver's socket is gone,
 // a send fails (the producer exited).
 func TestNotifSockBacklog(t *testing.T) {
-	rx, err := ListenNotify()
+	rx, err := ListenNotify(-1)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -177,7 +177,7 @@ func TestNotifSockBacklog(t *testing.T) {
 // closed at the test's end.
 func notifSockPair(t *testing.T) (rx *NotifySocket, recv *notifSock, fd int, to *unix.SockaddrUnix) {
 	t.Helper()
-	rx, err := ListenNotify()
+	rx, err := ListenNotify(-1)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -241,7 +241,7 @@ func TestNotifSockRecvBounded(t *testing.T) {
 // order, once it reads again. An exited producer's are dropped.
 func TestNotifSockStalledPeerBlocksOnlyItself(t *testing.T) {
 	listen := func() (*notifSock, *Peer) {
-		rx, err := ListenNotify()
+		rx, err := ListenNotify(-1)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -83,7 +83,9 @@ type Advert struct {
 	Dev    uint64 // the file's identity, checked after opening Path
 	Ino    uint64
 	// Notify names the producer's notification socket (NotifyAddr); 0:
-	// it has none, notifications go through the engine.
+	// it has none, notifications go through the engine. The producer
+	// picks it; it may also say where the producer's lifeword is
+	// (LifeToken, LifeFD).
 	Notify uint64
 	// NotifyKey is the secret every datagram to that socket starts with.
 	// The socket's address is no secret (any local user can list
@@ -101,6 +103,40 @@ const NotifyKeyLen = 16
 // the network namespace, which Host compares.
 func NotifyAddr(pid uint32, token uint64) string {
 	return fmt.Sprintf("@ecxfer-notify/%d/%016x", pid, token)
+}
+
+// The token of a producer with a lifeword (package lifeword) carries the
+// word's descriptor in its low 32 bits: lifeTag in the upper 16 of them,
+// the descriptor plus one in the lower 16. The advertisement's layout, which
+// older consumers decode strictly, stays as it was; they use the token as
+// a name only. A token of an older producer is random and matches the tag
+// one time in 65,536; the descriptor it names is then refused by
+// lifeword.Watch's checks, and the consumer polls the pidfd as before.
+const (
+	lifeTag   = 0xEC1F
+	lifeFDMax = 0xFFFE
+)
+
+// LifeToken is a notification socket token from random bits rnd that also
+// names descriptor fd, the producer's lifeword; fd < 0 (or too large to
+// fit) gives a token without one.
+func LifeToken(rnd uint64, fd int) uint64 {
+	if fd < 0 || fd > lifeFDMax {
+		if rnd&0xFFFF_FFFF>>16 == lifeTag {
+			rnd ^= 1 << 16 // not the tag by chance
+		}
+		return rnd | 1 // never 0: 0 means no socket
+	}
+	return rnd&^0xFFFF_FFFF | lifeTag<<16 | uint64(fd+1)
+}
+
+// LifeFD is the descriptor of the producer's lifeword its token names, if
+// it names one.
+func (a *Advert) LifeFD() (int, bool) {
+	if a.Notify&0xFFFF_FFFF>>16 != lifeTag || a.Notify&0xFFFF == 0 {
+		return 0, false
+	}
+	return int(a.Notify&0xFFFF) - 1, true
 }
 
 const (

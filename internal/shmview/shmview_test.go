@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"math/rand"
 	"os"
 	"os/exec"
 	"os/signal"
@@ -15,6 +16,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
 	"github.com/ecxfer/ecxfer/descriptors"
@@ -792,4 +794,32 @@ func TestOpenLeasedFile(t *testing.T) {
 		t.Fatal("Open waited for the producer's lease")
 		// (The goroutine returns once the kernel breaks the lease.)
 	}
+}
+
+// TestLifeToken: a token names the descriptor it was made with (0 to
+// 65,534), never 0, and one made without a descriptor names none, even
+// when its random bits spell the tag.
+func TestLifeToken(t *testing.T) {
+	rng := rand.New(rand.NewSource(7))
+	for _, fd := range []int{0, 1, 3, 1000, lifeFDMax} {
+		for range 100 {
+			a := Advert{Notify: LifeToken(rng.Uint64(), fd)}
+			got, ok := a.LifeFD()
+			require.True(t, ok, "fd %d", fd)
+			require.Equal(t, fd, got)
+			require.NotZero(t, a.Notify)
+		}
+	}
+	for _, fd := range []int{-1, lifeFDMax + 1, 1 << 30} {
+		for _, rnd := range []uint64{0, lifeTag << 16, lifeTag<<16 | 5, 0xFFFF_FFFF_FFFF_FFFF, rng.Uint64()} {
+			a := Advert{Notify: LifeToken(rnd, fd)}
+			_, ok := a.LifeFD()
+			require.False(t, ok, "fd %d, random bits %#x", fd, rnd)
+			require.NotZero(t, a.Notify)
+		}
+	}
+	// A tag with no descriptor (low 16 bits 0) names none.
+	a := Advert{Notify: lifeTag << 16}
+	_, ok := a.LifeFD()
+	require.False(t, ok)
 }

@@ -14,6 +14,10 @@ var AfterDirectDone atomic.Pointer[func()]
 // engines a refused Config started.
 var NewAgent atomic.Pointer[func()]
 
+// PidfdPoll runs when a direct READ asks a producer's pidfd whether it
+// is alive (no lifeword answered): tests count the polls.
+var PidfdPoll atomic.Pointer[func()]
+
 // Run runs the hook h points at, if any.
 func Run(h *atomic.Pointer[func()]) {
 	if f := h.Load(); f != nil {

@@ -1,0 +1,89 @@
+package reactor
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"sync/atomic"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/ecxfer/ecxfer/internal/leakcheck"
+	"github.com/ecxfer/ecxfer/internal/lifeword"
+	"github.com/ecxfer/ecxfer/internal/shmview"
+	"github.com/ecxfer/ecxfer/internal/testhook"
+)
+
+// countPidfdPolls counts Direct.exited's polls of a pidfd until the test
+// ends.
+func countPidfdPolls(t *testing.T) *atomic.Int64 {
+	var n atomic.Int64
+	f := func() { n.Add(1) }
+	testhook.PidfdPoll.Store(&f)
+	t.Cleanup(func() { testhook.PidfdPoll.Store(nil) })
+	return &n
+}
+
+// selfAdvert advertises a /dev/shm region of this process, with the token
+// naming descriptor lifeFD.
+func selfAdvert(t *testing.T, lifeFD int) *shmview.Advert {
+	t.Helper()
+	path := filepath.Join("/dev/shm", fmt.Sprintf("ecxfer_lifeword_%d_%s.mmap", os.Getpid(), t.Name()))
+	region, err := shmview.MapNewFile(path, 1<<16)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_ = unix.Munmap(region)
+		_ = os.Remove(path)
+	})
+	adv, err := shmview.Describe(region)
+	require.NoError(t, err)
+	require.Equal(t, shmview.KindFile, adv.Kind)
+	adv.Notify = shmview.LifeToken(0x1234_5678_9abc_def0, lifeFD)
+	adv.NotifyKey[0] = 1
+	return &adv
+}
+
+// TestDirectLifewordAnswers: with the producer's lifeword watched, the
+// check after each copy polls nothing while the word says Alive; once the
+// producer stops its word (it closed its transport and lives on) the
+// pidfd answers again, and says alive.
+func TestDirectLifewordAnswers(t *testing.T) {
+	leakcheck.Check(t)
+	polls := countPidfdPolls(t)
+	h, err := lifeword.Hold()
+	require.NoError(t, err)
+	defer h.Stop()
+	d, err := OpenDirect(selfAdvert(t, h.FD()), nil)
+	require.NoError(t, err)
+	defer d.Close()
+	require.Equal(t, "lifeword", d.Liveness())
+	for range 1000 {
+		require.False(t, d.exited())
+	}
+	require.Zero(t, polls.Load(), "a watched word was not trusted")
+	require.NoError(t, h.Stop())
+	require.False(t, d.exited(), "this process is alive")
+	require.Equal(t, int64(1), polls.Load(), "a stopped word must send the check to the pidfd")
+}
+
+// TestDirectLifewordRefusedFallsBack: a token that names a descriptor
+// that is no lifeword (an older producer's random token can match the tag)
+// leaves the pidfd to answer.
+func TestDirectLifewordRefusedFallsBack(t *testing.T) {
+	leakcheck.Check(t)
+	polls := countPidfdPolls(t)
+	for name, fd := range map[string]int{"stdin": 0, "closed": 4000, "none": -1} {
+		adv := selfAdvert(t, fd)
+		_, tagged := adv.LifeFD()
+		require.Equal(t, fd >= 0, tagged, name)
+		d, err := OpenDirect(adv, nil)
+		require.NoError(t, err, name)
+		require.Equal(t, "pidfd", d.Liveness(), name)
+		before := polls.Load()
+		require.False(t, d.exited(), name)
+		require.Equal(t, before+1, polls.Load(), name)
+		d.Close()
+	}
+}
