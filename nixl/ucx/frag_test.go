@@ -214,6 +214,7 @@ func FuzzReassemble(f *testing.F) {
 // dropped. The long ones went in fragments.
 func TestFragmentedNotifsRoundTrip(t *testing.T) {
 	leakcheck.Check(t)
+	withSharedMemory(t) // notifications on the short path of a NONE endpoint
 	p := newPair(t, true)
 	long := newTestAgent(t, Config{Name: strings.Repeat("L", maxNameLen)})
 	md, err := p.prod.LocalMetadata()
@@ -268,6 +269,7 @@ func TestFragmentedNotifsRoundTrip(t *testing.T) {
 // queue cannot take and sends it from Progress, in order.
 func TestNotifBurstPastFullQueue(t *testing.T) {
 	leakcheck.Check(t)
+	withSharedMemory(t) // notifications on the short path of a NONE endpoint
 	p := newPair(t, true)
 	want := sendBurst(t, p, 400, 50)
 	got := collectNotifs(t, p.prod, len(want), 20*time.Second, p.cons)
@@ -300,6 +302,7 @@ func sendBurst(t *testing.T, p *pair, n, long int) [][]byte {
 // again. Also with more stopped peers than the retry loop keeps a record
 // of (16).
 func TestStoppedPeerHoldsBackOnlyItsOwn(t *testing.T) {
+	withSharedMemory(t) // notifications on the short path of a NONE endpoint
 	for _, nstopped := range []int{1, 17} {
 		t.Run(fmt.Sprint(nstopped), func(t *testing.T) {
 			leakcheck.Check(t)
@@ -376,6 +379,14 @@ func TestLongNotifsToOldPeerWhole(t *testing.T) {
 // The metadata's ucx field carries the feature bits beside the version,
 // and a peer of another UCX major is still refused, its version named.
 func TestMetadataFeatures(t *testing.T) {
+	t.Setenv("UCX_TLS", "tcp")
+	tcp := newTestAgent(t, Config{Name: "tcp"})
+	tmd, err := tcp.LocalMetadata()
+	require.NoError(t, err)
+	tm, err := decodeMetadata(tmd)
+	require.NoError(t, err)
+	require.Equal(t, uint64(featFragNotifs|featNoShm), tm.ucxFeatures(), "no shared memory: said so")
+	t.Setenv("UCX_TLS", "all")
 	a := newTestAgent(t, Config{Name: "a"})
 	md, err := a.LocalMetadata()
 	require.NoError(t, err)
@@ -444,6 +455,7 @@ func TestLongNotifsLeaveNoEndpoint(t *testing.T) {
 // will. It stays until Close, as README's "Failure behaviour" says.)
 func TestQueuedNotifsToDeadPeerDropped(t *testing.T) {
 	leakcheck.Check(t)
+	withSharedMemory(t) // a receiver's full shared-memory queue is what they fill
 	c := newConsumer(t, Config{Name: "consumer"}, 16, testBlock)
 	ch := startChild(t, childOpts{name: "prod", seed: 4, blocks: 16, alloc: true})
 	c.connect(t, ch)
@@ -475,6 +487,7 @@ func TestQueuedNotifsToDeadPeerDropped(t *testing.T) {
 // sent once it is loaded again.
 func TestQueuedNotifsSentBeforeClose(t *testing.T) {
 	leakcheck.Check(t)
+	withSharedMemory(t) // a receiver's full shared-memory queue is what they fill
 	p := newPair(t, true)
 	want := sendBurst(t, p, 300, 100)
 	require.NoError(t, p.cons.ReleaseDlist(p.remote))
@@ -508,6 +521,7 @@ func TestQueuedNotifsSentBeforeClose(t *testing.T) {
 // agent closes are counted undelivered, after Close too.
 func TestUndeliveredAtClose(t *testing.T) {
 	leakcheck.Check(t)
+	withSharedMemory(t) // a receiver's full shared-memory queue is what they fill
 	p := newPair(t, true)
 	sendBurst(t, p, 300, 100)
 	waiting := p.cons.waitingNotifs(p.peer)

@@ -80,6 +80,7 @@ func TestDeregisterWaitsForCancelledGets(t *testing.T) {
 // attachments) go. (They stayed until the process exited.)
 func TestCloseWithStagedPeer(t *testing.T) {
 	leakcheck.Check(t)
+	withSharedMemory(t)
 	prod := newTestAgent(t, Config{Name: "producer"})
 	_, _, err := prod.AllocMem(1<<20, nixl.DRAM, 0)
 	require.NoError(t, err)

@@ -74,6 +74,7 @@ func TestLyingMetadata(t *testing.T) {
 // here the peer's true mappings and a region longer than the segment.
 func TestCheckTruthSegmentSmaller(t *testing.T) {
 	leakcheck.Check(t)
+	withSharedMemory(t)
 	cons := newTestAgent(t, Config{Name: "cons"})
 	prod := newTestAgent(t, Config{Name: "prod"})
 	_, _, err := prod.AllocMem(1<<20, nixl.DRAM, 0)
@@ -116,6 +117,14 @@ func segmentAt(t *testing.T, addr uint64) procmaps.Span {
 	require.NoError(t, err)
 	require.NotNil(t, sp)
 	return *sp
+}
+
+// withSharedMemory gives the test UCX's default transports, shared
+// memory among them, whatever UCX_TLS the environment sets (`UCX_TLS=tcp
+// make test`): the test is about shared-memory segments and the keys that
+// attach them, which UCX does not make over tcp alone.
+func withSharedMemory(t *testing.T) {
+	t.Setenv("UCX_TLS", "all")
 }
 
 // withKey re-encodes md with region 0's packed rkey rewritten by edit.
@@ -223,6 +232,7 @@ func TestForgedSegmentKeyClaimingOtherHostRefused(t *testing.T) {
 // (past its end, here). (READs of it ran.)
 func TestCallerMemoryWithSegmentKeyRefused(t *testing.T) {
 	leakcheck.Check(t)
+	withSharedMemory(t)
 	const n = 1 << 20
 	victim := newTestAgent(t, Config{Name: "victim"})
 	_, vbuf, err := victim.AllocMem(n, nixl.DRAM, 0)

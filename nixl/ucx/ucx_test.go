@@ -339,14 +339,14 @@ func TestSharedQueueGets(t *testing.T) {
 		name, tls   string
 		alloc, want bool
 	}{
-		{"registered", "", false, true},
-		{"allocated", "", true, false},
+		{"registered", "all", false, true},
+		{"allocated", "all", true, false},
 		{"registered-tcp", "tcp", false, false},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			if c.tls != "" {
-				t.Setenv("UCX_TLS", c.tls)
-			}
+			// Whatever UCX_TLS the environment has ("all" is UCX's
+			// default, shared memory included).
+			t.Setenv("UCX_TLS", c.tls)
 			p := newPair(t, c.alloc)
 			require.Equal(t, c.want, p.cons.SharedQueueGets(p.peer))
 			require.False(t, p.cons.SharedQueueGets("nobody"))
@@ -359,6 +359,7 @@ func TestSharedQueueGets(t *testing.T) {
 // keeps working until Commit, and Abort leaves it as it was.
 func TestStageRemoteMetadata(t *testing.T) {
 	leakcheck.Check(t)
+	withSharedMemory(t) // the restarted producer answers gets without progressing
 	p := newPair(t, true)
 	read := func(remote nixl.DlistID, seed uint64) error {
 		t.Helper()
