@@ -28,14 +28,7 @@ const (
 	// ErrModeAuto uses UCP_ERR_HANDLING_MODE_NONE for peers on this host
 	// (shared memory stays available; liveness comes from a pidfd) and
 	// UCP_ERR_HANDLING_MODE_PEER for peers elsewhere (UCX reports their
-	// death through the endpoint error callback). When UCX has no
-	// shared-memory transport at either end (UCX_TLS=tcp, say: each
-	// agent's metadata says whether it has one), peers on this host get
-	// PEER too: over tcp, a NONE endpoint whose peer went before answering
-	// its wire-up makes UCX 1.13 abort the process (an assertion in its
-	// pending-request purge). Both ends decide alike (UCX refuses a
-	// connection between the two modes); a peer of a build before this
-	// one is taken to have shared memory, as it assumes of us.
+	// death through the endpoint error callback).
 	ErrModeAuto ErrMode = iota
 	// ErrModePeer uses PEER for every peer. On one host this forces tcp in
 	// UCX 1.13 (about 8x slower than shared memory).
@@ -160,7 +153,6 @@ type Agent struct {
 	pid      int
 	start    uint64
 	ucxVer   uint64
-	shm      bool // UCX has shared-memory transports here (ErrModeAuto)
 	c        *C.ecx_ctx_t
 	worker   []byte
 	epfd     int
@@ -239,6 +231,7 @@ func New(cfg Config) (*Agent, error) {
 	}
 	var ma, mi C.uint32_t
 	C.ecx_version(&ma, &mi)
+	a.ucxVer = ucxFeatures(uint64(ma), uint64(mi), featFragNotifs)
 
 	cname := C.CString(cfg.Name)
 	st := C.ecx_create(cname, C.uint32_t(len(cfg.Name)), &a.c)
@@ -249,16 +242,6 @@ func New(cfg Config) (*Agent, error) {
 	if cfg.rndvNotifs {
 		a.c.send_rndv = 1
 	}
-	// Without shared-memory transports (UCX_TLS=tcp) mode NONE buys a
-	// same-host peer nothing, and UCX 1.13 aborts the process when such a
-	// tcp endpoint fails with its wire-up request still queued (a peer
-	// that went before it ever answered). -1 (cannot tell): as before.
-	a.shm = C.ecx_context_shm(a.c) != 0
-	features := uint64(featFragNotifs)
-	if !a.shm {
-		features |= featNoShm
-	}
-	a.ucxVer = ucxFeatures(uint64(ma), uint64(mi), features)
 	buf := C.malloc(maxWorkerAddr)
 	n := C.ecx_worker_address(a.c, buf, maxWorkerAddr)
 	if n < 0 {

@@ -101,10 +101,6 @@
 //     the peer's death (its pidfd readable) fails with ErrRemoteDisconnect
 //     instead of reading the segment the dead peer left behind. The cost is
 //     one poll(2) per loop turn that posts.
-//     Without shared-memory transports (UCX_TLS=tcp) ErrModeAuto gives
-//     same-host peers PEER instead: NONE buys nothing there, and over tcp
-//     a NONE endpoint whose peer went before answering its wire-up made
-//     UCX 1.13 abort the process (TestTCPOnlyPeerGone).
 //   - Other hosts: UCP_ERR_HANDLING_MODE_PEER. UCX keepalive detects the
 //     death, fails outstanding operations (UCS_ERR_ENDPOINT_TIMEOUT, ...)
 //     and calls the endpoint error callback, which queues the peer in C for

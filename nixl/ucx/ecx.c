@@ -969,26 +969,6 @@ static char *ep_info(ucp_ep_h ep)
     return buf;
 }
 
-int ecx_context_shm(ecx_ctx_t *c)
-{
-    char *buf = NULL;
-    size_t len = 0;
-    int shm;
-    FILE *f = open_memstream(&buf, &len);
-    if (f == NULL) {
-        return -1;
-    }
-    ucp_context_print_info(c->context, f);
-    if (fclose(f) != 0) {
-        free(buf);
-        return -1;
-    }
-    /* "#      resource 3  :  md 2  dev 3  flags -- sysv/memory" */
-    shm = strstr(buf, "-- sysv/") != NULL || strstr(buf, "-- posix/") != NULL;
-    free(buf);
-    return shm;
-}
-
 int ecx_ep_shm_lanes(ucp_ep_h ep)
 {
     char *buf = ep_info(ep);

@@ -167,10 +167,6 @@ void ecx_version(uint32_t *major, uint32_t *minor);
 /* 1 if one of ep's lanes runs over a shared-memory transport (sysv or
  * posix), 0 if none does, -1 if it cannot tell. Reads ucp_ep_print_info. */
 int ecx_ep_shm_lanes(ucp_ep_h ep);
-/* 1 if the context has UCX's shared-memory transports (sysv or posix:
- * UCX_TLS allows them), 0 if not, -1 if it cannot tell. Reads
- * ucp_context_print_info. */
-int ecx_context_shm(ecx_ctx_t *c);
 /* The longest header and payload ep sends an active message of on UCX's
  * short path (ucp_ep_print_info's am_send line); 0 if it cannot tell. */
 uint32_t ecx_ep_short_max(ucp_ep_h ep);

@@ -37,13 +37,6 @@ const (
 // reassembles fragmented notifications.
 const featFragNotifs = 1
 
-// featNoShm, in the feature bits of a peer's metadata: its UCX has no
-// shared-memory transport (UCX_TLS=tcp, say), so on one host the two ends
-// use error mode PEER (see ErrModeAuto). Both ends decide from both
-// agents' bits, so they pick the same mode even when only one of them
-// lacks shared memory: UCX refuses a connection between the two modes.
-const featNoShm = 2
-
 // partial is one notification being reassembled.
 type partial struct {
 	token uint64

@@ -379,14 +379,6 @@ func TestLongNotifsToOldPeerWhole(t *testing.T) {
 // The metadata's ucx field carries the feature bits beside the version,
 // and a peer of another UCX major is still refused, its version named.
 func TestMetadataFeatures(t *testing.T) {
-	t.Setenv("UCX_TLS", "tcp")
-	tcp := newTestAgent(t, Config{Name: "tcp"})
-	tmd, err := tcp.LocalMetadata()
-	require.NoError(t, err)
-	tm, err := decodeMetadata(tmd)
-	require.NoError(t, err)
-	require.Equal(t, uint64(featFragNotifs|featNoShm), tm.ucxFeatures(), "no shared memory: said so")
-	t.Setenv("UCX_TLS", "all")
 	a := newTestAgent(t, Config{Name: "a"})
 	md, err := a.LocalMetadata()
 	require.NoError(t, err)

@@ -23,7 +23,7 @@ import (
 //	 ucx uint, worker bin, regions [[addr uint, len uint, rkey bin]...]]
 //
 // ucx is major<<16 | features<<8 | minor: the UCX library's version and
-// this build's features (featFragNotifs, featNoShm). Builds before features compare
+// this build's features (featFragNotifs). Builds before features compare
 // the major alone, so they read the metadata of builds that have them.
 //
 // magic, version and checksum are checked before the body is parsed, so a

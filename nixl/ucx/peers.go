@@ -81,7 +81,7 @@ func (a *Agent) newPeer(md []byte, m *metadata) (*peer, error) {
 	case ErrModePeer:
 		p.peerMode = true
 	case ErrModeAuto:
-		p.peerMode = !sameHost || !a.shm || m.ucxFeatures()&featNoShm != 0
+		p.peerMode = !sameHost
 	}
 	var err error
 	if sameHost && !a.cfg.noPidfd {

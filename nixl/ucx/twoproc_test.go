@@ -37,8 +37,7 @@ func TestTwoProcessRead(t *testing.T) {
 			c := newConsumer(t, Config{Name: "cons", ErrMode: tc.errMode}, blocks, testBlock)
 			c.connect(t, ch)
 			p := c.a.peers[c.peer]
-			// Auto picks PEER on this host too when tcp is all there is.
-			require.Equal(t, tc.errMode == ErrModePeer || tc.tls == "tcp", p.peerMode)
+			require.Equal(t, tc.errMode == ErrModePeer, p.peerMode)
 			require.GreaterOrEqual(t, p.pidfd, 0, "same host: pidfd watch")
 
 			seq := make([]int, blocks)
