@@ -339,11 +339,9 @@ func TestEngineTruncatedOverTCP(t *testing.T) {
 // countPidfdPolls counts the direct path's polls of producers' pidfds
 // after copies until the test ends.
 func countPidfdPolls(t *testing.T) *atomic.Int64 {
-	var n atomic.Int64
-	f := func() { n.Add(1) }
-	testhook.PidfdPoll.Store(&f)
-	t.Cleanup(func() { testhook.PidfdPoll.Store(nil) })
-	return &n
+	n, stop := testhook.Count(&testhook.PidfdPoll)
+	t.Cleanup(stop)
+	return n
 }
 
 // TestDirectLifewordTwoProcess: a producer process advertises its lifeword

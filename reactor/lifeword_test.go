@@ -16,14 +16,12 @@ import (
 	"github.com/ecxfer/ecxfer/internal/testhook"
 )
 
-// countPidfdPolls counts Direct.exited's polls of a pidfd until the test
-// ends.
+// countPidfdPolls counts the direct path's polls of producers' pidfds
+// after copies until the test ends.
 func countPidfdPolls(t *testing.T) *atomic.Int64 {
-	var n atomic.Int64
-	f := func() { n.Add(1) }
-	testhook.PidfdPoll.Store(&f)
-	t.Cleanup(func() { testhook.PidfdPoll.Store(nil) })
-	return &n
+	n, stop := testhook.Count(&testhook.PidfdPoll)
+	t.Cleanup(stop)
+	return n
 }
 
 // selfAdvert advertises a /dev/shm region of this process, with the token

@@ -18,6 +18,14 @@ var NewAgent atomic.Pointer[func()]
 // is alive (no lifeword answered): tests count the polls.
 var PidfdPoll atomic.Pointer[func()]
 
+// Count makes hook h count its runs until stop is called.
+func Count(h *atomic.Pointer[func()]) (n *atomic.Int64, stop func()) {
+	n = new(atomic.Int64)
+	f := func() { n.Add(1) }
+	h.Store(&f)
+	return n, func() { h.Store(nil) }
+}
+
 // Run runs the hook h points at, if any.
 func Run(h *atomic.Pointer[func()]) {
 	if f := h.Load(); f != nil {
