@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -275,6 +276,7 @@ type direct struct {
 	active   []*dirJob
 	watched  []*Peer // direct peers with a live pidfd
 	pollFDs  []unix.PollFd
+	polled   []*Peer // the peers of pollFDs, in order
 	lastPoll int64
 	jobBuf   []*dirJob
 	notifBuf []*notifRec
@@ -963,7 +965,8 @@ func (r *Reactor) unwatchPeer(p *Peer) {
 	p.direct.Close()
 }
 
-// pollPeers checks the pidfds of the watched peers; a dead one is marked
+// pollPeers checks the watched peers' lifewords, or where a word cannot
+// tell, their pidfds; a dead one is marked
 // gone: READs posted from now on fail with ErrRemoteDisconnect, copies
 // already running finish from the mapping. Loop only.
 func (r *Reactor) pollPeers() bool {
@@ -973,23 +976,45 @@ func (r *Reactor) pollPeers() bool {
 			r.peerDead(p, *why)
 		}
 	}
-	d.pollFDs = d.pollFDs[:0]
+	// A peer whose lifeword says it is alive needs no poll: with every
+	// peer's word alive (a consumer of many same-host producers) a turn
+	// makes no system call here.
+	d.pollFDs, d.polled = d.pollFDs[:0], d.polled[:0]
+	var dead []*Peer
 	for _, p := range d.watched {
+		if w := p.direct.life; w != nil {
+			switch w.State() {
+			case lifeword.Alive:
+				continue
+			case lifeword.Died:
+				dead = append(dead, p)
+				continue
+			}
+		}
 		d.pollFDs = append(d.pollFDs, unix.PollFd{Fd: int32(p.direct.pidfd), Events: unix.POLLIN})
+		d.polled = append(d.polled, p)
 	}
-	n, err := unix.Poll(d.pollFDs, 0)
-	if err != nil || n == 0 {
+	if len(d.pollFDs) > 0 {
+		testhook.Run(&testhook.PidfdPoll)
+		if n, err := unix.Poll(d.pollFDs, 0); err == nil && n > 0 {
+			for i, p := range d.polled {
+				if d.pollFDs[i].Revents != 0 {
+					dead = append(dead, p)
+				}
+			}
+		}
+	}
+	clear(d.polled)
+	if len(dead) == 0 {
 		return false
 	}
 	kept := d.watched[:0]
-	var dead []*Peer
-	for i, p := range d.watched {
-		if d.pollFDs[i].Revents == 0 {
+	for _, p := range d.watched {
+		if !slices.Contains(dead, p) {
 			kept = append(kept, p)
-			continue
 		}
-		dead = append(dead, p)
 	}
+	clear(d.watched[len(kept):])
 	d.watched = kept
 	for _, p := range dead {
 		p.direct.exitSeen.Store(true)

@@ -14,8 +14,9 @@ var AfterDirectDone atomic.Pointer[func()]
 // engines a refused Config started.
 var NewAgent atomic.Pointer[func()]
 
-// PidfdPoll runs when a direct READ asks a producer's pidfd whether it
-// is alive (no lifeword answered): tests count the polls.
+// PidfdPoll runs when a direct READ, or the reactor's watch of direct
+// peers, asks producers' pidfds whether they are alive (no lifeword
+// answered): tests count the polls.
 var PidfdPoll atomic.Pointer[func()]
 
 // Count makes hook h count its runs until stop is called.
