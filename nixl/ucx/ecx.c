@@ -1312,12 +1312,37 @@ void ecx_err_free(ecx_peer_err_t *e)
     }
 }
 
+static int ecx_has_work(const ecx_ctx_t *c)
+{
+    return c->ready_head != NULL || c->comp_head != NULL || c->notif_head != NULL ||
+           c->err_head != NULL || c->posting != NULL || c->sending != NULL;
+}
+
 int ecx_arm(ecx_ctx_t *c)
 {
     ucs_status_t st;
-    if (c->ready_head != NULL || c->comp_head != NULL || c->notif_head != NULL ||
-        c->err_head != NULL || c->posting != NULL || c->sending != NULL) {
+    int i;
+    if (ecx_has_work(c)) {
         return 0;
+    }
+    /* UCP leaves an interface that none of this worker's endpoints uses
+     * (a producer's shared-memory or tcp interface, when it has no
+     * endpoint to its consumers) "deactivated": not polled, not in the
+     * worker's event descriptor. A message on it wakes UCX's async thread,
+     * which turns its own watch of the interface off, signals the worker
+     * and leaves the re-arming to a callback that ucp_worker_progress
+     * runs. The call after the one that handles the message consumes the
+     * interface's wake-up datagram and stays registered (progress returns
+     * 0); only the next one arms the interface. ucp_worker_arm does not
+     * look at the callback: it returns OK once the async thread's signal
+     * has been read (by an earlier arm). Then nothing watches the interface, and a
+     * caller asleep on the descriptor sleeps until its timeout at every
+     * later message. So progress until ECX_ARM_QUIET calls in a row find
+     * nothing before arming. */
+    for (i = 0; i < ECX_ARM_QUIET; i++) {
+        if (ucp_worker_progress(c->worker) != 0 || ecx_has_work(c)) {
+            return 0;
+        }
     }
     st = ucp_worker_arm(c->worker);
     if (st == UCS_OK) {

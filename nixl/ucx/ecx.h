@@ -21,6 +21,11 @@
 /* Bytes of gets or puts posted per ecx_progress round, new posts and
  * continued ones together; a post always posts at least one range. */
 #define ECX_TURN_BUDGET (4u << 20)
+
+/* Progress calls in a row that must find nothing before ecx_arm arms the
+ * worker (see there): the re-arming callback of a deactivated interface
+ * needs two after a wake-up; one more for a datagram queued behind. */
+#define ECX_ARM_QUIET 3
 /* UCX tcp transport's TX_SEG_SIZE unless UCX_TCP_TX_SEG_SIZE is set. */
 #define ECX_TCP_TX_SEG "64k"
 

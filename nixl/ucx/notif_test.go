@@ -1,6 +1,7 @@
 package ucx
 
 import (
+	"fmt"
 	"testing"
 	"time"
 
@@ -86,4 +87,48 @@ func TestOversizedNotifsDropped(t *testing.T) {
 	require.Len(t, n["big-sender"], 1)
 	require.Len(t, n["big-sender"][0], enginekit.MaxNotifLimit)
 	require.Equal(t, uint64(1), recv.DroppedNotifs())
+}
+
+// A producer that sleeps on EventFD without a timeout whenever a turn
+// finds no work (a parked reactor) is woken by every notification, with
+// and without an endpoint of its own to the consumer. An interface none of
+// its endpoints uses (a producer's shared-memory interface when it has no
+// endpoint back) is one UCP leaves to its async thread and to a re-arming
+// callback that needs two progress calls after each wake-up; Arm used to
+// arm the worker after the first, and once that happened no notification
+// woke the sleeper again (here: none arrived).
+func TestParkedProducerWokenByNotifs(t *testing.T) {
+	leakcheck.Check(t)
+	for _, tc := range tlsCases[:3] {
+		for _, back := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/back-endpoint=%v", tc.name, back), func(t *testing.T) {
+				t.Setenv("UCX_TLS", tc.tls)
+				ch := startChild(t, childOpts{name: "prod", seed: 3, alloc: tc.alloc, tls: tc.tls, errMode: tc.errMode, park: true})
+				c := newConsumer(t, Config{Name: "cons", ErrMode: tc.errMode}, testBlocks, testBlock)
+				if back {
+					c.connect(t, ch)
+				} else {
+					c.connectOneWay(t, ch)
+				}
+				for i := range 40 {
+					msg := []byte(fmt.Sprintf("notif %d", i))
+					if i%2 == 0 {
+						idx := []int{i % testBlocks}
+						clear(c.buf)
+						require.NoError(t, c.read(t, idx, idx, msg))
+						c.verify(t, 3, idx, idx)
+					} else {
+						require.NoError(t, c.a.SendNotif(c.peer, msg))
+					}
+					name, got := ch.nextNotif(c.a, 10*time.Second)
+					require.Equal(t, "cons", name)
+					require.Equal(t, msg, got)
+					if i%4 < 2 {
+						// Let the producer fall asleep before the next one.
+						time.Sleep(2 * time.Millisecond)
+					}
+				}
+			})
+		}
+	}
 }

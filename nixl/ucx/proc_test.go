@@ -117,21 +117,53 @@ func runProducer() error {
 	if err := send('M', md); err != nil {
 		return err
 	}
+	// With ECX_PARK=1 the child sleeps like a parked reactor: after the
+	// first turn without work it arms the agent and waits, without a
+	// timeout, for the agent's descriptor or a command (cmdFD). Woken, it
+	// first tries to arm again, as a reactor does that was woken for
+	// something else while a message arrived: the window in which UCX's
+	// wake-up of an idle interface is taken before that interface's
+	// message is.
+	park := os.Getenv("ECX_PARK") == "1"
+	woken := false
+	cmdFD, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(cmdFD)
 	cmds := make(chan frame, 16)
 	go func() {
+		one := []byte{1, 0, 0, 0, 0, 0, 0, 0}
 		in := bufio.NewReader(os.Stdin)
 		for {
 			t, b, err := readFrame(in)
 			if err != nil {
 				cmds <- frame{typ: 'Q'}
+				_, _ = unix.Write(cmdFD, one)
 				return
 			}
 			cmds <- frame{t, b}
+			_, _ = unix.Write(cmdFD, one)
 		}
 	}()
+	sleepFD, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(sleepFD)
+	for _, fd := range []int{a.EventFD(), cmdFD} {
+		if err := unix.EpollCtl(sleepFD, unix.EPOLL_CTL_ADD, fd, &unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(fd)}); err != nil {
+			return err
+		}
+	}
+	events := make([]unix.EpollEvent, 4)
+	sleep := func(timeout int) {
+		_, _ = unix.EpollWait(sleepFD, events, timeout)
+		var b [8]byte
+		_, _ = unix.Read(cmdFD, b[:])
+	}
 	notifs := map[string][][]byte{}
 	quiet := os.Getenv("ECX_QUIET") == "1"
-	events := make([]unix.EpollEvent, 4)
 	idle := 0
 	stalled := false
 	for {
@@ -165,6 +197,16 @@ func runProducer() error {
 		case 'Q':
 			return nil
 		}
+		if woken {
+			woken = false
+			if armed, err := a.Arm(); err != nil {
+				return err
+			} else if armed {
+				sleep(-1)
+				woken = true
+				continue
+			}
+		}
 		did, err := a.Progress()
 		if err != nil {
 			return err
@@ -187,14 +229,18 @@ func runProducer() error {
 			idle = 0
 			continue
 		}
-		if idle++; idle < 2000 {
+		if idle++; idle < 2000 && !park {
 			continue
 		}
 		if armed, err := a.Arm(); err != nil {
 			return err
 		} else if armed {
-			// Short sleeps keep the command channel responsive.
-			_, _ = unix.EpollWait(a.EventFD(), events, 5)
+			timeout := 5 // short sleeps keep the command channel responsive
+			if park {
+				timeout = -1
+			}
+			sleep(timeout)
+			woken = park
 		}
 	}
 }
@@ -221,6 +267,7 @@ type childOpts struct {
 	tls     string
 	errMode ErrMode
 	quiet   bool // drop notifications instead of forwarding them
+	park    bool // sleep without a timeout whenever a turn finds no work
 }
 
 func startChild(t testing.TB, o childOpts) *child {
@@ -245,6 +292,9 @@ func startChild(t testing.TB, o childOpts) *child {
 	}
 	if o.quiet {
 		cmd.Env = append(cmd.Env, "ECX_QUIET=1")
+	}
+	if o.park {
+		cmd.Env = append(cmd.Env, "ECX_PARK=1")
 	}
 	if o.tls != "" {
 		cmd.Env = append(cmd.Env, "UCX_TLS="+o.tls)
@@ -390,18 +440,25 @@ func newConsumer(t testing.TB, cfg Config, blocks, block int) *consumer {
 	return c
 }
 
-// connect loads the child's metadata, gives the child ours and preps the
-// remote list over the child's region.
+// connect loads the child's metadata, preps the remote list over the
+// child's region and gives the child our metadata.
 func (c *consumer) connect(t testing.TB, ch *child) {
+	t.Helper()
+	c.connectOneWay(t, ch)
+	md, err := c.a.LocalMetadata()
+	require.NoError(t, err)
+	ch.command('M', md, c.a)
+}
+
+// connectOneWay is connect without giving the child our metadata, so the
+// child has no endpoint to us (a vLLM producer's case).
+func (c *consumer) connectOneWay(t testing.TB, ch *child) {
 	t.Helper()
 	m, err := decodeMetadata(ch.md)
 	require.NoError(t, err)
 	require.Len(t, m.Region, 1)
 	c.peer, err = c.a.LoadRemoteMetadata(ch.md)
 	require.NoError(t, err)
-	md, err := c.a.LocalMetadata()
-	require.NoError(t, err)
-	ch.command('M', md, c.a)
 	c.remote, err = c.a.PrepDlist(c.peer, descriptors.BuildBlockDescs(m.Region[0].Addr, c.blocks, uint64(c.block), 0), nixl.DRAM)
 	require.NoError(t, err)
 }
