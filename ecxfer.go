@@ -511,8 +511,10 @@ func (t *Transport) CheckXferState(h Handle) (State, error) {
 // running finish, the rest are skipped: at most a few hundred
 // microseconds for a READ of 880 × 32 KiB here), so its local blocks may
 // take other data as soon as this returns. An engine READ is released at
-// once; a reply already in flight may still land later (README, "Known
-// limits").
+// once; a reply already in flight may still land later, in the ucx engine
+// before any later engine READ into the same blocks completes (it is held
+// until then), but not before a direct READ's copy (README, "Failure
+// behaviour" and "Known limits").
 func (t *Transport) ReleaseXferHandle(h Handle) error {
 	return t.r.Release(uint64(h))
 }

@@ -175,6 +175,14 @@ type Agent struct {
 	// late reply would still write. Dropped when ecx_drain reports the
 	// post's end.
 	orphans map[nixl.XferID][]*memRegion
+	// fences holds, by request, the local ranges of cancelled READs whose
+	// gets UCX has not called back yet, and held the READs posted into
+	// them, waiting (fence.go).
+	fences      map[nixl.XferID]fence
+	fenceSpans  []span // every fence's spans, sorted and merged
+	fenceDirty  bool   // fences changed since fenceSpans was built
+	fenceLifted bool   // a fence was lifted: drainC looks at held
+	held        []heldXfer
 	// staged holds the peers staged and neither committed nor aborted;
 	// Close closes them with the rest.
 	staged   map[*staged]struct{}
@@ -227,6 +235,7 @@ func New(cfg Config) (*Agent, error) {
 		dlists:   enginekit.NewLists[*dlist](),
 		xfers:    map[nixl.XferID]*xfer{},
 		orphans:  map[nixl.XferID][]*memRegion{},
+		fences:   map[nixl.XferID]fence{},
 		staged:   map[*staged]struct{}{},
 	}
 	var ma, mi C.uint32_t

@@ -151,5 +151,8 @@
 // ReleaseXfer of an in-flight request calls ucp_request_cancel on its
 // outstanding operations (in UCX 1.13 this does not stop RMA already under
 // way: those gets may still land) and orphans it: no notification is sent
-// and nothing is reported.
+// and nothing is reported. Until the orphan's last get has called back,
+// its local ranges are fenced: a READ posted into them is held, in flight
+// with nothing posted, so a late reply cannot overwrite its bytes
+// (fence.go).
 package ucx

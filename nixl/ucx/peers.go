@@ -446,9 +446,15 @@ func (a *Agent) failPeer(p *peer, err error, leaving bool) {
 	default:
 		a.closeEp(p, len(p.regions))
 	}
+	// A same-host peer's gets never end once its process is gone (its
+	// endpoint cannot be force-closed): lift its fences then (fence.go).
+	gone := !p.peerMode && len(a.fences) > 0 && p.pidfd >= 0 && exited(p.pidfd)
 	p.ep, p.eparg, p.rkeys = nil, nil, nil
 	a.closePidfd(p)
 	delete(a.peerTags, p.tag)
+	if gone {
+		a.liftPeerFences(p)
+	}
 }
 
 func (a *Agent) failXfer(x *xfer, err error) {

@@ -189,6 +189,16 @@ func (a *Agent) PostXfer(id nixl.XferID) error {
 			return err
 		}
 	}
+	if a.fenced(x) {
+		a.hold(x)
+		return nil
+	}
+	return a.post(x)
+}
+
+// post posts x's gets (or puts) and notification in C.
+func (a *Agent) post(x *xfer) error {
+	p := x.peer
 	op := C.int(C.ECX_OP_READ)
 	if x.op == nixl.Write {
 		op = C.ECX_OP_WRITE
@@ -246,6 +256,10 @@ func (a *Agent) drainC() {
 			a.pending.Push(x.id, x.gen, x.err)
 		}
 	}
+	if a.fenceLifted {
+		a.fenceLifted = false
+		a.releaseHeld()
+	}
 	if n := a.pending.Len(); n > 1024 && n > 2*len(a.xfers) {
 		a.pending.Compact(a.live)
 	}
@@ -285,7 +299,8 @@ func (a *Agent) XferStatus(id nixl.XferID) (bool, error) {
 // request once every one of them has called back; no notification is sent.
 // Gets already on the wire may still land in local memory: until the last
 // has called back, the request's local regions stay referenced and
-// DeregisterMem refuses them.
+// DeregisterMem refuses them, and READs posted into its local ranges are
+// held (fence.go).
 func (a *Agent) ReleaseXfer(id nixl.XferID) error {
 	if a.closed {
 		return errClosed
@@ -309,13 +324,21 @@ func (a *Agent) ReleaseXfer(id nixl.XferID) error {
 
 // cancelPost cancels x's post, if it has one in C. Gets UCX cannot cancel
 // keep x's local regions referenced until they call back (orphanEnded).
+// A READ's local ranges are also fenced until then (fence.go); a held READ
+// is forgotten.
 func (a *Agent) cancelPost(x *xfer) {
 	if x.post == nil {
+		if len(a.held) > 0 {
+			a.unhold(x)
+		}
 		return
 	}
-	if C.ecx_post_cancel(a.c, x.post) == 0 && len(x.mems) > 0 {
-		enginekit.AddRefs(x.mems, 1)
-		a.orphans[x.id] = x.mems
+	if C.ecx_post_cancel(a.c, x.post) == 0 {
+		if len(x.mems) > 0 {
+			enginekit.AddRefs(x.mems, 1)
+			a.orphans[x.id] = x.mems
+		}
+		a.fenceOrphan(x)
 	}
 	x.post = nil
 }
@@ -327,6 +350,7 @@ func (a *Agent) orphanEnded(id nixl.XferID) {
 		enginekit.AddRefs(ms, -1)
 		delete(a.orphans, id)
 	}
+	a.liftFence(id)
 }
 
 // maxSpare bounds the released requests kept for reuse.

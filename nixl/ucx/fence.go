@@ -1,0 +1,182 @@
+package ucx
+
+import (
+	"slices"
+	"unsafe"
+
+	"github.com/ecxfer/ecxfer/nixl"
+	"github.com/ecxfer/ecxfer/nixl/internal/enginekit"
+)
+
+// Fences. UCX 1.13 cannot cancel a get: a READ released (or ended by the
+// transport's timeout) while some of its gets are outstanding may still
+// have a reply land in its local blocks later, for example when a silent
+// link to the peer comes back. A later READ into the same local memory
+// must not complete before that: the late reply would overwrite its bytes
+// with the old peer's. So the local ranges of such an orphaned READ are
+// fenced until ecx_drain reports its end, and a READ posted into fenced
+// memory is held (in flight, nothing posted) until no fence covers it.
+//
+// With the default transports a same-host peer's gets complete inside
+// ucp_get_nbx and leave no orphans; emulated ones do (tcp alone, or shared
+// memory without cma). A fence of such a peer is lifted when the peer
+// fails or is removed and its process has exited (its pidfd): its endpoint
+// (error mode NONE) cannot be force-closed, and over shared memory its
+// orphans would never end; a process that is gone sends nothing more
+// (what it sent before it died and UCX has not read yet may still land:
+// the fence does not cover that). A live peer keeps its fences until its
+// gets call back. A peer on another host (mode PEER) has its endpoint
+// closed, and UCX ends its outstanding gets then.
+
+// span is a fenced range of local addresses, [lo, hi).
+type span struct{ lo, hi uint64 }
+
+// fence is one orphaned READ's local ranges.
+type fence struct {
+	peer  *peer
+	spans []span
+}
+
+// heldXfer is a READ waiting for fences over its local memory; gen tells a
+// recycled request from the one that was held.
+type heldXfer struct {
+	x   *xfer
+	gen uint64
+}
+
+// fenceOrphan fences x's local ranges: x was a READ cancelled with gets
+// outstanding.
+func (a *Agent) fenceOrphan(x *xfer) {
+	if x.op != nixl.Read || x.nranges == 0 {
+		return
+	}
+	f := fence{peer: x.peer, spans: make([]span, 0, x.nranges)}
+	for _, r := range unsafe.Slice(x.ranges, x.nranges) {
+		f.spans = append(f.spans, span{uint64(r.local), uint64(r.local) + uint64(r.len)})
+	}
+	a.fences[x.id] = f
+	a.fenceDirty = true
+}
+
+// liftFence drops the fence of orphan id, if it has one; drainC then
+// posts the READs no fence holds any more.
+func (a *Agent) liftFence(id nixl.XferID) {
+	if _, ok := a.fences[id]; !ok {
+		return
+	}
+	delete(a.fences, id)
+	a.fenceDirty = true
+	a.fenceLifted = true
+}
+
+// liftPeerFences drops the fences of p's orphans (see above).
+func (a *Agent) liftPeerFences(p *peer) {
+	n := len(a.fences)
+	for id, f := range a.fences {
+		if f.peer == p {
+			delete(a.fences, id)
+		}
+	}
+	if len(a.fences) != n {
+		a.fenceDirty = true
+		a.releaseHeld()
+	}
+}
+
+// fenced reports whether one of x's local ranges overlaps a fence.
+func (a *Agent) fenced(x *xfer) bool {
+	if len(a.fences) == 0 || x.op != nixl.Read {
+		return false
+	}
+	if a.fenceDirty {
+		a.mergeFences()
+	}
+	m := a.fenceSpans
+	for _, r := range unsafe.Slice(x.ranges, x.nranges) {
+		lo, hi := uint64(r.local), uint64(r.local)+uint64(r.len)
+		// The first merged span that ends after lo; it overlaps when it
+		// starts before hi.
+		i, _ := slices.BinarySearchFunc(m, lo, func(s span, v uint64) int {
+			if s.hi <= v {
+				return -1
+			}
+			return 1
+		})
+		if i < len(m) && m[i].lo < hi {
+			return true
+		}
+	}
+	return false
+}
+
+// mergeFences sorts and merges every fence's spans into a.fenceSpans.
+func (a *Agent) mergeFences() {
+	m := a.fenceSpans[:0]
+	for _, f := range a.fences {
+		m = append(m, f.spans...)
+	}
+	slices.SortFunc(m, func(x, y span) int {
+		switch {
+		case x.lo < y.lo:
+			return -1
+		case x.lo > y.lo:
+			return 1
+		}
+		return 0
+	})
+	out := m[:0]
+	for _, s := range m {
+		if k := len(out); k > 0 && s.lo <= out[k-1].hi {
+			out[k-1].hi = max(out[k-1].hi, s.hi)
+			continue
+		}
+		out = append(out, s)
+	}
+	a.fenceSpans = out
+	a.fenceDirty = false
+}
+
+// hold makes x, a READ into fenced memory, in flight without posting it.
+func (a *Agent) hold(x *xfer) {
+	x.state = enginekit.Inflight
+	x.err = nil
+	x.gen++
+	x.peer.inflight[x.id] = x
+	a.held = append(a.held, heldXfer{x, x.gen})
+}
+
+// unhold forgets x if it is held (released, or failed with its peer).
+func (a *Agent) unhold(x *xfer) {
+	a.held = slices.DeleteFunc(a.held, func(h heldXfer) bool { return h.x == x })
+}
+
+// releaseHeld posts, oldest first, the held READs no fence covers any more.
+// One that fails to post ends with that error.
+func (a *Agent) releaseHeld() {
+	if len(a.held) == 0 {
+		return
+	}
+	keep := a.held[:0]
+	for _, h := range a.held {
+		x := h.x
+		if x.gen != h.gen || x.state != enginekit.Inflight || a.xfers[x.id] != x {
+			continue
+		}
+		if a.fenced(x) {
+			keep = append(keep, h)
+			continue
+		}
+		delete(x.peer.inflight, x.id)
+		err := x.peer.Dead
+		if err == nil {
+			err = a.post(x)
+		}
+		if err != nil {
+			x.state = enginekit.Done
+			x.err = err
+			a.pending.Push(x.id, x.gen, err)
+		}
+	}
+	clear(a.held[len(keep):])
+	a.held = keep
+}

@@ -1,0 +1,257 @@
+package ucx
+
+import (
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/ecxfer/ecxfer/descriptors"
+	"github.com/ecxfer/ecxfer/internal/leakcheck"
+	"github.com/ecxfer/ecxfer/nixl"
+)
+
+// fenceRig is a consumer with one registered region and two producers of
+// caller memory (their gets are emulated: answered only when they
+// progress), each filled with its own pattern.
+type fenceRig struct {
+	cons   *Agent
+	buf    []byte
+	local  nixl.DlistID
+	prod   [2]*Agent
+	remote [2]nixl.DlistID
+	seeds  [2]uint64
+	mem    nixl.MemID
+}
+
+func newFenceRig(t *testing.T, mode ErrMode) *fenceRig {
+	t.Helper()
+	r := &fenceRig{seeds: [2]uint64{7, 9}}
+	r.cons = newTestAgent(t, Config{Name: "consumer", ErrMode: mode})
+	n := testBlock * testBlocks
+	r.buf = mmapBuf(t, n)
+	var err error
+	r.mem, err = r.cons.RegisterMem(r.buf, nixl.DRAM, 0)
+	require.NoError(t, err)
+	r.local, err = r.cons.PrepDlist("", descriptors.BuildBlockDescs(addrOf(r.buf), testBlocks, testBlock, 0), nixl.DRAM)
+	require.NoError(t, err)
+	for i, name := range []string{"old", "new"} {
+		r.prod[i] = newTestAgent(t, Config{Name: name, ErrMode: mode})
+		pb := mmapBuf(t, n)
+		_, err := r.prod[i].RegisterMem(pb, nixl.DRAM, 0)
+		require.NoError(t, err)
+		fillBlocks(pb, testBlock, r.seeds[i])
+		md, err := r.prod[i].LocalMetadata()
+		require.NoError(t, err)
+		peer, err := r.cons.LoadRemoteMetadata(md)
+		require.NoError(t, err)
+		r.remote[i], err = r.cons.PrepDlist(peer, descriptors.BuildBlockDescs(addrOf(pb), testBlocks, testBlock, 0), nixl.DRAM)
+		require.NoError(t, err)
+	}
+	return r
+}
+
+func (r *fenceRig) post(t *testing.T, prod int, local, remote []int) nixl.XferID {
+	t.Helper()
+	id, err := r.cons.MakeXfer(nixl.Read, r.local, local, r.remote[prod], remote, nil)
+	require.NoError(t, err)
+	require.NoError(t, r.cons.PostXfer(id))
+	return id
+}
+
+// orphan posts a READ of the old producer into local and releases it with
+// its gets outstanding (the old producer does not progress).
+func (r *fenceRig) orphan(t *testing.T, local, remote []int) {
+	t.Helper()
+	id := r.post(t, 0, local, remote)
+	for range 10 {
+		r.cons.Progress() // the gets leave; nobody answers them yet
+	}
+	require.NoError(t, r.cons.ReleaseXfer(id))
+	require.Positive(t, int(r.cons.c.nlive), "the gets are outstanding (else this tests nothing)")
+	require.Len(t, r.cons.fences, 1)
+}
+
+// progress runs the consumer and the producers marked true for d, or until
+// every READ of ids is done.
+func (r *fenceRig) progress(t *testing.T, d time.Duration, prods [2]bool, ids ...nixl.XferID) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for time.Now().Before(deadline) {
+		r.cons.Progress()
+		for i, on := range prods {
+			if on {
+				r.prod[i].Progress()
+			}
+		}
+		done := len(ids) > 0
+		for _, id := range ids {
+			ok, err := r.cons.XferStatus(id)
+			require.NoError(t, err)
+			done = done && ok
+		}
+		if done {
+			return
+		}
+	}
+}
+
+func (r *fenceRig) verify(t *testing.T, prod int, local, remote []int) {
+	t.Helper()
+	for k, l := range local {
+		require.Equal(t, -1, checkBlock(r.buf[l*testBlock:(l+1)*testBlock], r.seeds[prod], remote[k]),
+			"local block %d should hold block %d of producer %d", l, remote[k], prod)
+	}
+}
+
+// A READ into local blocks that a released READ's outstanding gets may
+// still write is held until those gets have called back: the late reply
+// lands first and the new READ's bytes stay. READs into other blocks are
+// not held. (Before, the new READ completed at once and the old peer's
+// late reply then overwrote its blocks.)
+func TestFencedLocalBlocks(t *testing.T) {
+	leakcheck.Check(t)
+	for _, tc := range []struct {
+		name, tls string
+		mode      ErrMode
+	}{{"default", "", ErrModeAuto}, {"tcp/peer-mode", "tcp", ErrModePeer}} {
+		t.Run(tc.name, func(t *testing.T) {
+			if tc.tls != "" {
+				t.Setenv("UCX_TLS", tc.tls)
+			}
+			testFencedLocalBlocks(t, newFenceRig(t, tc.mode))
+		})
+	}
+}
+
+func testFencedLocalBlocks(t *testing.T, r *fenceRig) {
+	r.orphan(t, []int{0, 1, 2, 3}, []int{0, 1, 2, 3})
+
+	held := r.post(t, 1, []int{2, 3, 4, 5}, []int{10, 11, 12, 13})
+	free := r.post(t, 1, []int{8, 9}, []int{20, 21})
+	r.progress(t, 10*time.Second, [2]bool{false, true}, free)
+	ok, err := r.cons.XferStatus(free)
+	require.NoError(t, err)
+	require.True(t, ok, "a READ into unfenced blocks is not held")
+	r.verify(t, 1, []int{8, 9}, []int{20, 21})
+	r.progress(t, 200*time.Millisecond, [2]bool{false, true})
+	ok, err = r.cons.XferStatus(held)
+	require.NoError(t, err)
+	require.False(t, ok, "completed while the old READ's gets were outstanding")
+
+	// The old producer answers; its late reply lands, then the held READ
+	// goes out and completes over it.
+	r.progress(t, 10*time.Second, [2]bool{true, true}, held)
+	ok, err = r.cons.XferStatus(held)
+	require.NoError(t, err)
+	require.True(t, ok)
+	for deadline := time.Now().Add(10 * time.Second); r.cons.c.nlive > 0 && time.Now().Before(deadline); {
+		r.progress(t, time.Millisecond, [2]bool{true, true})
+	}
+	require.Zero(t, int(r.cons.c.nlive), "the old READ's gets never called back")
+	require.Empty(t, r.cons.fences)
+	require.Empty(t, r.cons.held)
+	r.verify(t, 1, []int{2, 3, 4, 5}, []int{10, 11, 12, 13})
+	require.NoError(t, r.cons.ReleaseXfer(held))
+	require.NoError(t, r.cons.ReleaseXfer(free))
+}
+
+// A held READ that is released is forgotten; one of the peer whose orphan
+// fences its blocks ends with that peer's error when the peer is removed.
+// The fence stays until the orphan's gets have called back: a removed
+// same-host peer that is alive still answers them (here it progresses); a
+// peer on another host (mode PEER) has its endpoint closed and UCX ends
+// them. READs into those blocks then go out again.
+func TestFenceReleaseAndRemoval(t *testing.T) {
+	leakcheck.Check(t)
+	for _, tc := range []struct {
+		name, tls string
+		mode      ErrMode
+	}{{"default", "", ErrModeAuto}, {"tcp/peer-mode", "tcp", ErrModePeer}} {
+		t.Run(tc.name, func(t *testing.T) {
+			if tc.tls != "" {
+				t.Setenv("UCX_TLS", tc.tls)
+			}
+			testFenceReleaseAndRemoval(t, newFenceRig(t, tc.mode), tc.mode == ErrModePeer)
+		})
+	}
+}
+
+func testFenceReleaseAndRemoval(t *testing.T, r *fenceRig, peerMode bool) {
+	r.orphan(t, []int{0, 1}, []int{0, 1})
+
+	released := r.post(t, 1, []int{0}, []int{5})
+	require.Len(t, r.cons.held, 1)
+	require.NoError(t, r.cons.ReleaseXfer(released))
+	require.Empty(t, r.cons.held)
+
+	mine := r.post(t, 0, []int{1}, []int{6})
+	require.Len(t, r.cons.held, 1)
+	require.NoError(t, r.cons.InvalidateRemoteMetadata("old"))
+	require.Empty(t, r.cons.held)
+	if !peerMode {
+		require.NotEmpty(t, r.cons.fences, "lifted while the old READ's gets may still land")
+	}
+	for deadline := time.Now().Add(10 * time.Second); len(r.cons.fences) > 0 && time.Now().Before(deadline); {
+		r.progress(t, time.Millisecond, [2]bool{!peerMode, true})
+	}
+	require.Empty(t, r.cons.fences, "the fence outlived the old READ's gets")
+	ok, err := r.cons.XferStatus(mine)
+	require.True(t, ok)
+	require.ErrorIs(t, err, nixl.ErrRemoteDisconnect)
+	require.NoError(t, r.cons.ReleaseXfer(mine))
+
+	after := r.post(t, 1, []int{0, 1}, []int{6, 7})
+	require.Empty(t, r.cons.held)
+	r.progress(t, 10*time.Second, [2]bool{false, true}, after)
+	ok, err = r.cons.XferStatus(after)
+	require.NoError(t, err)
+	require.True(t, ok)
+	r.verify(t, 1, []int{0, 1}, []int{6, 7})
+	require.NoError(t, r.cons.ReleaseXfer(after))
+}
+
+// A same-host producer dies with a released READ's emulated gets
+// unanswered: once its process is gone its fence is lifted, and the READ
+// held behind it ends with the peer. Over shared memory without cma those
+// gets never call back (the endpoint, error mode NONE, cannot be
+// force-closed), so without the lift those local blocks could never be
+// read into again; over tcp the broken connection ends them anyway.
+func TestFenceLiftedWhenPeerDies(t *testing.T) {
+	leakcheck.Check(t)
+	for _, tls := range []string{"tcp", "posix,sysv"} {
+		t.Run(tls, func(t *testing.T) { testFenceLiftedWhenPeerDies(t, tls) })
+	}
+}
+
+func testFenceLiftedWhenPeerDies(t *testing.T, tls string) {
+	t.Setenv("UCX_TLS", tls)
+	ch := startChild(t, childOpts{name: "prod", seed: 5, tls: tls})
+	c := newConsumer(t, Config{Name: "cons"}, testBlocks, testBlock)
+	c.connect(t, ch)
+	ch.command('S', nil, c.a) // the producer stops progressing
+	id, err := c.a.MakeXfer(nixl.Read, c.local, []int{0, 1}, c.remote, []int{0, 1}, nil)
+	require.NoError(t, err)
+	require.NoError(t, c.a.PostXfer(id))
+	for range 10 {
+		c.a.Progress()
+	}
+	require.NoError(t, c.a.ReleaseXfer(id))
+	require.Len(t, c.a.fences, 1, "the gets are outstanding (else this tests nothing)")
+	held, err := c.a.MakeXfer(nixl.Read, c.local, []int{1}, c.remote, []int{3}, nil)
+	require.NoError(t, err)
+	require.NoError(t, c.a.PostXfer(held))
+	require.Len(t, c.a.held, 1)
+
+	ch.kill()
+	for deadline := time.Now().Add(10 * time.Second); len(c.a.fences) > 0 && time.Now().Before(deadline); {
+		c.a.Progress()
+		time.Sleep(time.Millisecond)
+	}
+	require.Empty(t, c.a.fences, "the dead producer's fence was not lifted")
+	require.Empty(t, c.a.held)
+	ok, err := c.a.XferStatus(held)
+	require.True(t, ok)
+	require.ErrorIs(t, err, nixl.ErrRemoteDisconnect)
+	require.NoError(t, c.a.ReleaseXfer(held))
+}
