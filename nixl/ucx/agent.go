@@ -183,6 +183,7 @@ type Agent struct {
 	fenceDirty  bool   // fences changed since fenceSpans was built
 	fenceLifted bool   // a fence was lifted: drainC looks at held
 	held        []heldXfer
+	gone        map[*peer]int // removed peers with fences: a dup of the pidfd
 	// staged holds the peers staged and neither committed nor aborted;
 	// Close closes them with the rest.
 	staged   map[*staged]struct{}
@@ -236,6 +237,7 @@ func New(cfg Config) (*Agent, error) {
 		xfers:    map[nixl.XferID]*xfer{},
 		orphans:  map[nixl.XferID][]*memRegion{},
 		fences:   map[nixl.XferID]fence{},
+		gone:     map[*peer]int{},
 		staged:   map[*staged]struct{}{},
 	}
 	var ma, mi C.uint32_t
@@ -428,6 +430,10 @@ func (a *Agent) Close() error {
 	}
 	for a.closingEndpoints() > 0 && time.Now().Before(deadline) {
 		C.ecx_progress(a.c)
+	}
+	for p, fd := range a.gone {
+		unix.Close(fd)
+		delete(a.gone, p)
 	}
 	var err error
 	for _, m := range a.mems.Sorted() {

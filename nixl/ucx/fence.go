@@ -4,6 +4,8 @@ import (
 	"slices"
 	"unsafe"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/ecxfer/ecxfer/nixl"
 	"github.com/ecxfer/ecxfer/nixl/internal/enginekit"
 )
@@ -19,14 +21,14 @@ import (
 //
 // With the default transports a same-host peer's gets complete inside
 // ucp_get_nbx and leave no orphans; emulated ones do (tcp alone, or shared
-// memory without cma). A fence of such a peer is lifted when the peer
-// fails or is removed and its process has exited (its pidfd): its endpoint
-// (error mode NONE) cannot be force-closed, and over shared memory its
-// orphans would never end; a process that is gone sends nothing more
-// (what it sent before it died and UCX has not read yet may still land:
-// the fence does not cover that). A live peer keeps its fences until its
-// gets call back. A peer on another host (mode PEER) has its endpoint
-// closed, and UCX ends its outstanding gets then.
+// memory without cma). Once such a peer has failed or been removed, its
+// fences are lifted when its process has exited (its pidfd, kept for that
+// until then): its endpoint (error mode NONE) cannot be force-closed, and
+// over shared memory its orphans would never end; a process that is gone
+// sends nothing more (what it sent before it died and UCX has not read yet
+// may still land: the fence does not cover that). Until then, or until its
+// gets call back, they stay. A peer on another host (mode PEER) has its
+// endpoint closed, and UCX ends its outstanding gets then.
 
 // span is a fenced range of local addresses, [lo, hi).
 type span struct{ lo, hi uint64 }
@@ -179,4 +181,47 @@ func (a *Agent) releaseHeld() {
 	}
 	clear(a.held[len(keep):])
 	a.held = keep
+}
+
+// hasFences reports whether an orphan of p fences local memory.
+func (a *Agent) hasFences(p *peer) bool {
+	for _, f := range a.fences {
+		if f.peer == p {
+			return true
+		}
+	}
+	return false
+}
+
+// watchGone keeps a duplicate of the pidfd of p, which is being removed or
+// failed while its process lives and its orphans fence local memory, so
+// that checkGone lifts them once the process exits. It reports false when
+// it cannot (the caller then lifts them at once rather than for ever).
+func (a *Agent) watchGone(p *peer) bool {
+	fd, err := unix.FcntlInt(uintptr(p.pidfd), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return false
+	}
+	a.gone[p] = fd
+	return true
+}
+
+// checkGone lifts the fences of the removed peers whose process has exited
+// and stops watching those without fences; it reports whether it lifted
+// any.
+func (a *Agent) checkGone() bool {
+	lifted := false
+	for p, fd := range a.gone {
+		has := a.hasFences(p)
+		if has && !exited(fd) {
+			continue
+		}
+		unix.Close(fd)
+		delete(a.gone, p)
+		if has {
+			a.liftPeerFences(p)
+			lifted = true
+		}
+	}
+	return lifted
 }

@@ -216,15 +216,12 @@ func testFenceReleaseAndRemoval(t *testing.T, r *fenceRig, peerMode bool) {
 // held behind it ends with the peer. Over shared memory without cma those
 // gets never call back (the endpoint, error mode NONE, cannot be
 // force-closed), so without the lift those local blocks could never be
-// read into again; over tcp the broken connection ends them anyway.
+// read into again. (Over tcp alone the broken connection ends them, but
+// killing a same-host tcp peer can trip UCX 1.13's wire-up assertion:
+// README, "Failure behaviour".)
 func TestFenceLiftedWhenPeerDies(t *testing.T) {
 	leakcheck.Check(t)
-	for _, tls := range []string{"tcp", "posix,sysv"} {
-		t.Run(tls, func(t *testing.T) { testFenceLiftedWhenPeerDies(t, tls) })
-	}
-}
-
-func testFenceLiftedWhenPeerDies(t *testing.T, tls string) {
+	const tls = "posix,sysv"
 	t.Setenv("UCX_TLS", tls)
 	ch := startChild(t, childOpts{name: "prod", seed: 5, tls: tls})
 	c := newConsumer(t, Config{Name: "cons"}, testBlocks, testBlock)

@@ -446,9 +446,13 @@ func (a *Agent) failPeer(p *peer, err error, leaving bool) {
 	default:
 		a.closeEp(p, len(p.regions))
 	}
-	// A same-host peer's gets never end once its process is gone (its
-	// endpoint cannot be force-closed): lift its fences then (fence.go).
-	gone := !p.peerMode && len(a.fences) > 0 && p.pidfd >= 0 && exited(p.pidfd)
+	// A same-host peer's emulated gets may never end once its process is
+	// gone (its endpoint cannot be force-closed): its fences are lifted
+	// then, now or when it exits (fence.go).
+	gone := false
+	if !leaving && !p.peerMode && p.pidfd >= 0 && a.hasFences(p) {
+		gone = exited(p.pidfd) || !a.watchGone(p)
+	}
 	p.ep, p.eparg, p.rkeys = nil, nil, nil
 	a.closePidfd(p)
 	delete(a.peerTags, p.tag)
@@ -482,8 +486,9 @@ func (a *Agent) InvalidateRemoteMetadata(name string) error {
 // checkPids polls every pidfd once and fails the peers that died.
 func (a *Agent) checkPids() bool {
 	a.lastPoll = time.Now()
+	lifted := len(a.gone) > 0 && a.checkGone()
 	if len(a.pidPeers) == 0 {
-		return false
+		return lifted
 	}
 	a.pollfds = a.pollfds[:0]
 	for _, p := range a.pidPeers {
@@ -491,7 +496,7 @@ func (a *Agent) checkPids() bool {
 	}
 	n, err := unix.Poll(a.pollfds, 0)
 	if err != nil || n == 0 {
-		return false
+		return lifted
 	}
 	var died []*peer
 	for i, fd := range a.pollfds {
@@ -502,7 +507,7 @@ func (a *Agent) checkPids() bool {
 	for _, p := range died {
 		a.failPeer(p, nixl.Errorf(nixl.ErrRemoteDisconnect, "ucx: peer %q (pid %d) exited", p.name, p.pid), false)
 	}
-	return len(died) > 0
+	return lifted || len(died) > 0
 }
 
 // drainPeerErrors handles endpoint errors UCX reported (PEER mode).
