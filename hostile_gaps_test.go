@@ -477,3 +477,23 @@ func TestWaitHonorsContextDuringSpin(t *testing.T) {
 	require.Less(t, tookCanceled, 5*time.Second, "Wait with a canceled ctx returned after %v", tookCanceled)
 	require.Less(t, tookTimeout, 5*time.Second, "Wait with a 20ms ctx returned after %v", tookTimeout)
 }
+
+// A peer name of megabytes (no agent name has more than 256 bytes) given
+// to RemoveRemotePeer or PostRead is an unknown peer whose error quotes
+// 256 bytes of it and says how long it was: the whole name used to be
+// quoted, tens of megabytes per error.
+func TestHugePeerNameErrorsAreShort(t *testing.T) {
+	leakcheck.Check(t)
+	tr, err := New(Config{AgentName: uniqueName("hn"), Backend: "loopback", BlockSize: 64, NumBlocks: 4})
+	require.NoError(t, err)
+	defer tr.Deregister()
+	name := strings.Repeat("\x01", 10<<20)
+	for what, err := range map[string]error{
+		"RemoveRemotePeer": tr.RemoveRemotePeer(name),
+		"PostRead":         func() error { _, err := tr.PostRead([]int{0}, name, []int{0}, nil); return err }(),
+	} {
+		require.ErrorIs(t, err, ErrUnknownPeer, what)
+		require.Contains(t, err.Error(), fmt.Sprintf("(%d bytes)", len(name)), what)
+		require.Less(t, len(err.Error()), 2048, what)
+	}
+}

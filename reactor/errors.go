@@ -57,3 +57,16 @@ func codeOf(err error) uint64 {
 func wrapf(sentinel error, format string, args ...any) error {
 	return fmt.Errorf("%w: %s", sentinel, fmt.Sprintf(format, args...))
 }
+
+// maxQuotedName bounds how much of a peer name an error quotes: agent
+// names have at most 256 bytes, and a caller's garbage name may have
+// megabytes.
+const maxQuotedName = 256
+
+// quoteName quotes name for an error message, cut at maxQuotedName bytes.
+func quoteName(name string) string {
+	if len(name) <= maxQuotedName {
+		return fmt.Sprintf("%q", name)
+	}
+	return fmt.Sprintf("%q... (%d bytes)", name[:maxQuotedName], len(name))
+}

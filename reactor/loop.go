@@ -777,7 +777,7 @@ func (r *Reactor) RemovePeer(name string) error {
 	return r.do(func() error {
 		p := r.peer(name)
 		if p == nil {
-			return wrapf(ErrUnknownPeer, "%q", name)
+			return wrapf(ErrUnknownPeer, "%s", quoteName(name))
 		}
 		r.sendQueuedNotifs() // as in addPeer
 		n := r.dropPeer(p, codeCanceled)

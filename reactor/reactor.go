@@ -436,7 +436,7 @@ func (r *Reactor) checkPost(peer string, localIdx, remoteIdx []int, notif []byte
 	}
 	p := (*r.peers.Load())[peer]
 	if p == nil {
-		return nil, nil, wrapf(ErrUnknownPeer, "%q (not added with AddRemotePeer, or removed since)", peer)
+		return nil, nil, wrapf(ErrUnknownPeer, "%s (not added with AddRemotePeer, or removed since)", quoteName(peer))
 	}
 	loc := r.loc.Load()
 	if loc == nil {

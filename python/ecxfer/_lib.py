@@ -19,7 +19,7 @@ import sys
 import threading
 from pathlib import Path
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 # Error codes, as cmd/libecxfer/codes.go numbers them.
 CONFIG = -1
@@ -67,6 +67,7 @@ _SIGNATURES = {
     "ecx_runtime": (_i64, [_pvp]),
     "ecx_last_error": (_i64, [ctypes.c_char_p, _i64]),
     "ecx_free": (None, [_vp]),
+    "ecx_fault_handlers": (_int, []),
     "ecx_py_api": (_int, [_pvp, _i64]),
 }
 

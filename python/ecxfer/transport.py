@@ -7,8 +7,10 @@ import logging
 import math
 import operator
 import os
+import reprlib
 import struct
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -45,6 +47,26 @@ def _bind() -> None:
 
 
 _lib._after_fork.append(_bind)
+
+_fault_warned = 0
+
+
+def _check_fault_handlers() -> None:
+    """Warn (once) when a SIGBUS or SIGSEGV handler was installed after the
+    library loaded: a direct READ of a producer that truncates its region
+    file then kills the process instead of failing the READ."""
+    global _fault_warned
+    moved = _lib_.ecx_fault_handlers()
+    if moved & ~_fault_warned:
+        _fault_warned |= moved
+        which = " and ".join(n for bit, n in ((1, "SIGBUS"), (2, "SIGSEGV")) if moved & bit)
+        logger.warning(
+            "ecxfer: a %s handler was installed after libecxfer loaded (faulthandler.enable()?): "
+            "a producer that truncates its region file will now crash this process instead of "
+            "failing the READ; enable faulthandler before the first EcxferDataTransport "
+            "(python -X faulthandler, PYTHONFAULTHANDLER=1)",
+            which,
+        )
 
 
 def _finalize(t: int, pid: int) -> None:
@@ -88,7 +110,7 @@ def _indices(x: Any):
         addr, n = x.buffer_info()
         return (x, pin), addr, n
     ai = getattr(x, "__array_interface__", None)
-    if ai is not None and ai.get("typestr") == "<i8" and ai.get("strides") is None:
+    if type(ai) is dict and ai.get("typestr") == "<i8" and ai.get("strides") is None:
         shape = ai.get("shape") or (0,)
         n = 1
         for d in shape:
@@ -176,11 +198,36 @@ def _notif_bytes(msg: Any) -> bytes:
     if msg is None:
         return b""
     if isinstance(msg, str):
-        return msg.encode()
+        try:
+            return msg.encode()
+        except UnicodeEncodeError as e:  # a lone surrogate
+            raise BadArgumentError(f"ecxfer: a notification str is not valid UTF-8: {e}") from None
     try:
         return bytes(memoryview(msg))
     except TypeError:
         raise BadArgumentTypeError(f"ecxfer: a notification is bytes or str, not {type(msg).__name__}") from None
+
+
+# The longest one library call of wait() or wait_notifs() blocks: the
+# library does not look at Python's signals, so an unbounded wait is a
+# loop of these, and Ctrl-C (KeyboardInterrupt) lands between two.
+_WAIT_SLICE_NS = 100_000_000
+
+
+def _slice_ns(end: int | None) -> int:
+    """How long the next library wait may block: a slice, or what is left
+    until end (monotonic ns; None: no end)."""
+    if end is None:
+        return _WAIT_SLICE_NS
+    return max(0, min(_WAIT_SLICE_NS, end - time.monotonic_ns()))
+
+
+def _short_repr(v: Any) -> str:
+    """repr(v) cut to a log line's worth (a caller's garbage argument may
+    be megabytes long)."""
+    r = reprlib.Repr()
+    r.maxstring = r.maxother = 300
+    return r.repr(v)
 
 
 def _timeout_ns(timeout: Any, least: int) -> int:
@@ -276,8 +323,8 @@ class EcxferDataTransport(_Base):
         opts.update({k: v for k, v in options.items() if v is not None or k not in opts})
         if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
             raise ConfigError(f"ecxfer: bad config: num_threads {num_threads!r} (want an int >= 1)")
-        if num_threads > 1:
-            opts.setdefault("copy_workers", num_threads)
+        if num_threads > 1 and opts.get("copy_workers") is None:
+            opts["copy_workers"] = num_threads  # (None: not given, as above)
         if not isinstance(agent_name, str):
             raise ConfigError(f"ecxfer: bad config: agent_name {agent_name!r} is not a str")
         # Counts are ints: int() would bend 4096.5 into 4096 and "4096" into
@@ -313,6 +360,7 @@ class EcxferDataTransport(_Base):
         # Tear the transport down if the object is dropped without
         # deregister(), at the latest when the interpreter exits.
         self._finalizer = weakref.finalize(self, _finalize, self._t, self._pid)
+        _check_fault_handlers()
 
     # -- vLLM's DataTransport -------------------------------------------
 
@@ -338,19 +386,24 @@ class EcxferDataTransport(_Base):
             raise from_code(rc)
         agent = name.value.decode("ascii")
         self._peers[agent] = pid.value
+        _check_fault_handlers()
         return agent
 
     def remove_remote_peer(self, agent_name: str) -> None:
         """Forget a peer, canceling its READs in flight. Never raises: a
         failure (an unknown name, a closed transport) is logged."""
         try:
-            self._peers.pop(agent_name, None)
-            name = agent_name.encode("ascii") if isinstance(agent_name, str) else bytes(agent_name)
+            if isinstance(agent_name, str):
+                self._peers.pop(agent_name, None)
+                name = agent_name.encode("ascii")
+            else:
+                # bytes(n) of an int n would make n zero bytes.
+                name = _blob_arg("agent_name", agent_name)
             rc = _lib_.ecx_remove_peer(self._t, name, len(name))
             if rc != 0:
                 raise from_code(rc)
         except Exception:
-            logger.warning("ecxfer: remove_remote_peer(%r) failed", agent_name, exc_info=True)
+            logger.warning("ecxfer: remove_remote_peer(%s) failed", _short_repr(agent_name), exc_info=True)
 
     def post_read(self, local_indices, agent_name: str, remote_indices, notif_msg: bytes) -> int:
         """Post a READ of the peer's remote_indices blocks into the local
@@ -432,7 +485,7 @@ class EcxferDataTransport(_Base):
             if rc != 0:
                 raise from_code(rc)
         except Exception:
-            logger.warning("ecxfer: release_xfer_handle(%r) failed", handle, exc_info=True)
+            logger.warning("ecxfer: release_xfer_handle(%s) failed", _short_repr(handle), exc_info=True)
 
     def deregister(self) -> None:
         """Tear everything down: handles, peers, memory registration, the
@@ -472,16 +525,25 @@ class EcxferDataTransport(_Base):
         seconds pass; return its state as check_xfer_state does."""
         if type(handle) is not int or handle <= 0 or handle >= 1 << 64:
             return "ERR"
-        st = _lib_.ecx_wait(self._t, handle, _timeout_ns(timeout, 0))
-        if st >= 0:
-            return _STATES[st]
-        _lib.last_error()
-        return "ERR"
+        total = _timeout_ns(timeout, 0)
+        end = None if total < 0 else time.monotonic_ns() + total
+        while True:
+            st = _lib_.ecx_wait(self._t, handle, _slice_ns(end))
+            if st < 0:
+                _lib.last_error()
+                return "ERR"
+            if st != 0 or (end is not None and time.monotonic_ns() >= end):
+                return _STATES[st]
 
     def wait_notifs(self, timeout: float | None = None) -> dict[str, list[bytes]]:
         """Like get_new_notifs, but block (without the GIL) up to timeout
         seconds (None: no limit) for the first notification."""
-        return self._notifs(_timeout_ns(timeout, 1))
+        total = _timeout_ns(timeout, 1)
+        end = None if total < 0 else time.monotonic_ns() + total
+        while True:
+            got = self._notifs(max(1, _slice_ns(end)))
+            if got or self._t == 0 or (end is not None and time.monotonic_ns() >= end):
+                return got
 
     def stats(self) -> dict[str, int]:
         """The transport's counters (reads posted/done/failed, live

@@ -16,7 +16,7 @@ SOURCES = sorted((PKG / "ecxfer").glob("*.py")) + sorted((PKG / "examples").glob
 # Standard-library modules the package may import: all of them were in 3.10.
 STDLIB_310 = {
     "array", "ast", "atexit", "base64", "ctypes", "importlib", "json", "logging", "math", "mmap", "operator", "os",
-    "pathlib", "signal", "struct", "subprocess", "sys", "threading", "time", "typing", "weakref", "__future__",
+    "pathlib", "reprlib", "signal", "struct", "subprocess", "sys", "threading", "time", "typing", "weakref", "__future__",
 }
 
 
