@@ -111,6 +111,13 @@ func (r *fenceRig) verify(t *testing.T, prod int, local, remote []int) {
 // late reply then overwrote its blocks.)
 func TestFencedLocalBlocks(t *testing.T) {
 	leakcheck.Check(t)
+	forFenceModes(t, func(t *testing.T, r *fenceRig, _ bool) { testFencedLocalBlocks(t, r) })
+}
+
+// forFenceModes runs test on a rig with the default transports (same
+// host, error mode NONE) and on one over tcp in error mode PEER (the mode
+// of peers on other hosts).
+func forFenceModes(t *testing.T, test func(t *testing.T, r *fenceRig, peerMode bool)) {
 	for _, tc := range []struct {
 		name, tls string
 		mode      ErrMode
@@ -119,7 +126,7 @@ func TestFencedLocalBlocks(t *testing.T) {
 			if tc.tls != "" {
 				t.Setenv("UCX_TLS", tc.tls)
 			}
-			testFencedLocalBlocks(t, newFenceRig(t, tc.mode))
+			test(t, newFenceRig(t, tc.mode), tc.mode == ErrModePeer)
 		})
 	}
 }
@@ -164,17 +171,7 @@ func testFencedLocalBlocks(t *testing.T, r *fenceRig) {
 // them. READs into those blocks then go out again.
 func TestFenceReleaseAndRemoval(t *testing.T) {
 	leakcheck.Check(t)
-	for _, tc := range []struct {
-		name, tls string
-		mode      ErrMode
-	}{{"default", "", ErrModeAuto}, {"tcp/peer-mode", "tcp", ErrModePeer}} {
-		t.Run(tc.name, func(t *testing.T) {
-			if tc.tls != "" {
-				t.Setenv("UCX_TLS", tc.tls)
-			}
-			testFenceReleaseAndRemoval(t, newFenceRig(t, tc.mode), tc.mode == ErrModePeer)
-		})
-	}
+	forFenceModes(t, testFenceReleaseAndRemoval)
 }
 
 func testFenceReleaseAndRemoval(t *testing.T, r *fenceRig, peerMode bool) {
