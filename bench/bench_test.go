@@ -6,10 +6,14 @@ import (
 	"encoding/json"
 	"encoding/xml"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"os"
+	"os/exec"
+	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -20,9 +24,18 @@ import (
 	"github.com/ecxfer/ecxfer/reactor"
 )
 
+// perftestChildEnv makes the test binary run one ucx_perftest reference
+// (TestPerftestDiesWithHarness).
+const perftestChildEnv = "ECXFER_BENCH_PERFTEST_CHILD"
+
 func TestMain(m *testing.M) {
 	if os.Getenv(RoleEnv) == "producer" {
 		os.Exit(ProducerMain())
+	}
+	if os.Getenv(perftestChildEnv) == "1" {
+		_, err := perftestRef(context.Background(), SmallBlock, 10)
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(0)
 	}
 	os.Exit(m.Run())
 }
@@ -434,6 +447,30 @@ func modesOf(rep *Report) map[string]int {
 // A run interrupted in its last cell or in its references (ecxfer-bench
 // turns SIGINT and SIGTERM into a canceled context) fails: it used to
 // report a full table and exit 0.
+// An interrupt in the middle of a long cell ends the run at once, as
+// interrupted: the cell's submitters stop (they used to run out the
+// cell's whole duration, up to an hour).
+func TestRunInterruptedMidCell(t *testing.T) {
+	cfg := DefaultConfig()
+	cfg.Modes = []string{"raw"}
+	cfg.Backend = "loopback"
+	cfg.Workloads = []string{"latency"}
+	cfg.Rounds = 1
+	cfg.Duration = time.Minute
+	cfg.Warmup = 10 * time.Millisecond
+	cfg.References = false
+	cfg.RemoteRegion = 0
+	cfg.JSONFile, cfg.SVGFile = "", ""
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	time.AfterFunc(500*time.Millisecond, cancel)
+	t0 := time.Now()
+	_, err := Run(ctx, cfg)
+	require.ErrorIs(t, err, context.Canceled)
+	require.Contains(t, err.Error(), "bench: interrupted")
+	require.Less(t, time.Since(t0), 30*time.Second, "the run went on after the interrupt")
+}
+
 func TestRunInterrupted(t *testing.T) {
 	for _, refs := range []bool{false, true} {
 		cfg := DefaultConfig()
@@ -482,6 +519,34 @@ func TestServeConsumerGoneMidRun(t *testing.T) {
 	cons, stop = inProcessProducer()
 	require.NoError(t, cons.Send(setup))
 	_, err = cons.Expect("hello")
+	require.NoError(t, err)
+	require.NoError(t, cons.Send(ctrl.Message{Kind: "teardown"}))
+	_, err = cons.Expect("bye")
+	require.NoError(t, err)
+	require.NoError(t, stop())
+}
+
+// A setup whose region sizes no mode can have (more blocks than any
+// transport takes; a block size times count that wraps to a small
+// product) gets an error reply, and the producer serves the next setup:
+// the raw and locked modes used to build a list of that many block
+// descriptors first (48 GiB for 2^31 blocks: out of memory, the process
+// died).
+func TestServeRefusesImpossibleRegions(t *testing.T) {
+	cons, stop := inProcessProducer()
+	for _, mode := range []string{"raw", "locked", "reactor"} {
+		for _, sz := range [][2]int64{{1, 1 << 31}, {3074456367797372246, 2147483651}, {1 << 40, 1}, {SmallBlock, -1}} {
+			require.NoError(t, cons.Send(ctrl.Message{Kind: "setup", Strs: map[string]string{"mode": mode},
+				Ints: map[string]int64{"block": sz[0], "blocks": sz[1], "seed": 1}}))
+			m, err := cons.Recv()
+			require.NoError(t, err)
+			require.Equal(t, "error", m.Kind, "%s %v", mode, sz)
+			require.Contains(t, m.Strs["error"], "bad region", "%s %v", mode, sz)
+		}
+	}
+	require.NoError(t, cons.Send(ctrl.Message{Kind: "setup", Strs: map[string]string{"mode": "raw"},
+		Ints: map[string]int64{"block": SmallBlock, "blocks": 64, "seed": 1}}))
+	_, err := cons.Expect("hello")
 	require.NoError(t, err)
 	require.NoError(t, cons.Send(ctrl.Message{Kind: "teardown"}))
 	_, err = cons.Expect("bye")
@@ -597,4 +662,47 @@ func FuzzParsePerftest(f *testing.F) {
 			t.Fatalf("%+v from %q", ref, out)
 		}
 	})
+}
+
+// A harness killed during the ucx_perftest reference (SIGKILL: no chance
+// to clean up) takes the perftest processes it started with it: a fake
+// ucx_perftest that records its pid and sleeps is gone once the harness
+// is. (The server used to stay, listening on every interface.)
+func TestPerftestDiesWithHarness(t *testing.T) {
+	dir := t.TempDir()
+	pids := filepath.Join(dir, "pids")
+	fake := "#!/bin/sh\necho $$ >> " + pids + "\nexec sleep 60\n"
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "ucx_perftest"), []byte(fake), 0o755))
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), perftestChildEnv+"=1", "PATH="+dir+":"+os.Getenv("PATH"))
+	require.NoError(t, cmd.Start())
+	var started []int
+	require.Eventually(t, func() bool {
+		b, _ := os.ReadFile(pids)
+		started = started[:0]
+		for _, f := range strings.Fields(string(b)) {
+			pid, err := strconv.Atoi(f)
+			require.NoError(t, err)
+			started = append(started, pid)
+		}
+		return len(started) >= 2 // the server and a client
+	}, 20*time.Second, 10*time.Millisecond)
+	require.NoError(t, cmd.Process.Kill())
+	_ = cmd.Wait()
+	for _, pid := range started {
+		require.Eventually(t, func() bool { return !alive(pid) }, 10*time.Second, 10*time.Millisecond,
+			"ucx_perftest (pid %d) outlived the harness", pid)
+	}
+}
+
+// alive reports whether pid names a process that has not exited (a zombie
+// waiting for a parent to reap it has).
+func alive(pid int) bool {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return false
+	}
+	s := string(b)
+	i := strings.LastIndexByte(s, ')')
+	return i < 0 || i+2 >= len(s) || s[i+2] != 'Z'
 }

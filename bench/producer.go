@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"os/signal"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -35,6 +36,10 @@ const stepInterval = time.Millisecond
 // 4 (replies out), as the harness starts its producer child, and returns
 // the process exit code.
 func ProducerMain() int {
+	// A Ctrl-C at the terminal reaches the whole process group: the run
+	// that started this producer ends it (it closes the control pipe)
+	// once it has stopped its cells, instead of finding it gone.
+	signal.Ignore(os.Interrupt)
 	in, out := os.NewFile(3, "ctrl-in"), os.NewFile(4, "ctrl-out")
 	if in == nil || out == nil {
 		fmt.Fprintln(os.Stderr, "ecxfer-bench producer: file descriptors 3 and 4 must be the control pipes")
@@ -169,8 +174,12 @@ func ServeHooked(c *ctrl.Conn, backend string, hook TransportHook) error {
 func openProducer(m ctrl.Message, backend string, send func(ctrl.Message) error) (*producer, helloMsg, error) {
 	mode := m.Strs["mode"]
 	bs, nb, seed := int(m.Ints["block"]), int(m.Ints["blocks"]), uint64(m.Ints["seed"])
-	if bs <= 0 || nb <= 0 || bs*nb > 1<<31 {
-		return nil, helloMsg{}, fmt.Errorf("producer: bad region %d×%d", nb, bs)
+	// The consumer may be anything: sizes are bounded before they are
+	// multiplied (a product that wraps could pass) and before a block
+	// list of nb entries is built (every mode's region has at most
+	// DefaultMaxDescs blocks, as ecxfer.New requires).
+	if bs <= 0 || nb <= 0 || bs > 1<<31 || nb > descriptors.DefaultMaxDescs || bs*nb > 1<<31 {
+		return nil, helloMsg{}, fmt.Errorf("producer: bad region %d×%d (at most %d blocks, 2 GiB)", nb, bs, descriptors.DefaultMaxDescs)
 	}
 	p := &producer{mode: mode, stop: make(chan struct{}), done: make(chan struct{}), send: send}
 	var hello helloMsg

@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -112,6 +113,18 @@ func memcpyRefs(bs int, d time.Duration, workers int) ([]Reference, error) {
 	return refs, nil
 }
 
+// perftestCmd is a ucx_perftest command that dies with this process: a
+// harness killed during the references (SIGKILL, the OOM killer) used to
+// leave the server listening on every interface. (The signal comes when
+// the thread that started it ends, which in Go is the process, or a
+// goroutine that exits locked to its thread; the reference goroutines do
+// not lock theirs.)
+func perftestCmd(ctx context.Context, exe string, args ...string) *exec.Cmd {
+	cmd := exec.CommandContext(ctx, exe, args...)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	return cmd
+}
+
 // errNoPerftest says ucx_perftest is not installed.
 var errNoPerftest = errors.New("ucx_perftest not installed")
 
@@ -129,7 +142,7 @@ func perftestRef(ctx context.Context, bs int, iters int) (Reference, error) {
 	ctx, cancel := context.WithTimeout(ctx, 60*time.Second)
 	defer cancel()
 	args := []string{"-t", "ucp_get", "-s", strconv.Itoa(bs), "-n", strconv.Itoa(iters), "-p", strconv.Itoa(port)}
-	srv := exec.CommandContext(ctx, exe, args...)
+	srv := perftestCmd(ctx, exe, args...)
 	if err := srv.Start(); err != nil {
 		return Reference{}, fmt.Errorf("ucx_perftest server: %w", err)
 	}
@@ -141,7 +154,7 @@ func perftestRef(ctx context.Context, bs int, iters int) (Reference, error) {
 	var out []byte
 	for attempt := 0; ; attempt++ {
 		time.Sleep(100 * time.Millisecond)
-		cli := exec.CommandContext(ctx, exe, append([]string{"127.0.0.1"}, args...)...)
+		cli := perftestCmd(ctx, exe, append([]string{"127.0.0.1"}, args...)...)
 		out, err = cli.CombinedOutput()
 		if err == nil || attempt >= 20 || ctx.Err() != nil {
 			break

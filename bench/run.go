@@ -86,6 +86,9 @@ type session struct {
 	total   int
 	doneN   int
 	start   time.Time
+	// ctx ends the run: a pass in progress stops its submitters when it
+	// is done (nil: never).
+	ctx context.Context
 }
 
 // Run measures every configured cell and reference and returns the report.
@@ -95,6 +98,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		return nil, err
 	}
 	s := newSession(cfg)
+	s.ctx = ctx
 	// With --connect, notif runs only if the producer shares this clock,
 	// which only the producer can say.
 	if s.total == 0 && (cfg.Connect == "" || !slices.Contains(cfg.Workloads, "notif")) {
@@ -122,8 +126,10 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		err = serr
 	}
 	s.clearProgress()
-	if err == nil && ctx.Err() != nil {
-		// Interrupted during the last cell (runAll looks before each one).
+	if ctx.Err() != nil {
+		// Interrupted: whatever the cell in progress then reported (the
+		// context's end, or, after a Ctrl-C to the whole process group,
+		// a producer child that went), the run was interrupted.
 		err = fmt.Errorf("bench: interrupted: %w", ctx.Err())
 	}
 	if err != nil {
@@ -621,6 +627,11 @@ func (s *session) pass(d driver, c cell, seed uint64, dur time.Duration, passNo 
 	if ms != nil {
 		runtime.ReadMemStats(&ms[0])
 	}
+	if s.ctx != nil {
+		// An interrupt ends the pass at once, not when its time is up (a
+		// cell may last an hour).
+		defer context.AfterFunc(s.ctx, func() { stop.Store(true) })()
+	}
 	start := time.Now()
 	end := start.Add(dur)
 	for g := range subs {
@@ -637,6 +648,9 @@ func (s *session) pass(d driver, c cell, seed uint64, dur time.Duration, passNo 
 	wall := time.Since(start)
 	if ms != nil {
 		runtime.ReadMemStats(&ms[1])
+	}
+	if firstErr == nil && s.ctx != nil && s.ctx.Err() != nil {
+		firstErr = s.ctx.Err() // cut short: not a measurement
 	}
 	return subs, wall, firstErr
 }

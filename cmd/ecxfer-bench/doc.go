@@ -12,6 +12,7 @@
 //	                 [--connect HOST:PORT] [--no-refs] [--json FILE] [--svg FILE]
 //	                 [--cpuprofile FILE] [--memprofile FILE] [--quiet]
 //	ecxfer-bench serve --listen HOST:PORT [--once] [--backend ucx|nixl] [--metrics-addr HOST:PORT]
+//	                   [--handshake-wait D]
 //
 // run measures each workload×mode cell for --duration, in --rounds rounds
 // (default 2) with a --warmup before each, the modes in alternating order. With
@@ -22,7 +23,9 @@
 // (metadata over TCP, data over UCX). serve with --metrics-addr exports the
 // producer's metrics (package metrics) on http://HOST:PORT/metrics: those
 // of the reactor-mode Transport of the current cell, or of the last one
-// once it closed.
+// once it closed. serve serves one run at a time and drops a client that
+// has not sent its first frame within --handshake-wait (30s); --once ends
+// after the first run whose client did.
 //
 // The progress line is drawn only when stderr is a terminal. The end of
 // the run reports how much CPU other processes used meanwhile: the reactor

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"flag"
 	"fmt"
@@ -90,10 +91,15 @@ func serveCmd(args []string, stderr io.Writer) int {
 	once := fs.Bool("once", false, "exit after serving one run")
 	backend := fs.String("backend", "ucx", "transfer engine: ucx or nixl (the consumer must use the same)")
 	metricsAddr := fs.String("metrics-addr", "", "serve the producer's Prometheus metrics on http://ADDR/metrics (host:port)")
+	handshake := fs.Duration("handshake-wait", 30*time.Second, "drop a client that has not sent its first control frame within this time (runs are served one at a time)")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return 0
 		}
+		return 2
+	}
+	if *handshake <= 0 {
+		fmt.Fprintf(stderr, "ecxfer-bench serve: --handshake-wait %v: want a positive duration\n", *handshake)
 		return 2
 	}
 	if *backend != "ucx" && *backend != "nixl" {
@@ -161,8 +167,12 @@ func serveCmd(args []string, stderr io.Writer) int {
 		cur = c
 		mu.Unlock()
 		fmt.Fprintf(stderr, "ecxfer-bench serve: run from %s\n", c.RemoteAddr())
-		// One run at a time: two runs at once would measure each other.
-		err = bench.ServeHooked(ctrl.New(c, c), *backend, hook)
+		// One run at a time: two runs at once would measure each other. So
+		// a client must send its first frame within --handshake-wait, or a
+		// connection that sends nothing (or a trickle) would hold the
+		// producer from every other client.
+		hc := newHandshakeConn(c, *handshake)
+		err = bench.ServeHooked(ctrl.New(hc, c), *backend, hook)
 		mu.Lock()
 		cur = nil
 		mu.Unlock()
@@ -176,13 +186,54 @@ func serveCmd(args []string, stderr io.Writer) int {
 		} else {
 			fmt.Fprintf(stderr, "ecxfer-bench serve: run from %s done\n", c.RemoteAddr())
 		}
-		if *once {
+		if *once && hc.done {
 			if err != nil {
 				return 1
 			}
 			return 0
 		}
+		// (--once counts a run only once its client sent a frame: a port
+		// scan or a stray connection does not end the serve.)
 	}
+}
+
+// handshakeConn reads from a connection with a read deadline that lasts
+// until the first whole control frame (a 4-byte big-endian length, then
+// that many bytes) has been read; done says it has.
+type handshakeConn struct {
+	c    net.Conn
+	hdr  [4]byte
+	got  int // header bytes read
+	left int // body bytes of the first frame still to read, once got == 4
+	done bool
+}
+
+func newHandshakeConn(c net.Conn, wait time.Duration) *handshakeConn {
+	_ = c.SetReadDeadline(time.Now().Add(wait))
+	return &handshakeConn{c: c}
+}
+
+func (h *handshakeConn) Read(p []byte) (int, error) {
+	n, err := h.c.Read(p)
+	for b := p[:n]; len(b) > 0 && !h.done; {
+		if h.got < len(h.hdr) {
+			k := copy(h.hdr[h.got:], b)
+			h.got += k
+			b = b[k:]
+			if h.got == len(h.hdr) {
+				h.left = int(binary.BigEndian.Uint32(h.hdr[:]))
+			}
+		} else {
+			k := min(len(b), h.left)
+			h.left -= k
+			b = b[k:]
+		}
+		if h.got == len(h.hdr) && h.left == 0 {
+			h.done = true
+			_ = h.c.SetReadDeadline(time.Time{})
+		}
+	}
+	return n, err
 }
 
 // followTransport exports the metrics of the producer's current Transport.

@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"net"
 	"os"
 	"os/exec"
 	"regexp"
@@ -124,4 +125,81 @@ func TestServeMetrics(t *testing.T) {
 	require.NoError(t, cmd.Process.Signal(syscall.SIGTERM))
 	require.NoError(t, cmd.Wait(), "serve: %s", serveErr.String())
 	require.Contains(t, serveErr.String(), "ecxfer-bench serve: interrupted")
+}
+
+// TestServeHandshake: serve runs one client at a time, so a client that
+// connects and sends nothing, one that sends half a frame, and a stray
+// connection that closes at once do not hold it (dropped after
+// --handshake-wait, or when they close) nor, with --once, end it: the run
+// that follows them is served, and serve exits 0 after it. (An idle
+// connection used to hold serve for ever: the next run gave up after its
+// one-minute wait for "hello".)
+func TestServeHandshake(t *testing.T) {
+	var serveErr syncBuf
+	cmd := exec.Command(os.Args[0], "serve", "--listen", "127.0.0.1:0", "--once", "--handshake-wait", "300ms")
+	cmd.Env = append(os.Environ(), mainEnv+"=1")
+	cmd.Stderr = &serveErr
+	require.NoError(t, cmd.Start())
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+	})
+	laddr := waitFor(t, &serveErr, regexp.MustCompile(`listening on (\S+)`))
+
+	stray, err := net.Dial("tcp", laddr)
+	require.NoError(t, err)
+	require.NoError(t, stray.Close())
+	idle, err := net.Dial("tcp", laddr)
+	require.NoError(t, err)
+	defer idle.Close()
+	half, err := net.Dial("tcp", laddr)
+	require.NoError(t, err)
+	defer half.Close()
+	_, err = half.Write([]byte{0, 0, 1, 0, 0x81}) // a 256-byte frame, 1 byte of it
+	require.NoError(t, err)
+
+	var out, errOut syncBuf
+	rc := run([]string{"run", "--connect", laddr, "--workloads", "latency", "--modes", "raw",
+		"--duration", "100ms", "--warmup", "10ms", "--rounds", "1", "--no-refs", "--quiet"}, &out, &errOut)
+	require.Equal(t, 0, rc, "run: %s\n%s\nserve: %s", out.String(), errOut.String(), serveErr.String())
+	require.NoError(t, cmd.Wait(), "serve --once: %s", serveErr.String())
+	require.Contains(t, serveErr.String(), "i/o timeout", "the idle clients were dropped by the deadline")
+}
+
+// A handshakeConn clears its deadline once the first frame is in, however
+// the frame arrives in pieces: a client may then stay quiet as long as its
+// run needs.
+func TestHandshakeConnClearsDeadline(t *testing.T) {
+	a, b := net.Pipe()
+	defer a.Close()
+	defer b.Close()
+	hc := newHandshakeConn(a, 200*time.Millisecond)
+	frame := []byte{0, 0, 0, 3, 'x', 'y', 'z'}
+	go func() {
+		for _, c := range frame {
+			_, _ = b.Write([]byte{c})
+		}
+		time.Sleep(400 * time.Millisecond) // longer than the handshake wait
+		_, _ = b.Write([]byte("later"))
+	}()
+	buf := make([]byte, 16)
+	got := 0
+	for got < len(frame) {
+		n, err := hc.Read(buf[:len(frame)-got])
+		require.NoError(t, err)
+		got += n
+	}
+	require.True(t, hc.done)
+	n, err := hc.Read(buf)
+	require.NoError(t, err, "read after the handshake timed out")
+	require.Equal(t, "later", string(buf[:n]))
+
+	// Nothing sent: the read times out.
+	c, d := net.Pipe()
+	defer c.Close()
+	defer d.Close()
+	_, err = newHandshakeConn(c, 50*time.Millisecond).Read(buf)
+	var ne net.Error
+	require.ErrorAs(t, err, &ne)
+	require.True(t, ne.Timeout())
 }
