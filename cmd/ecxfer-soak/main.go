@@ -78,7 +78,7 @@ var (
 	directMode  = ecxfer.DirectAuto
 	regionKinds = []string{"alloc", "mmap"}
 	maxRestarts int64 // end the run after this many replacements (0: --duration)
-	notifBytes  int   // notification length (0: a short one)
+	notifBytes  int   // notification length (0: a short one), at most maxSoakNotif
 	checkMaps   = true
 	memProfile  string
 	metricsAddr string // serve the consumer's metrics here
@@ -90,6 +90,9 @@ const (
 	maxRead  = 880 // blocks in the largest READ
 	prodNB   = 1024
 	waitSlow = 30 * time.Second // a READ in flight this long is stuck
+	// maxSoakNotif is the longest notification the soak's transports
+	// take (their default MaxNotif, nixl.DefaultMaxNotif).
+	maxSoakNotif = 64 << 10
 )
 
 func main() {
@@ -133,6 +136,17 @@ func main() {
 	}
 	if *producers < 1 || *workers < 1 || *bs < 8 {
 		fmt.Fprintln(os.Stderr, "ecxfer-soak: need at least one producer, one worker and 8-byte blocks")
+		os.Exit(2)
+	}
+	// Longer notifications are refused by PostRead (the transports' default
+	// limit), and the soak counts refusals without failing: it would pass
+	// without a READ carrying what was asked for.
+	if notifBytes < 0 || notifBytes > maxSoakNotif {
+		fmt.Fprintf(os.Stderr, "ecxfer-soak: --notif-bytes %d: want 0 to %d\n", notifBytes, maxSoakNotif)
+		os.Exit(2)
+	}
+	if flag.NArg() > 0 {
+		fmt.Fprintf(os.Stderr, "ecxfer-soak: unexpected arguments %q\n", flag.Args())
 		os.Exit(2)
 	}
 	if !soak(*duration, *producers, *workers, *restart, *bs, *rssBound) {

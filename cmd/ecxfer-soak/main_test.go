@@ -194,3 +194,24 @@ func TestSoakKilledLeavesNoFiles(t *testing.T) {
 	require.Eventually(t, func() bool { m, _ := filepath.Glob(pat); return len(m) == 0 },
 		30*time.Second, 10*time.Millisecond, "the producers' region files are left behind")
 }
+
+// Flags the soak cannot honour are refused before it starts (exit 2): a
+// notification longer than the transports take (PostRead refused every
+// READ and the run passed anyway; above 1,000,000 bytes it panicked), a
+// negative one, and arguments that are not flags.
+func TestSoakRefusesBadFlags(t *testing.T) {
+	for _, args := range [][]string{
+		{"--notif-bytes", "1000001"},
+		{"--notif-bytes", "65537"},
+		{"--notif-bytes", "-1"},
+		{"bogus-arg"},
+	} {
+		cmd := exec.Command(os.Args[0], append([]string{"--duration", "1s"}, args...)...)
+		cmd.Env = append(os.Environ(), mainEnv+"=1")
+		out, err := cmd.CombinedOutput()
+		var ee *exec.ExitError
+		require.ErrorAs(t, err, &ee, "%v: %s", args, out)
+		require.Equal(t, 2, ee.ExitCode(), "%v: %s", args, out)
+		require.NotContains(t, string(out), "panic", "%v", args)
+	}
+}
