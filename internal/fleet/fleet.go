@@ -14,6 +14,7 @@ import (
 	"math"
 	"os"
 	"os/exec"
+	"os/signal"
 	"runtime"
 	"sort"
 	"strconv"
@@ -34,6 +35,10 @@ func Child() (int, bool) {
 	if role == "" {
 		return 0, false
 	}
+	// A Ctrl-C at the terminal reaches the whole process group: the
+	// parent stops its children (it closes their stdin), and a child that
+	// died mid-setup could leave UCX's shared-memory files behind.
+	signal.Ignore(os.Interrupt)
 	c, err := ctrl.ChildConn()
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "fleet %s (pid %d): %v\n", role, os.Getpid(), err)
@@ -107,8 +112,11 @@ func (p *Proc) Stop(timeout time.Duration) error {
 
 // group is the children of one run. Once its context is done (the tool
 // got SIGINT or SIGTERM) every child in it, and every child added later,
-// is killed: the run's blocking reads from them then fail at once instead
-// of the run going on to its end as if nothing had happened.
+// is told to stop (its stdin closed) and, if still there after
+// stopGrace, killed: the run's blocking reads from them then fail instead
+// of the run going on to its end as if nothing had happened. (Killed at
+// once, a child in the middle of UCX's setup left its shared-memory file
+// in /dev/shm.)
 type group struct {
 	mu     sync.Mutex
 	procs  []*Proc
@@ -127,7 +135,7 @@ func (g *group) watch(ctx context.Context) (stop func()) {
 			procs := g.procs
 			g.mu.Unlock()
 			for _, p := range procs {
-				_ = p.cmd.Process.Kill()
+				p.halt()
 			}
 		case <-end:
 		}
@@ -140,8 +148,23 @@ func (g *group) add(p *Proc) {
 	defer g.mu.Unlock()
 	g.procs = append(g.procs, p)
 	if g.killed {
-		_ = p.cmd.Process.Kill()
+		p.halt()
 	}
+}
+
+// stopGrace is how long a child told to stop may take before it is killed.
+const stopGrace = 3 * time.Second
+
+// halt tells p to stop and kills it if it has not within stopGrace.
+func (p *Proc) halt() {
+	_ = p.stdin.Close()
+	go func() {
+		select {
+		case <-p.exited:
+		case <-time.After(stopGrace):
+			_ = p.cmd.Process.Kill()
+		}
+	}()
 }
 
 // stopAll stops every child (see Proc.Stop).

@@ -142,3 +142,39 @@ func FuzzNotifLatencies(f *testing.F) {
 		}
 	})
 }
+
+// An agents child told to stop (its stdin closed) while it is still making
+// its agents stops between two and exits cleanly, having deregistered
+// those it made, instead of making all of them first (and, for an
+// interrupted run, being killed in the middle of UCX's setup, which left
+// shared-memory files in /dev/shm).
+func TestAgentsChildStopsWhileMaking(t *testing.T) {
+	p, err := Spawn("agents", nil, nil)
+	require.NoError(t, err)
+	const n = 500
+	require.NoError(t, p.C.Send(ctrl.Message{Kind: "setup", Ints: map[string]int64{"proc": 0, "n": n, "bs": 4096, "nb": 16}}))
+	_, err = p.C.Expect("agent")
+	require.NoError(t, err)
+	made := make(chan int, 1)
+	go func() {
+		k := 1
+		for {
+			m, err := p.C.Recv()
+			if err != nil || m.Kind != "agent" {
+				made <- k
+				return
+			}
+			k++
+		}
+	}()
+	require.NoError(t, p.stdin.Close())
+	select {
+	case <-p.exited:
+	case <-time.After(time.Minute):
+		_ = p.cmd.Process.Kill()
+		t.Fatal("the child did not stop")
+	}
+	require.NoError(t, p.err, "the child's exit")
+	require.Less(t, <-made, n, "the child made every agent before it stopped")
+	_ = p.stdout.Close()
+}

@@ -252,7 +252,18 @@ func agentsChild(c *ctrl.Conn) error {
 			_ = t.Deregister()
 		}
 	}()
+	// The parent closes stdin to stop the child, also while it is still
+	// making its agents (an interrupted run): it stops between two, and
+	// deregisters those it made, rather than being killed in the middle
+	// of UCX's setup, which leaves a shared-memory file behind.
+	eof := make(chan error, 1)
+	go func() { eof <- waitEOF(c) }()
 	for i := 0; i < n; i++ {
+		select {
+		case err := <-eof:
+			return err
+		default:
+		}
 		name := fmt.Sprintf("fleet-agent-%d-%d-%d", monoNow()%1e9, p, i)
 		t, err := ecxfer.New(ecxfer.Config{AgentName: name, BlockSize: bs, NumBlocks: nb})
 		if err != nil {
@@ -270,5 +281,5 @@ func agentsChild(c *ctrl.Conn) error {
 	if err := c.Send(ctrl.Message{Kind: "ready"}); err != nil {
 		return err
 	}
-	return waitEOF(c)
+	return <-eof
 }
