@@ -152,6 +152,7 @@ func TestParseRunFlags(t *testing.T) {
 		{name: "cpu out of range", args: []string{"--reactor-cpu", "4096"}, err: "--reactor-cpu 4096 out of range"},
 		{name: "cpu negative", args: []string{"--reactor-cpu", "-2"}, err: "--reactor-cpu -2"},
 		{name: "numa negative", args: []string{"--numa-node", "-3"}, err: "--numa-node -3"},
+		{name: "numa node missing", args: []string{"--numa-node", "4095", "--modes", "locked"}, err: "--numa-node 4095:"},
 		{name: "batch too big", args: []string{"--batch", "100000"}, err: "--batch 100000 out of range"},
 		{name: "connect loopback", args: []string{"--backend", "loopback", "--connect", "h:1"}, err: "--connect needs --backend ucx"},
 		{name: "connect no port", args: []string{"--connect", "host"}, err: `--connect "host"`},
@@ -160,6 +161,10 @@ func TestParseRunFlags(t *testing.T) {
 		{name: "wait spin too long", args: []string{"--wait", "block", "--wait-spin", "2s"}, err: "--wait-spin 2s out of range"},
 		{name: "wait spin while polling", args: []string{"--wait-spin", "100us"}, err: "--wait-spin is for --wait block"},
 		{name: "stray argument", args: []string{"latency"}, err: `unexpected argument "latency"`},
+		{name: "json in a missing directory", args: []string{"--json", "/nonexistent-dir/x.json"}, err: "--json /nonexistent-dir/x.json"},
+		{name: "svg is a directory", args: []string{"--svg", "/tmp"}, err: "--svg /tmp: is a directory"},
+		{name: "memprofile under a file", args: []string{"--memprofile", "/etc/hostname/x"}, err: "is not a directory"},
+		{name: "negative batch", args: []string{"--batch", "-5"}, err: "--batch -5 out of range 0..65536"},
 		{name: "unknown flag", args: []string{"--fast"}, err: "flag provided but not defined"},
 	} {
 		t.Run(c.name, func(t *testing.T) {

@@ -6,12 +6,17 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
+	"path/filepath"
 	"runtime"
 	"slices"
 	"strings"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/ecxfer/ecxfer"
+	"github.com/ecxfer/ecxfer/internal/affinity"
 	"github.com/ecxfer/ecxfer/reactor"
 )
 
@@ -210,14 +215,30 @@ func (c *Config) Validate() error {
 	if c.RemoteRegion < 0 || c.RemoteRegion > 1<<34 {
 		return fmt.Errorf("%w: producer region of %d bytes (want 0..16 GiB)", ErrUsage, c.RemoteRegion)
 	}
+	// Output files are written at the end: a path that cannot take one
+	// would waste the whole run.
+	for _, out := range []struct{ flag, path string }{
+		{"json", c.JSONFile}, {"svg", c.SVGFile}, {"cpuprofile", c.CPUProfile}, {"memprofile", c.MemProfile},
+	} {
+		if err := checkOutPath(out.path); err != nil {
+			return fmt.Errorf("%w: --%s %s: %v", ErrUsage, out.flag, out.path, err)
+		}
+	}
 	if o := c.Reactor; o.PinCPU && (o.CPU < 0 || o.CPU >= runtime.NumCPU()) {
 		return fmt.Errorf("%w: --reactor-cpu %d out of range 0..%d", ErrUsage, o.CPU, runtime.NumCPU()-1)
 	}
 	if o := c.Reactor; o.BindNUMA && o.NUMANode < 0 {
 		return fmt.Errorf("%w: --numa-node %d must not be negative", ErrUsage, o.NUMANode)
 	}
+	if o := c.Reactor; o.BindNUMA {
+		// A node this machine lacks failed only once a transport was made,
+		// and modes without one (locked, raw) ignored it.
+		if _, err := affinity.PickCPU(o.NUMANode); err != nil {
+			return fmt.Errorf("%w: --numa-node %d: %v", ErrUsage, o.NUMANode, err)
+		}
+	}
 	if b := c.Reactor.BatchSize; b < 0 || b > 1<<16 {
-		return fmt.Errorf("%w: --batch %d out of range 1..65536", ErrUsage, b)
+		return fmt.Errorf("%w: --batch %d out of range 0..65536 (0: the reactor's default)", ErrUsage, b)
 	}
 	return nil
 }
@@ -300,3 +321,27 @@ func ParseRunFlags(args []string, stderr io.Writer) (Config, error) {
 
 // remoteBlocks is how many blocks of bs bytes the producer's region holds.
 func (c *Config) remoteBlocks(bs int) int { return max(LocalBlocks, c.RemoteRegion/bs) }
+
+// checkOutPath reports why a file could not be written at path, if it can
+// tell before writing: a directory there, or a parent directory that is
+// missing or not writable. "" is no file.
+func checkOutPath(path string) error {
+	if path == "" {
+		return nil
+	}
+	if fi, err := os.Stat(path); err == nil && fi.IsDir() {
+		return errors.New("is a directory")
+	}
+	dir := filepath.Dir(path)
+	fi, err := os.Stat(dir)
+	if err != nil {
+		return err
+	}
+	if !fi.IsDir() {
+		return fmt.Errorf("%s is not a directory", dir)
+	}
+	if err := unix.Access(dir, unix.W_OK); err != nil {
+		return fmt.Errorf("cannot write in %s: %w", dir, err)
+	}
+	return nil
+}
