@@ -89,7 +89,7 @@ func run(args []string) int {
 		}
 		if err == nil {
 			var r *fleet.TCPResult
-			if r, err = fleet.TCPProbe(*connect, *dur); err == nil {
+			if r, err = fleet.TCPProbe(ctx, *connect, *dur); err == nil {
 				fmt.Printf("tcp link: %.2f GB/s (%.1f Gbit/s) one stream over %v; RTT p50 %.1f µs, p99 %.1f µs (%d ping-pongs)\n",
 					r.GBps(), r.GBps()*8, r.Duration.Round(time.Millisecond), us(r.RTTP50), us(r.RTTP99), r.Pings)
 			}

@@ -3,6 +3,7 @@ package fleet
 import (
 	"context"
 	"encoding/binary"
+	"net"
 	"os"
 	"testing"
 	"time"
@@ -177,4 +178,36 @@ func TestAgentsChildStopsWhileMaking(t *testing.T) {
 	require.NoError(t, p.err, "the child's exit")
 	require.Less(t, <-made, n, "the child made every agent before it stopped")
 	_ = p.stdout.Close()
+}
+
+// A probe of a far end that accepts and then says nothing ends when its
+// context does (the tool's SIGINT), with the context's error: it used to
+// wait for as long as the far end kept the connection.
+func TestTCPProbeInterrupted(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer l.Close()
+	conns := make(chan net.Conn, 16)
+	defer func() {
+		_ = l.Close()
+		for c := range conns {
+			_ = c.Close()
+		}
+	}()
+	go func() {
+		defer close(conns)
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			conns <- c // never read, never answered
+		}
+	}()
+	ctx, cancel := context.WithCancel(context.Background())
+	time.AfterFunc(300*time.Millisecond, cancel)
+	t0 := time.Now()
+	_, err = TCPProbe(ctx, l.Addr().String(), time.Hour)
+	require.ErrorIs(t, err, context.Canceled)
+	require.Less(t, time.Since(t0), 9*time.Second, "the probe outlived its context")
 }

@@ -65,21 +65,40 @@ func serveProbe(c net.Conn) {
 	}
 }
 
+// probeSlack is how long past its own length a probe waits for a far end
+// that stops answering (one that accepted and then went silent held the
+// probe for as long as it kept the connection).
+const probeSlack = 10 * time.Second
+
 // TCPProbe streams to a TCPServe for d on one connection and then
-// ping-pongs single bytes for up to a second on another.
-func TCPProbe(addr string, d time.Duration) (*TCPResult, error) {
+// ping-pongs single bytes for up to a second on another. It gives up
+// probeSlack after it should have finished, and when ctx ends.
+func TCPProbe(ctx context.Context, addr string, d time.Duration) (*TCPResult, error) {
+	r, err := tcpProbe(ctx, addr, d)
+	if err != nil && ctx.Err() != nil {
+		return nil, fmt.Errorf("tcp probe: interrupted: %w", ctx.Err())
+	}
+	return r, err
+}
+
+func tcpProbe(ctx context.Context, addr string, d time.Duration) (*TCPResult, error) {
 	r := &TCPResult{}
-	c, err := net.Dial("tcp", addr)
+	var dialer net.Dialer
+	dctx, cancel := context.WithTimeout(ctx, probeSlack)
+	defer cancel()
+	c, err := dialer.DialContext(dctx, "tcp", addr)
 	if err != nil {
 		return nil, err
 	}
+	_ = c.SetDeadline(time.Now().Add(d + probeSlack))
+	defer context.AfterFunc(ctx, func() { _ = c.SetDeadline(time.Now()) })()
 	buf := make([]byte, 1<<20)
 	if _, err := c.Write([]byte{'s'}); err != nil {
 		c.Close()
 		return nil, err
 	}
 	start := time.Now()
-	for time.Since(start) < d {
+	for time.Since(start) < d && ctx.Err() == nil {
 		n, err := c.Write(buf)
 		r.Bytes += int64(n)
 		if err != nil {
@@ -99,11 +118,13 @@ func TCPProbe(addr string, d time.Duration) (*TCPResult, error) {
 		return nil, fmt.Errorf("tcp probe: sent %d bytes, the far end got %d", r.Bytes, got)
 	}
 
-	p, err := net.Dial("tcp", addr)
+	p, err := dialer.DialContext(dctx, "tcp", addr)
 	if err != nil {
 		return nil, err
 	}
 	defer p.Close()
+	_ = p.SetDeadline(time.Now().Add(time.Second + probeSlack))
+	defer context.AfterFunc(ctx, func() { _ = p.SetDeadline(time.Now()) })()
 	_ = p.(*net.TCPConn).SetNoDelay(true)
 	if _, err := p.Write([]byte{'p'}); err != nil {
 		return nil, err
