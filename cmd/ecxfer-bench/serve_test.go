@@ -73,21 +73,29 @@ func only(t *testing.T, f *scrape.Family, name string) float64 {
 	return v
 }
 
-// TestServeMetrics starts `serve --metrics-addr` as its own process,
-// reads from it with `run --connect` over real UCX, and scrapes the
-// producer's metrics over HTTP before and after.
-func TestServeMetrics(t *testing.T) {
-	var serveErr syncBuf
-	cmd := exec.Command(os.Args[0], "serve", "--listen", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0")
+// startServe starts `serve --listen 127.0.0.1:0` with args as its own
+// process, killed at the end of the test if still running.
+func startServe(t *testing.T, args ...string) (*exec.Cmd, *syncBuf) {
+	t.Helper()
+	serveErr := &syncBuf{}
+	cmd := exec.Command(os.Args[0], append([]string{"serve", "--listen", "127.0.0.1:0"}, args...)...)
 	cmd.Env = append(os.Environ(), mainEnv+"=1")
-	cmd.Stderr = &serveErr
+	cmd.Stderr = serveErr
 	require.NoError(t, cmd.Start())
 	t.Cleanup(func() {
 		_ = cmd.Process.Kill()
 		_ = cmd.Wait()
 	})
-	maddr := waitFor(t, &serveErr, regexp.MustCompile(`metrics on http://(\S+)/metrics`))
-	laddr := waitFor(t, &serveErr, regexp.MustCompile(`listening on (\S+)`))
+	return cmd, serveErr
+}
+
+// TestServeMetrics starts `serve --metrics-addr` as its own process,
+// reads from it with `run --connect` over real UCX, and scrapes the
+// producer's metrics over HTTP before and after.
+func TestServeMetrics(t *testing.T) {
+	cmd, serveErr := startServe(t, "--metrics-addr", "127.0.0.1:0")
+	maddr := waitFor(t, serveErr, regexp.MustCompile(`metrics on http://(\S+)/metrics`))
+	laddr := waitFor(t, serveErr, regexp.MustCompile(`listening on (\S+)`))
 	url := "http://" + maddr + "/metrics"
 
 	before := scrapeURL(t, url)
@@ -135,16 +143,8 @@ func TestServeMetrics(t *testing.T) {
 // connection used to hold serve for ever: the next run gave up after its
 // one-minute wait for "hello".)
 func TestServeHandshake(t *testing.T) {
-	var serveErr syncBuf
-	cmd := exec.Command(os.Args[0], "serve", "--listen", "127.0.0.1:0", "--once", "--handshake-wait", "300ms")
-	cmd.Env = append(os.Environ(), mainEnv+"=1")
-	cmd.Stderr = &serveErr
-	require.NoError(t, cmd.Start())
-	t.Cleanup(func() {
-		_ = cmd.Process.Kill()
-		_ = cmd.Wait()
-	})
-	laddr := waitFor(t, &serveErr, regexp.MustCompile(`listening on (\S+)`))
+	cmd, serveErr := startServe(t, "--once", "--handshake-wait", "300ms")
+	laddr := waitFor(t, serveErr, regexp.MustCompile(`listening on (\S+)`))
 
 	stray, err := net.Dial("tcp", laddr)
 	require.NoError(t, err)
