@@ -162,6 +162,9 @@ func peers(ctx context.Context, fs *flag.FlagSet, args []string) error {
 			return err
 		}
 	}
+	if cfg.Procs > cfg.Agents {
+		return usageError(fmt.Sprintf("--procs %d is more than --agents %d (each process holds at least one)", cfg.Procs, cfg.Agents))
+	}
 	r, err := fleet.Peers(ctx, cfg)
 	if err != nil {
 		return err
@@ -239,7 +242,7 @@ func consumers(ctx context.Context, fs *flag.FlagSet, args []string) error {
 	where := "same host (shared memory)"
 	if *pns != "" || *cns != "" {
 		if *pns == "" || *cns == "" || *pdev == "" || *cdev == "" {
-			return fmt.Errorf("--producer-netns, --producer-dev, --consumer-netns and --consumer-dev go together")
+			return usageError("--producer-netns, --producer-dev, --consumer-netns and --consumer-dev go together")
 		}
 		cfg.ProducerWrap = []string{"ip", "netns", "exec", *pns}
 		cfg.ConsumerWrap = []string{"ip", "netns", "exec", *cns}

@@ -18,6 +18,8 @@ func TestBadCommandLines(t *testing.T) {
 		"peers --procs -1",
 		"peers --block 0",
 		"peers --blocks 0",
+		"peers --agents 1",
+		"consumers --producer-netns ns1",
 		"consumers --per-read 0",
 		"consumers --blocks 8 --per-read 64",
 		"consumers --consumers 1,x",
