@@ -510,11 +510,11 @@ func (t *Transport) CheckXferState(h Handle) (State, error) {
 // workers is released once its copy has stopped (the chunks already
 // running finish, the rest are skipped: at most a few hundred
 // microseconds for a READ of 880 × 32 KiB here), so its local blocks may
-// take other data as soon as this returns. An engine READ is released at
-// once; a reply already in flight may still land later, in the ucx engine
-// before any later engine READ into the same blocks completes (it is held
-// until then), but not before a direct READ's copy (README, "Failure
-// behaviour" and "Known limits").
+// take other data as soon as this returns. An engine READ is released
+// once the reactor has taken it back (the loopback and nixl engines: at
+// once); a reply already on the wire may still land later, in the ucx
+// engine before any later READ into the same blocks completes, engine or
+// direct: such READs are held until then (README, "Failure behaviour").
 func (t *Transport) ReleaseXferHandle(h Handle) error {
 	return t.r.Release(uint64(h))
 }

@@ -87,8 +87,11 @@ func runTestProducer() int {
 		}
 		cfg.Region = region
 	}
-	if os.Getenv("ECX_DIRECT") == "1" {
+	switch os.Getenv("ECX_DIRECT") {
+	case "1":
 		cfg.Direct = DirectOn
+	case "0":
+		cfg.Direct = DirectOff // no advertisement: consumers read it through the engine
 	}
 	tr, err := New(cfg)
 	if err != nil {

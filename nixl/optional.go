@@ -37,6 +37,23 @@ type SharedQueueGetter interface {
 	SharedQueueGets(peerName string) bool
 }
 
+// LocalFencer is implemented by engines that may still write local memory
+// after the READ that asked for it has ended: a READ released, or ended by
+// a timeout, while requests of it were outstanding that the engine cannot
+// take back, whose data may arrive later. Such memory is fenced until
+// they have ended, and the engine holds its own later READs into it.
+// Callers that write local memory another way (a copy of their own) check
+// it first and hold those writes too.
+type LocalFencer interface {
+	// Fencing reports whether any local memory is fenced now. Any
+	// goroutine may call it; it is one atomic load. It becomes true
+	// before the READ whose end fenced the memory is reported ended.
+	Fencing() bool
+	// Fenced reports whether [addr, addr+n) overlaps fenced local memory.
+	// It is called like the agent's other methods.
+	Fenced(addr, n uint64) bool
+}
+
 // ProcessNamer is implemented by engines whose metadata names the process
 // that made it. MetadataProcess decodes only (it touches no state of the
 // agent, so any goroutine may call it) and reports the process id and

@@ -274,7 +274,8 @@ type direct struct {
 
 	// loop-only
 	active   []*dirJob
-	watched  []*Peer // direct peers with a live pidfd
+	held     []*dirJob // READs into local memory the engine fences (holdJob)
+	watched  []*Peer   // direct peers with a live pidfd
 	pollFDs  []unix.PollFd
 	polled   []*Peer // the peers of pollFDs, in order
 	lastPoll int64
@@ -305,8 +306,11 @@ type dirJob struct {
 	err        error
 	idx        int  // position in active
 	live       bool // counted in InFlight: the READ has not ended yet
-	// running: handed to the pool, not yet ended (loop only).
+	// running: handed to the pool, not yet ended, or held (loop only).
 	running bool
+	// held: waiting in direct.held for the engine's fences over its local
+	// blocks to lift; nothing of it has been copied (loop only).
+	held bool
 	// endCode: the READ was ended while its copy ran (its peer removed,
 	// replaced or closed); it is published with this code once no chunk
 	// of the copy can write the local region any more (loop only). stop
@@ -682,6 +686,109 @@ func (r *Reactor) submitDirect(h uint64, s *slot, p *Peer) {
 	d.pool.Submit(&j.Job, int(j.total))
 }
 
+// fencing reports whether the engine fences local memory now: late data
+// of an engine READ that ended with requests outstanding may still land
+// there (nixl.LocalFencer). Any goroutine.
+func (r *Reactor) fencing() bool { return r.fencer != nil && r.fencer.Fencing() }
+
+// jobFenced reports whether one of j's local blocks is fenced. Loop only.
+func (r *Reactor) jobFenced(j *dirJob) bool {
+	base := r.dir.base
+	if j.blk != 0 {
+		for _, l := range j.li {
+			if r.fencer.Fenced(base+j.ldst+uint64(l)*j.blk, j.blk) {
+				return true
+			}
+		}
+		return false
+	}
+	for _, g := range j.segs {
+		if r.fencer.Fenced(base+g.dst, g.n) {
+			return true
+		}
+	}
+	return false
+}
+
+// holdJob keeps a direct READ into fenced local memory in flight, copying
+// nothing, until the fences over it lift: copied now, its blocks could
+// still be overwritten by the late data of the engine READ that left the
+// fence. It then goes to the copy workers (releaseHeldJobs). It counts as
+// running, so that a release leaves its end to releaseHeldJobs. Loop only.
+func (r *Reactor) holdJob(j *dirJob) {
+	j.held, j.running, j.live = true, true, true
+	r.inflight.Add(1)
+	r.dir.held = append(r.dir.held, j)
+}
+
+// releaseHeldJobs hands the held READs no fence covers any more to the
+// copy workers, oldest first, and ends those released, timed out or whose
+// peer has gone. It reports whether it did anything. Loop only.
+func (r *Reactor) releaseHeldJobs() bool {
+	d := r.dir
+	t := r.timeout.Load()
+	keep := d.held[:0]
+	timedOut, first := 0, ""
+	for _, j := range d.held {
+		s, w := r.tab.lookup(j.h)
+		switch {
+		case j.stop.Load() || s == nil || s.job != j || wordState(w) != stProc:
+			r.endHeld(j, j.endCode) // released (or ended by its peer's removal)
+		case j.peer.gone.Load() != 0:
+			r.endHeld(j, j.peer.gone.Load())
+		case t > 0 && r.lastTime-s.start >= t:
+			if timedOut == 0 {
+				first = j.peer.Name
+			}
+			timedOut++
+			r.endHeld(j, codeTimeout)
+		case r.fencing() && r.jobFenced(j):
+			keep = append(keep, j)
+		default:
+			j.held, j.running, j.live = false, false, false
+			r.inflight.Add(-1) // submitDirect counts it again
+			r.submitDirect(j.h, s, j.peer)
+		}
+	}
+	did := len(keep) != len(d.held)
+	clear(d.held[len(keep):])
+	d.held = keep
+	r.logTimeouts(timedOut, first)
+	return did
+}
+
+// endHeld ends a held READ, nothing of it copied: with code if its slot is
+// still the READ's and in flight; a released one is counted canceled and
+// its slot freed (or left to onCancel, as endJob does). The caller takes j
+// out of direct.held. Loop only.
+func (r *Reactor) endHeld(j *dirJob, code uint64) {
+	j.held, j.running = false, false
+	if j.live {
+		j.live = false
+		r.inflight.Add(-1)
+	}
+	if s, w := r.tab.lookup(j.h); s != nil && s.job == j {
+		s.job = nil
+		switch wordState(w) {
+		case stCanceling:
+			r.st.canceled.Add(1)
+			s.trim()
+			if s.cancelDrained {
+				s.cancelDrained = false
+				r.tab.free(s, w)
+				r.ended = true
+			}
+		case stProc:
+			if code == 0 {
+				code = codeCanceled
+			}
+			s.trim()
+			r.fail(j.h, s, code)
+		}
+	}
+	j.recycle()
+}
+
 // build turns the index lists into merged runs.
 func (j *dirJob) build(loc *local, p *Peer, li, ri []int, base, rbase uint64) {
 	j.segs = j.segs[:0]
@@ -935,6 +1042,20 @@ func (r *Reactor) failDirectReads(p *Peer, code uint64) int {
 			n++
 		}
 	}
+	// Held READs have copied nothing: they end now.
+	keep := r.dir.held[:0]
+	for _, j := range r.dir.held {
+		if j.peer != p {
+			keep = append(keep, j)
+			continue
+		}
+		if s, w := r.tab.lookup(j.h); s != nil && wordState(w) == stProc && s.job == j {
+			n++
+		}
+		r.endHeld(j, code)
+	}
+	clear(r.dir.held[len(keep):])
+	r.dir.held = keep
 	return n
 }
 

@@ -137,9 +137,11 @@ func (r *Reactor) parkMillis() int {
 	if r.agent.EventFD() < 0 && timeout > time.Millisecond {
 		timeout = time.Millisecond // the engine cannot wake us
 	}
-	if d := r.dir; d != nil && len(d.ns.backlog) > 0 && timeout > time.Millisecond {
+	if d := r.dir; d != nil && (len(d.ns.backlog) > 0 || len(d.held) > 0) && timeout > time.Millisecond {
 		// Notifications a producer's full socket refused are retried
-		// every turn, and nothing wakes the loop when that socket drains.
+		// every turn, and nothing wakes the loop when that socket drains;
+		// held direct READs are looked at every turn too (their fences
+		// may go with a process's exit, their timeout may pass).
 		timeout = time.Millisecond
 	}
 	if t := r.timeout.Load(); t > 0 && r.pLen > 0 {
@@ -228,6 +230,9 @@ func (r *Reactor) turn() bool {
 	}
 	if r.pLen > 0 {
 		completed += r.expire()
+	}
+	if r.dir != nil && len(r.dir.held) > 0 && r.releaseHeldJobs() {
+		work = true
 	}
 	if r.takeNotifs() {
 		work = true
@@ -351,6 +356,10 @@ func (r *Reactor) submit(h uint64) {
 		return
 	}
 	if s.job != nil {
+		if r.fencing() && r.jobFenced(s.job) {
+			r.holdJob(s.job)
+			return
+		}
 		r.submitDirect(h, s, p)
 		return
 	}

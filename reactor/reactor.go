@@ -105,6 +105,10 @@ type Reactor struct {
 	epoch time.Time
 
 	dropper nixl.NotifDropper // agent, if it counts notifications it lost; else nil
+	// fencer: agent, if it may still write local memory after a READ into
+	// it has ended (late data of a cancelled READ); direct READs into such
+	// memory are held (heldJobs). Else nil.
+	fencer nixl.LocalFencer
 	// undeliverer: agent, if it counts notifications it dropped unsent;
 	// else nil.
 	undeliverer nixl.NotifUndeliverer
@@ -185,6 +189,10 @@ func Start(agent nixl.Agent, opts Options, setup Setup) (*Reactor, error) {
 		tab:     newTable(o.Handles),
 		epoch:   time.Now(),
 		dropper: dropper(agent),
+		fencer: func() nixl.LocalFencer {
+			f, _ := agent.(nixl.LocalFencer)
+			return f
+		}(),
 		undeliverer: func() nixl.NotifUndeliverer {
 			u, _ := agent.(nixl.NotifUndeliverer)
 			return u
@@ -355,8 +363,10 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 	if p.direct != nil && r.dir != nil {
 		// Whether the producer still lives is checked when the copy ends
 		// (copyInline, endJob), not here.
-		if bytes <= r.dir.inline {
-			// Copied here and now: the index lists are not kept.
+		if bytes <= r.dir.inline && !r.fencing() {
+			// Copied here and now: the index lists are not kept. (While
+			// the engine fences local memory the reactor looks at the
+			// READ first: holdJob.)
 			return r.postInline(h, s, p, localIdx, remoteIdx, notif)
 		}
 		// The copy's runs and the notification go with the job (jobs are
@@ -568,8 +578,10 @@ func (r *Reactor) badHandle() error {
 // Release frees a handle. A finished transfer's slot is freed at once; an
 // in-flight one is canceled by the reactor. For a direct READ on the copy
 // pool Release returns only once its copy has stopped (awaitStopped), so
-// nothing writes its local blocks afterwards. A second release of the same
-// handle returns ErrBadHandle.
+// nothing writes its local blocks afterwards; with an engine that fences
+// local memory (nixl.LocalFencer) it returns once the loop has released
+// any in-flight READ, so the fence its late data needs is up by then. A
+// second release of the same handle returns ErrBadHandle.
 func (r *Reactor) Release(h uint64) error {
 	if r.closing.Load() {
 		return ErrClosed
@@ -593,7 +605,12 @@ func (r *Reactor) Release(h uint64) error {
 					panic("reactor: cancel ring full: a slot was freed before its cancel entry was drained")
 				}
 				r.wake()
-				if s.pooled.Load() {
+				if s.pooled.Load() || r.fencer != nil {
+					// A direct READ: its copy stops first. An engine READ
+					// whose engine fences the memory a cancelled READ's
+					// late data may land in: the fence is up when Release
+					// returns, so a READ posted next into those blocks,
+					// even one the caller copies itself, sees it.
 					r.awaitStopped(h)
 				}
 				return nil

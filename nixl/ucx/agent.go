@@ -10,6 +10,7 @@ import "C"
 import (
 	"fmt"
 	"os"
+	"sync/atomic"
 	"time"
 	"unsafe"
 
@@ -179,9 +180,10 @@ type Agent struct {
 	// gets UCX has not called back yet, and held the READs posted into
 	// them, waiting (fence.go).
 	fences      map[nixl.XferID]fence
-	fenceSpans  []span // every fence's spans, sorted and merged
-	fenceDirty  bool   // fences changed since fenceSpans was built
-	fenceLifted bool   // a fence was lifted: drainC looks at held
+	fenceSpans  []span       // every fence's spans, sorted and merged
+	fenceDirty  bool         // fences changed since fenceSpans was built
+	fenceLifted bool         // a fence was lifted: drainC looks at held
+	fenceN      atomic.Int64 // len(fences), for Fencing from any goroutine
 	held        []heldXfer
 	gone        map[*peer]int // removed peers with fences: a dup of the pidfd
 	// staged holds the peers staged and neither committed nor aborted;

@@ -58,6 +58,22 @@ func (a *Agent) fenceOrphan(x *xfer) {
 	}
 	a.fences[x.id] = f
 	a.fenceDirty = true
+	a.fenceN.Store(int64(len(a.fences)))
+}
+
+var _ nixl.LocalFencer = (*Agent)(nil)
+
+// Fencing reports whether local memory is fenced (nixl.LocalFencer); any
+// goroutine may call it.
+func (a *Agent) Fencing() bool { return a.fenceN.Load() > 0 }
+
+// Fenced reports whether [addr, addr+n) overlaps a fence
+// (nixl.LocalFencer).
+func (a *Agent) Fenced(addr, n uint64) bool {
+	if len(a.fences) == 0 || n == 0 {
+		return false
+	}
+	return a.overlaps(addr, addr+min(n, ^addr))
 }
 
 // liftFence drops the fence of orphan id, if it has one; drainC then
@@ -69,6 +85,7 @@ func (a *Agent) liftFence(id nixl.XferID) {
 	delete(a.fences, id)
 	a.fenceDirty = true
 	a.fenceLifted = true
+	a.fenceN.Store(int64(len(a.fences)))
 }
 
 // liftPeerFences drops the fences of p's orphans (see above).
@@ -81,6 +98,7 @@ func (a *Agent) liftPeerFences(p *peer) {
 	}
 	if len(a.fences) != n {
 		a.fenceDirty = true
+		a.fenceN.Store(int64(len(a.fences)))
 		a.releaseHeld()
 	}
 }
@@ -90,25 +108,29 @@ func (a *Agent) fenced(x *xfer) bool {
 	if len(a.fences) == 0 || x.op != nixl.Read {
 		return false
 	}
-	if a.fenceDirty {
-		a.mergeFences()
-	}
-	m := a.fenceSpans
 	for _, r := range unsafe.Slice(x.ranges, x.nranges) {
-		lo, hi := uint64(r.local), uint64(r.local)+uint64(r.len)
-		// The first merged span that ends after lo; it overlaps when it
-		// starts before hi.
-		i, _ := slices.BinarySearchFunc(m, lo, func(s span, v uint64) int {
-			if s.hi <= v {
-				return -1
-			}
-			return 1
-		})
-		if i < len(m) && m[i].lo < hi {
+		if a.overlaps(uint64(r.local), uint64(r.local)+uint64(r.len)) {
 			return true
 		}
 	}
 	return false
+}
+
+// overlaps reports whether [lo, hi) overlaps a fence.
+func (a *Agent) overlaps(lo, hi uint64) bool {
+	if a.fenceDirty {
+		a.mergeFences()
+	}
+	m := a.fenceSpans
+	// The first merged span that ends after lo; it overlaps when it starts
+	// before hi.
+	i, _ := slices.BinarySearchFunc(m, lo, func(s span, v uint64) int {
+		if s.hi <= v {
+			return -1
+		}
+		return 1
+	})
+	return i < len(m) && m[i].lo < hi
 }
 
 // mergeFences sorts and merges every fence's spans into a.fenceSpans.

@@ -1,0 +1,156 @@
+package ecxfer
+
+import (
+	"math/rand"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/ecxfer/ecxfer/internal/leakcheck"
+	"github.com/ecxfer/ecxfer/internal/pattern"
+)
+
+// An engine-path READ released while its gets are outstanding (its
+// producer, a real process, stopped) may still have their replies land in
+// its local blocks when the producer resumes. A direct-path READ of
+// another producer into those blocks is held until they have landed, on
+// the copy workers and inline alike, so its bytes are the ones that stay;
+// direct READs into other blocks are not held. Before, the direct READ
+// copied at once, and the old producer's late reply then overwrote it.
+// A held READ can be released, ends with its peer's removal, times out,
+// and ends at Deregister.
+func TestDirectReadHeldByEngineFence(t *testing.T) {
+	for _, tc := range tlsCases {
+		t.Run(tc.name, func(t *testing.T) {
+			env := withTLS(t, tc.tls)
+			leakcheck.Check(t)
+			old := uniqueName("old")
+			po := startTestProducer(t, nil, old, relBS, relNB, 11, "mmap", append(env, "ECX_DIRECT=0")...)
+			e := ucxEnv(t)
+			pn := e.transport(uniqueName("new"), relBS, relNB, direct)
+			pattern.FillRegion(pn.Region(), 12, relBS)
+			cons := e.transport(uniqueName("cons"), relBS, relNB, direct, sharedQueue)
+			_, err := cons.AddRemotePeer(po.hello.Metadata, po.hello.MemDesc)
+			require.NoError(t, err)
+			nw, err := cons.AddRemotePeer(pn.AgentMetadata(), pn.MemDescriptor())
+			require.NoError(t, err)
+			require.Equal(t, "engine", cons.PeerPath(old))
+			require.Contains(t, cons.PeerPath(nw), "direct")
+			rng := rand.New(rand.NewSource(3))
+			readVerify(t, cons, old, 64, 11, rng)
+			readVerify(t, cons, nw, 64, 12, rng)
+
+			orphan := func() {
+				t.Helper()
+				po.signal(syscall.SIGSTOP)
+				po.waitStopped()
+				h, err := cons.PostRead(seq(0, 40), old, seq(500, 40), nil)
+				require.NoError(t, err)
+				require.Eventually(t, func() bool { return cons.Stats().InFlight == 1 }, 10*time.Second, time.Millisecond)
+				time.Sleep(20 * time.Millisecond) // its gets leave; nobody answers
+				require.NoError(t, cons.ReleaseXferHandle(h))
+			}
+			post := func(local []int, remote int) Handle {
+				t.Helper()
+				h, err := cons.PostRead(local, nw, seq(remote, len(local)), []byte("n"))
+				require.NoError(t, err)
+				return h
+			}
+			held := func(hs ...Handle) {
+				t.Helper()
+				time.Sleep(100 * time.Millisecond)
+				for _, h := range hs {
+					st, err := cons.CheckXferState(h)
+					require.NoError(t, err)
+					require.Equal(t, StateProc, st, "a direct READ into blocks an engine READ's late data may still write was not held")
+				}
+			}
+			verify := func(local []int, remote int) {
+				t.Helper()
+				for k, l := range local {
+					ok, off := pattern.Check(block(cons, relBS, l), 12, remote+k)
+					require.True(t, ok, "local block %d is not block %d of the direct producer (differs at %d)", l, remote+k, off)
+				}
+			}
+			done := func(h Handle) {
+				t.Helper()
+				st, err := wait(t, cons, h)
+				require.NoError(t, err)
+				require.Equal(t, StateDone, st)
+				require.NoError(t, cons.ReleaseXferHandle(h))
+			}
+			ends := func(h Handle, want error) {
+				t.Helper()
+				st, err := wait(t, cons, h)
+				require.Equal(t, StateErr, st)
+				require.ErrorIs(t, err, want)
+				require.NoError(t, cons.ReleaseXferHandle(h))
+			}
+
+			orphan()
+			inline := post([]int{0}, 100)   // 5,120 bytes: copied by the caller when not held
+			pooled := post(seq(1, 31), 101) // 158,720 bytes: the copy workers
+			free, freeInline := post(seq(200, 32), 200), post([]int{300}, 300)
+			done(free)
+			done(freeInline)
+			verify(seq(200, 32), 200)
+			verify([]int{300}, 300)
+			held(inline, pooled)
+			require.Equal(t, int64(2), cons.Stats().InFlight)
+			released := post(seq(32, 4), 132)
+			held(released)
+			require.NoError(t, cons.ReleaseXferHandle(released))
+			require.Eventually(t, func() bool { return cons.Stats().InFlight == 2 }, 10*time.Second, time.Millisecond)
+
+			// The old producer resumes: its late replies land, then the
+			// held READs copy over them.
+			po.signal(syscall.SIGCONT)
+			done(inline)
+			done(pooled)
+			readVerify(t, cons, old, 64, 11, rng) // the old producer has answered everything before
+			time.Sleep(50 * time.Millisecond)
+			verify([]int{0}, 100)
+			verify(seq(1, 31), 101)
+
+			// A held READ times out, ends with its peer's removal, and
+			// ends at Deregister.
+			orphan()
+			cons.r.SetTimeout(300 * time.Millisecond)
+			ends(post(seq(36, 4), 136), ErrTimeout)
+			cons.r.SetTimeout(DefaultXferTimeout)
+			h := post(seq(0, 4), 100)
+			held(h)
+			require.NoError(t, cons.RemoveRemotePeer(nw))
+			ends(h, ErrCanceled)
+			_, err = cons.AddRemotePeer(pn.AgentMetadata(), pn.MemDescriptor())
+			require.NoError(t, err)
+			h = post(seq(0, 4), 100)
+			held(h)
+			if tc.tls != "" {
+				// Over tcp the old producer, resumed after the consumer
+				// has gone, would find its gets' endpoint closed, which
+				// UCX 1.13 treats as fatal: it resumes first here.
+				po.signal(syscall.SIGCONT)
+				done(h)
+				return
+			}
+			require.NoError(t, cons.Deregister())
+			st, err := cons.CheckXferState(h)
+			require.Equal(t, StateErr, st)
+			require.ErrorIs(t, err, ErrClosed)
+			require.Zero(t, cons.Stats().InFlight)
+			po.signal(syscall.SIGCONT)
+		})
+	}
+}
+
+// seq returns n consecutive block indices from first.
+func seq(first, n int) []int {
+	s := make([]int, n)
+	for i := range s {
+		s[i] = first + i
+	}
+	return s
+}
