@@ -50,6 +50,7 @@ func (r *Reactor) run(ready chan<- error, setup Setup) {
 	for !r.stop {
 		if r.turn() {
 			last = r.lastTime
+			r.armBusy = false
 			continue
 		}
 		idle := time.Duration(r.lastTime - last)
@@ -108,11 +109,15 @@ func (r *Reactor) park(events []unix.EpollEvent, idle time.Duration) {
 	}
 	if ok, err := r.agent.Arm(); err != nil || !ok {
 		// The engine has events pending, so its fd cannot be armed: the
-		// next turn normally handles them. But an engine can stay busy
-		// with work that never finishes and never shows (UCX retrying
-		// sends into the full shared-memory queue of a dead peer). After
-		// YieldFor without any work, nap instead of spinning.
-		if idle < r.opts.YieldFor {
+		// next turn normally handles them (ucx's Arm progresses the
+		// worker first, so a message that arrived since the last turn is
+		// found here). But an engine can stay busy with work that never
+		// finishes and never shows (UCX retrying sends into the full
+		// shared-memory queue of a dead peer). After YieldFor without any
+		// work, and a turn since the last busy Arm that found none, nap
+		// instead of spinning.
+		if idle < r.opts.YieldFor || !r.armBusy {
+			r.armBusy = true
 			return
 		}
 		// The engine's fd stays readable: wait on the wake-up fd alone.
@@ -123,6 +128,7 @@ func (r *Reactor) park(events []unix.EpollEvent, idle time.Duration) {
 		_, _ = unix.Read(r.wakeFD, buf[:])
 		return
 	}
+	r.armBusy = false
 	r.st.parks.Add(1)
 	_, _ = unix.EpollWait(r.epollFD, events, r.parkMillis())
 	var buf [8]byte

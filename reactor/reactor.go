@@ -105,6 +105,9 @@ type Reactor struct {
 	epoch time.Time
 
 	dropper nixl.NotifDropper // agent, if it counts notifications it lost; else nil
+	// armBusy: the engine refused to arm at the last park, and no turn
+	// since found work (park naps only then). Loop only.
+	armBusy bool
 	// fencer: agent, if it may still write local memory after a READ into
 	// it has ended (late data of a cancelled READ); direct READs into such
 	// memory are held (heldJobs). Else nil.

@@ -3,6 +3,7 @@ package reactor
 import (
 	"context"
 	"math"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -173,4 +174,78 @@ func TestSetTimeoutWakesParkedLoop(t *testing.T) {
 	cons.SetTimeout(time.Millisecond)
 	require.ErrorIs(t, waitEnd(t, cons, h), ErrTimeout, "the parked loop slept through the new timeout")
 	require.NoError(t, cons.Release(h))
+}
+
+// busyArmAgent is a loopback agent whose Arm can be made to refuse, as
+// ucx's does when the progress it runs before arming finds a message that
+// arrived since the loop's last turn. It records the loop's parks at the
+// refusal and at the next Progress.
+type busyArmAgent struct {
+	*loopback.Agent
+	r          *Reactor
+	busyOnce   atomic.Bool // refuse the next Arm
+	busyAlways atomic.Bool
+	armed      atomic.Bool // a refusal happened; the next Progress records
+	parksAt    [2]atomic.Uint64
+	progressed atomic.Bool
+}
+
+func (a *busyArmAgent) Arm() (bool, error) {
+	if a.busyAlways.Load() {
+		return false, nil
+	}
+	if a.busyOnce.CompareAndSwap(true, false) {
+		a.parksAt[0].Store(a.r.st.parks.Load())
+		a.armed.Store(true)
+		return false, nil
+	}
+	return a.Agent.Arm()
+}
+
+func (a *busyArmAgent) Progress() (bool, error) {
+	if a.armed.CompareAndSwap(true, false) {
+		a.parksAt[1].Store(a.r.st.parks.Load())
+		a.progressed.Store(true)
+	}
+	return a.Agent.Progress()
+}
+
+// A loop idle for longer than YieldFor whose engine refuses to arm takes
+// another turn at once: what made the engine busy is usually a message
+// that just arrived. It used to nap 1 ms first. An engine that stays busy
+// with nothing to show still makes the loop nap rather than spin.
+func TestBusyArmTakesAnotherTurn(t *testing.T) {
+	leakcheck.Check(t)
+	la, err := loopback.New(uniqueName("busyarm"))
+	require.NoError(t, err)
+	eng := &busyArmAgent{Agent: la}
+	for _, idle := range []IdleStrategy{IdlePark, IdleHybrid} {
+		r, err := Start(eng, Options{Idle: idle}, blockSetup(64, 4))
+		require.NoError(t, err)
+		eng.r = r
+		for range 5 {
+			time.Sleep(5 * time.Millisecond) // idle for longer than YieldFor, parked
+			eng.progressed.Store(false)
+			eng.busyOnce.Store(true)
+			r.wake()
+			require.Eventually(t, eng.progressed.Load, 5*time.Second, 100*time.Microsecond, "%v: the loop never took a turn after the engine refused to arm", idle)
+			require.Equal(t, eng.parksAt[0].Load(), eng.parksAt[1].Load(),
+				"%v: the loop napped between the engine's refusal to arm and its next turn", idle)
+		}
+		eng.busyAlways.Store(true)
+		r.wake() // out of its sleep, into the busy engine
+		s0 := r.Stats()
+		time.Sleep(50 * time.Millisecond)
+		s1 := r.Stats()
+		eng.busyAlways.Store(false)
+		turns, parks := s1.LoopTurns-s0.LoopTurns, s1.Parks-s0.Parks
+		t.Logf("%v, engine always busy for 50ms: %d turns, %d naps", idle, turns, parks)
+		require.Positive(t, parks, "%v: an engine that never arms made the loop spin", idle)
+		require.Less(t, turns, 20*parks+20, "%v: an engine that never arms made the loop spin", idle)
+		require.NoError(t, r.Close())
+		la, err = loopback.New(uniqueName("busyarm"))
+		require.NoError(t, err)
+		eng.Agent = la
+	}
+	require.NoError(t, la.Close())
 }
