@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/ecxfer/ecxfer/nixl"
 )
 
@@ -69,4 +71,11 @@ func quoteName(name string) string {
 		return fmt.Sprintf("%q", name)
 	}
 	return fmt.Sprintf("%q... (%d bytes)", name[:maxQuotedName], len(name))
+}
+
+// outOfResources reports whether err is this process running out of
+// descriptors or memory (an errno in its chain), not a fault of what the
+// caller passed.
+func outOfResources(err error) bool {
+	return errors.Is(err, unix.EMFILE) || errors.Is(err, unix.ENFILE) || errors.Is(err, unix.ENOMEM)
 }

@@ -708,6 +708,9 @@ func (r *Reactor) addPeer(md []byte, descs descriptors.List, d *Direct) (_ strin
 		}
 	}
 	if err != nil {
+		if outOfResources(err) {
+			return "", fmt.Errorf("%w: %w", ErrEngine, err)
+		}
 		return "", fmt.Errorf("%w: %v", ErrBadMetadata, err)
 	}
 	old := r.peer(name)

@@ -9,6 +9,7 @@ import "C"
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"sort"
 	"time"
 	"unsafe"
@@ -208,14 +209,29 @@ func (a *Agent) checkCompatible(m *metadata) error {
 func openPidfd(m *metadata) (int, error) {
 	fd, err := unix.PidfdOpen(int(m.Pid), unix.PIDFD_NONBLOCK)
 	if err != nil {
+		if outOfResources(err) {
+			return -1, fmt.Errorf("%w: ucx: peer %q (pid %d): pidfd_open: %w", nixl.ErrBackend, m.Name, m.Pid, err)
+		}
 		return -1, nixl.Errorf(nixl.ErrRemoteDisconnect, "ucx: peer %q (pid %d): %v", m.Name, m.Pid, err)
 	}
 	// The pid may have been recycled; the start time tells.
-	if st, err := procinfo.StartTime(int(m.Pid)); err != nil || st != m.Start {
+	st, err := procinfo.StartTime(int(m.Pid))
+	if err != nil && outOfResources(err) {
+		unix.Close(fd)
+		return -1, fmt.Errorf("%w: ucx: peer %q (pid %d): %w", nixl.ErrBackend, m.Name, m.Pid, err)
+	}
+	if err != nil || st != m.Start {
 		unix.Close(fd)
 		return -1, nixl.Errorf(nixl.ErrRemoteDisconnect, "ucx: peer %q (pid %d) is gone", m.Name, m.Pid)
 	}
 	return fd, nil
+}
+
+// outOfResources reports whether err is this process out of descriptors
+// or memory: not a sign that a peer is gone. The errno stays in the chain
+// of the error built from it, for callers to tell.
+func outOfResources(err error) bool {
+	return errors.Is(err, unix.EMFILE) || errors.Is(err, unix.ENFILE) || errors.Is(err, unix.ENOMEM)
 }
 
 // connect indexes p's regions, creates its endpoint, unpacks its rkeys
