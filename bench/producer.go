@@ -40,11 +40,15 @@ func ProducerMain() int {
 	// that started this producer ends it (it closes the control pipe)
 	// once it has stopped its cells, instead of finding it gone.
 	signal.Ignore(os.Interrupt)
-	in, out := os.NewFile(3, "ctrl-in"), os.NewFile(4, "ctrl-out")
-	if in == nil || out == nil {
-		fmt.Fprintln(os.Stderr, "ecxfer-bench producer: file descriptors 3 and 4 must be the control pipes")
+	if !isPipe(3) || !isPipe(4) {
+		// Run by hand: a message that says what this is, not a "bad
+		// frame" from reading whatever descriptor 3 happens to be.
+		fmt.Fprintln(os.Stderr, "ecxfer-bench producer: this is the producer process `ecxfer-bench run` starts, "+
+			"with its control pipes on file descriptors 3 and 4; it is not run by hand "+
+			"(a producer of your own for run --connect: ecxfer-bench serve --listen ADDR)")
 		return 2
 	}
+	in, out := os.NewFile(3, "ctrl-in"), os.NewFile(4, "ctrl-out")
 	backend := os.Getenv(BackendEnv)
 	if backend == "" {
 		backend = "ucx"
@@ -376,3 +380,9 @@ func (p *producer) close() error {
 const timedMagic = "ecxbNTF:"
 
 func isTimed(msg []byte) bool { return len(msg) == 16 && string(msg[:8]) == timedMagic }
+
+// isPipe reports whether descriptor fd is open and a pipe.
+func isPipe(fd int) bool {
+	var st unix.Stat_t
+	return unix.Fstat(fd, &st) == nil && st.Mode&unix.S_IFMT == unix.S_IFIFO
+}

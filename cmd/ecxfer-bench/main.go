@@ -44,7 +44,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 	case "serve":
 		return serveCmd(args[1:], stderr)
 	case "producer":
-		// Hidden: the child role, for running it by hand.
+		// Hidden: the child role run starts (by hand it says what it is).
 		return bench.ProducerMain()
 	case "-h", "-help", "--help", "help":
 		fmt.Fprint(stdout, usage)
