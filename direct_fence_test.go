@@ -19,8 +19,9 @@ import (
 // the copy workers and inline alike, so its bytes are the ones that stay;
 // direct READs into other blocks are not held. Before, the direct READ
 // copied at once, and the old producer's late reply then overwrote it.
-// A held READ can be released, ends with its peer's removal, times out,
-// and ends at Deregister.
+// A held READ can be released, times out, ends with its peer's removal
+// or replacement and at Deregister, and copies nothing then; the counts
+// add up.
 func TestDirectReadHeldByEngineFence(t *testing.T) {
 	for _, tc := range tlsCases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -42,11 +43,14 @@ func TestDirectReadHeldByEngineFence(t *testing.T) {
 			readVerify(t, cons, old, 64, 11, rng)
 			readVerify(t, cons, nw, 64, 12, rng)
 
+			// orphan leaves the local blocks 0-79 fenced: a READ of the
+			// stopped old producer into them, released with its gets
+			// outstanding.
 			orphan := func() {
 				t.Helper()
 				po.signal(syscall.SIGSTOP)
 				po.waitStopped()
-				h, err := cons.PostRead(seq(0, 40), old, seq(500, 40), nil)
+				h, err := cons.PostRead(seq(0, 80), old, seq(500, 80), nil)
 				require.NoError(t, err)
 				require.Eventually(t, func() bool { return cons.Stats().InFlight == 1 }, 10*time.Second, time.Millisecond)
 				time.Sleep(20 * time.Millisecond) // its gets leave; nobody answers
@@ -88,8 +92,35 @@ func TestDirectReadHeldByEngineFence(t *testing.T) {
 				require.ErrorIs(t, err, want)
 				require.NoError(t, cons.ReleaseXferHandle(h))
 			}
+			// untouched: a held READ that did not complete copied nothing.
+			const mark = 0x5a
+			marked := func(local []int) {
+				for _, l := range local {
+					b := block(cons, relBS, l)
+					for i := range b {
+						b[i] = mark
+					}
+				}
+			}
+			untouched := func(local []int) {
+				t.Helper()
+				for _, l := range local {
+					for i, c := range block(cons, relBS, l) {
+						require.Equal(t, byte(mark), c, "block %d byte %d written by a READ that did not complete", l, i)
+					}
+				}
+			}
+			balanced := func() {
+				t.Helper()
+				require.Eventually(t, func() bool {
+					st := cons.Stats()
+					return st.InFlight == 0 && st.ReadsPosted == st.ReadsDone+st.ReadsFailed+st.ReadsCanceled
+				}, 10*time.Second, time.Millisecond, "%+v", cons.Stats())
+				require.Zero(t, cons.Stats().LiveHandles)
+			}
 
 			orphan()
+			inline0 := cons.Stats().InlineReads
 			inline := post([]int{0}, 100)   // 5,120 bytes: copied by the caller when not held
 			pooled := post(seq(1, 31), 101) // 158,720 bytes: the copy workers
 			free, freeInline := post(seq(200, 32), 200), post([]int{300}, 300)
@@ -97,9 +128,11 @@ func TestDirectReadHeldByEngineFence(t *testing.T) {
 			done(freeInline)
 			verify(seq(200, 32), 200)
 			verify([]int{300}, 300)
+			require.Equal(t, inline0+1, cons.Stats().InlineReads, "only the READ into unfenced blocks was copied inline")
 			held(inline, pooled)
 			require.Equal(t, int64(2), cons.Stats().InFlight)
-			released := post(seq(32, 4), 132)
+			marked(seq(32, 30))
+			released := post(seq(32, 30), 132) // on the copy workers when not held
 			held(released)
 			require.NoError(t, cons.ReleaseXferHandle(released))
 			require.Eventually(t, func() bool { return cons.Stats().InFlight == 2 }, 10*time.Second, time.Millisecond)
@@ -113,12 +146,14 @@ func TestDirectReadHeldByEngineFence(t *testing.T) {
 			time.Sleep(50 * time.Millisecond)
 			verify([]int{0}, 100)
 			verify(seq(1, 31), 101)
+			balanced()
 
-			// A held READ times out, ends with its peer's removal, and
-			// ends at Deregister.
+			// A held READ times out, ends with its peer's removal or
+			// replacement, and ends at Deregister, copying nothing.
 			orphan()
+			marked(seq(0, 80))
 			cons.r.SetTimeout(300 * time.Millisecond)
-			ends(post(seq(36, 4), 136), ErrTimeout)
+			ends(post(seq(40, 30), 140), ErrTimeout)
 			cons.r.SetTimeout(DefaultXferTimeout)
 			h := post(seq(0, 4), 100)
 			held(h)
@@ -126,6 +161,18 @@ func TestDirectReadHeldByEngineFence(t *testing.T) {
 			ends(h, ErrCanceled)
 			_, err = cons.AddRemotePeer(pn.AgentMetadata(), pn.MemDescriptor())
 			require.NoError(t, err)
+			h = post(seq(4, 30), 104)
+			held(h)
+			// The direct producer restarts (a new transport under its
+			// name): the held READ of the old one ends as replaced.
+			require.NoError(t, pn.Deregister())
+			pn = e.transport(nw, relBS, relNB, direct)
+			pattern.FillRegion(pn.Region(), 12, relBS)
+			_, err = cons.AddRemotePeer(pn.AgentMetadata(), pn.MemDescriptor())
+			require.NoError(t, err)
+			ends(h, ErrRemoteDisconnect)
+			untouched(seq(0, 80))
+			balanced()
 			h = post(seq(0, 4), 100)
 			held(h)
 			if tc.tls != "" {
@@ -134,6 +181,8 @@ func TestDirectReadHeldByEngineFence(t *testing.T) {
 				// UCX 1.13 treats as fatal: it resumes first here.
 				po.signal(syscall.SIGCONT)
 				done(h)
+				verify(seq(0, 4), 100)
+				balanced()
 				return
 			}
 			require.NoError(t, cons.Deregister())
@@ -141,6 +190,8 @@ func TestDirectReadHeldByEngineFence(t *testing.T) {
 			require.Equal(t, StateErr, st)
 			require.ErrorIs(t, err, ErrClosed)
 			require.Zero(t, cons.Stats().InFlight)
+			s := cons.Stats()
+			require.Equal(t, s.ReadsPosted, s.ReadsDone+s.ReadsFailed+s.ReadsCanceled)
 			po.signal(syscall.SIGCONT)
 		})
 	}

@@ -49,8 +49,11 @@ type LocalFencer interface {
 	// goroutine may call it; it is one atomic load. It becomes true
 	// before the READ whose end fenced the memory is reported ended.
 	Fencing() bool
-	// Fenced reports whether [addr, addr+n) overlaps fenced local memory.
-	// It is called like the agent's other methods.
+	// Fenced reports whether [addr, addr+n) may overlap fenced local
+	// memory. Any goroutine may call it. It never answers false for
+	// memory fenced before the call began; for a short while after a
+	// change of the fences (until the engine next progresses) it may
+	// answer true for memory no fence covers.
 	Fenced(addr, n uint64) bool
 }
 

@@ -306,11 +306,10 @@ type dirJob struct {
 	err        error
 	idx        int  // position in active
 	live       bool // counted in InFlight: the READ has not ended yet
-	// running: handed to the pool, not yet ended, or held (loop only).
+	// running: handed to the pool and not yet ended, or held in
+	// direct.held, nothing copied yet, until the engine's fences over its
+	// local blocks lift (loop only).
 	running bool
-	// held: waiting in direct.held for the engine's fences over its local
-	// blocks to lift; nothing of it has been copied (loop only).
-	held bool
 	// endCode: the READ was ended while its copy ran (its peer removed,
 	// replaced or closed); it is published with this code once no chunk
 	// of the copy can write the local region any more (loop only). stop
@@ -691,7 +690,21 @@ func (r *Reactor) submitDirect(h uint64, s *slot, p *Peer) {
 // there (nixl.LocalFencer). Any goroutine.
 func (r *Reactor) fencing() bool { return r.fencer != nil && r.fencer.Fencing() }
 
-// jobFenced reports whether one of j's local blocks is fenced. Loop only.
+// inlineFenced reports whether a READ into localIdx may write memory the
+// engine fences. Caller side: one atomic load while nothing is fenced.
+func (r *Reactor) inlineFenced(loc *local, localIdx []int) bool {
+	if !r.fencing() {
+		return false
+	}
+	for _, i := range localIdx {
+		if d := loc.descs[i]; r.fencer.Fenced(d.Addr, d.Len) {
+			return true
+		}
+	}
+	return false
+}
+
+// jobFenced reports whether one of j's local blocks is fenced.
 func (r *Reactor) jobFenced(j *dirJob) bool {
 	base := r.dir.base
 	if j.blk != 0 {
@@ -716,7 +729,7 @@ func (r *Reactor) jobFenced(j *dirJob) bool {
 // fence. It then goes to the copy workers (releaseHeldJobs). It counts as
 // running, so that a release leaves its end to releaseHeldJobs. Loop only.
 func (r *Reactor) holdJob(j *dirJob) {
-	j.held, j.running, j.live = true, true, true
+	j.running, j.live = true, true
 	r.inflight.Add(1)
 	r.dir.held = append(r.dir.held, j)
 }
@@ -745,7 +758,7 @@ func (r *Reactor) releaseHeldJobs() bool {
 		case r.fencing() && r.jobFenced(j):
 			keep = append(keep, j)
 		default:
-			j.held, j.running, j.live = false, false, false
+			j.running, j.live = false, false
 			r.inflight.Add(-1) // submitDirect counts it again
 			r.submitDirect(j.h, s, j.peer)
 		}
@@ -762,7 +775,7 @@ func (r *Reactor) releaseHeldJobs() bool {
 // its slot freed (or left to onCancel, as endJob does). The caller takes j
 // out of direct.held. Loop only.
 func (r *Reactor) endHeld(j *dirJob, code uint64) {
-	j.held, j.running = false, false
+	j.running = false
 	if j.live {
 		j.live = false
 		r.inflight.Add(-1)

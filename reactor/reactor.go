@@ -366,10 +366,10 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 	if p.direct != nil && r.dir != nil {
 		// Whether the producer still lives is checked when the copy ends
 		// (copyInline, endJob), not here.
-		if bytes <= r.dir.inline && !r.fencing() {
-			// Copied here and now: the index lists are not kept. (While
-			// the engine fences local memory the reactor looks at the
-			// READ first: holdJob.)
+		if bytes <= r.dir.inline && !r.inlineFenced(loc, localIdx) {
+			// Copied here and now: the index lists are not kept. (A READ
+			// into local memory the engine fences goes to the reactor,
+			// which holds it: holdJob.)
 			return r.postInline(h, s, p, localIdx, remoteIdx, notif)
 		}
 		// The copy's runs and the notification go with the job (jobs are
@@ -627,7 +627,9 @@ func (r *Reactor) Release(h uint64) error {
 // awaitStopped returns once the released READ h no longer holds
 // the slot: a direct READ's copy writes its local blocks until it stops,
 // and the slot is freed only then (endJob, onCancel). The chunks already
-// running finish; onCancel has the rest skipped.
+// running finish; onCancel has the rest skipped. For an engine READ it
+// returns once onCancel has released it (and the engine fenced what its
+// late data may still write).
 func (r *Reactor) awaitStopped(h uint64) {
 	w := r.addWaiter()
 	defer r.dropWaiter(w)

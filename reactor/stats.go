@@ -48,7 +48,7 @@ type Stats struct {
 	// between chunks first, and with the ucx engine the release waits
 	// for the loop; see Reactor.Release).
 	LiveHandles int64
-	InFlight    int64        // reads the engine or the copy workers are working on
+	InFlight    int64        // reads the engine or the copy workers are working on, or held (behind a fence)
 	Peers       int          // peers currently known (after Close: those it had then)
 	LoopTurns   uint64       // event loop turns
 	Parks       uint64       // times the reactor slept

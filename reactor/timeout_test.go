@@ -222,6 +222,7 @@ func TestBusyArmTakesAnotherTurn(t *testing.T) {
 	for _, idle := range []IdleStrategy{IdlePark, IdleHybrid} {
 		r, err := Start(eng, Options{Idle: idle}, blockSetup(64, 4))
 		require.NoError(t, err)
+		t.Cleanup(func() { _ = r.Close() }) // on failure; Close is idempotent
 		eng.r = r
 		for range 5 {
 			time.Sleep(5 * time.Millisecond) // idle for longer than YieldFor, parked

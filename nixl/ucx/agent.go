@@ -184,8 +184,12 @@ type Agent struct {
 	fenceDirty  bool         // fences changed since fenceSpans was built
 	fenceLifted bool         // a fence was lifted: drainC looks at held
 	fenceN      atomic.Int64 // len(fences), for Fencing from any goroutine
-	held        []heldXfer
-	gone        map[*peer]int // removed peers with fences: a dup of the pidfd
+	// fenceGen counts changes of fences; fenceView is the merged spans as
+	// of one of them, for Fenced from any goroutine (fence.go).
+	fenceGen  atomic.Uint64
+	fenceView atomic.Pointer[fenceView]
+	held      []heldXfer
+	gone      map[*peer]int // removed peers with fences: a dup of the pidfd
 	// staged holds the peers staged and neither committed nor aborted;
 	// Close closes them with the rest.
 	staged   map[*staged]struct{}
@@ -325,6 +329,7 @@ func (a *Agent) Progress() (bool, error) {
 			did = true
 		}
 	}
+	a.publishFences()
 	return did, nil
 }
 

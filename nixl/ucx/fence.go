@@ -57,8 +57,37 @@ func (a *Agent) fenceOrphan(x *xfer) {
 		f.spans = append(f.spans, span{uint64(r.local), uint64(r.local) + uint64(r.len)})
 	}
 	a.fences[x.id] = f
+	a.fencesChanged()
+}
+
+// fencesChanged records a change of a.fences: for the loop's own look
+// (mergeFences, when next needed) and for other goroutines' (Fencing at
+// once; Fenced's view is stale, so answers true, until Progress
+// publishes the new one).
+func (a *Agent) fencesChanged() {
 	a.fenceDirty = true
 	a.fenceN.Store(int64(len(a.fences)))
+	a.fenceGen.Add(1)
+}
+
+// fenceView is the merged fence spans as of change gen.
+type fenceView struct {
+	gen   uint64
+	spans []span
+}
+
+// publishFences gives other goroutines the fences as they are now, once
+// per batch of changes (Progress calls it: a storm of cancelled READs
+// merges once, not once per READ).
+func (a *Agent) publishFences() {
+	gen := a.fenceGen.Load()
+	if v := a.fenceView.Load(); v != nil && v.gen == gen {
+		return
+	}
+	if a.fenceDirty {
+		a.mergeFences()
+	}
+	a.fenceView.Store(&fenceView{gen: gen, spans: slices.Clone(a.fenceSpans)})
 }
 
 var _ nixl.LocalFencer = (*Agent)(nil)
@@ -67,13 +96,18 @@ var _ nixl.LocalFencer = (*Agent)(nil)
 // goroutine may call it.
 func (a *Agent) Fencing() bool { return a.fenceN.Load() > 0 }
 
-// Fenced reports whether [addr, addr+n) overlaps a fence
-// (nixl.LocalFencer).
+// Fenced reports whether [addr, addr+n) may overlap a fence
+// (nixl.LocalFencer); any goroutine may call it. Until Progress has
+// published the fences after a change it answers true.
 func (a *Agent) Fenced(addr, n uint64) bool {
-	if len(a.fences) == 0 || n == 0 {
+	if a.fenceN.Load() == 0 || n == 0 {
 		return false
 	}
-	return a.overlaps(addr, addr+min(n, ^addr))
+	v := a.fenceView.Load()
+	if v == nil || v.gen != a.fenceGen.Load() {
+		return true
+	}
+	return overlaps(v.spans, addr, addr+min(n, ^addr))
 }
 
 // liftFence drops the fence of orphan id, if it has one; drainC then
@@ -83,9 +117,8 @@ func (a *Agent) liftFence(id nixl.XferID) {
 		return
 	}
 	delete(a.fences, id)
-	a.fenceDirty = true
 	a.fenceLifted = true
-	a.fenceN.Store(int64(len(a.fences)))
+	a.fencesChanged()
 }
 
 // liftPeerFences drops the fences of p's orphans (see above).
@@ -97,8 +130,7 @@ func (a *Agent) liftPeerFences(p *peer) {
 		}
 	}
 	if len(a.fences) != n {
-		a.fenceDirty = true
-		a.fenceN.Store(int64(len(a.fences)))
+		a.fencesChanged()
 		a.releaseHeld()
 	}
 }
@@ -108,20 +140,20 @@ func (a *Agent) fenced(x *xfer) bool {
 	if len(a.fences) == 0 || x.op != nixl.Read {
 		return false
 	}
+	if a.fenceDirty {
+		a.mergeFences()
+	}
 	for _, r := range unsafe.Slice(x.ranges, x.nranges) {
-		if a.overlaps(uint64(r.local), uint64(r.local)+uint64(r.len)) {
+		if overlaps(a.fenceSpans, uint64(r.local), uint64(r.local)+uint64(r.len)) {
 			return true
 		}
 	}
 	return false
 }
 
-// overlaps reports whether [lo, hi) overlaps a fence.
-func (a *Agent) overlaps(lo, hi uint64) bool {
-	if a.fenceDirty {
-		a.mergeFences()
-	}
-	m := a.fenceSpans
+// overlaps reports whether [lo, hi) overlaps one of the sorted, merged
+// spans m.
+func overlaps(m []span, lo, hi uint64) bool {
 	// The first merged span that ends after lo; it overlaps when it starts
 	// before hi.
 	i, _ := slices.BinarySearchFunc(m, lo, func(s span, v uint64) int {

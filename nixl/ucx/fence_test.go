@@ -132,7 +132,22 @@ func forFenceModes(t *testing.T, test func(t *testing.T, r *fenceRig, peerMode b
 }
 
 func testFencedLocalBlocks(t *testing.T, r *fenceRig) {
+	require.False(t, r.cons.Fencing())
 	r.orphan(t, []int{0, 1, 2, 3}, []int{0, 1, 2, 3})
+	// What other goroutines see (nixl.LocalFencer): fenced at once; the
+	// ranges once the engine has progressed.
+	base := uint64(addrOf(r.buf))
+	blk := func(i int) uint64 { return base + uint64(i*testBlock) }
+	require.True(t, r.cons.Fencing())
+	require.True(t, r.cons.Fenced(blk(2), testBlock))
+	r.cons.Progress()
+	require.True(t, r.cons.Fenced(blk(2), testBlock))
+	require.True(t, r.cons.Fenced(blk(4)-1, 1), "the last byte of block 3")
+	require.True(t, r.cons.Fenced(blk(0)-1, 2), "a range ending in block 0")
+	require.True(t, r.cons.Fenced(blk(1), ^uint64(0)), "a range running to the end of memory")
+	require.False(t, r.cons.Fenced(blk(4), testBlock))
+	require.False(t, r.cons.Fenced(blk(0)-1, 1))
+	require.False(t, r.cons.Fenced(blk(2), 0), "an empty range")
 
 	held := r.post(t, 1, []int{2, 3, 4, 5}, []int{10, 11, 12, 13})
 	free := r.post(t, 1, []int{8, 9}, []int{20, 21})
@@ -158,6 +173,8 @@ func testFencedLocalBlocks(t *testing.T, r *fenceRig) {
 	require.Zero(t, int(r.cons.c.nlive), "the old READ's gets never called back")
 	require.Empty(t, r.cons.fences)
 	require.Empty(t, r.cons.held)
+	require.False(t, r.cons.Fencing())
+	require.False(t, r.cons.Fenced(blk(2), testBlock))
 	r.verify(t, 1, []int{2, 3, 4, 5}, []int{10, 11, 12, 13})
 	require.NoError(t, r.cons.ReleaseXfer(held))
 	require.NoError(t, r.cons.ReleaseXfer(free))
