@@ -770,6 +770,20 @@ func (r *Reactor) releaseHeldJobs() bool {
 	return did
 }
 
+// endReleased ends a released direct READ whose copy has stopped or never
+// started (s.job already nil): counted canceled; its slot is freed here
+// only once onCancel has drained the release's entry, otherwise onCancel
+// frees it, so a slot never has two cancel entries on the ring. Loop only.
+func (r *Reactor) endReleased(s *slot, w uint64) {
+	r.st.canceled.Add(1)
+	s.trim()
+	if s.cancelDrained {
+		s.cancelDrained = false
+		r.tab.free(s, w)
+		r.ended = true // a Wait blocked on the handle must see it gone
+	}
+}
+
 // endHeld ends a held READ, nothing of it copied: with code if its slot is
 // still the READ's and in flight; a released one is counted canceled and
 // its slot freed (or left to onCancel, as endJob does). The caller takes j
@@ -784,13 +798,7 @@ func (r *Reactor) endHeld(j *dirJob, code uint64) {
 		s.job = nil
 		switch wordState(w) {
 		case stCanceling:
-			r.st.canceled.Add(1)
-			s.trim()
-			if s.cancelDrained {
-				s.cancelDrained = false
-				r.tab.free(s, w)
-				r.ended = true
-			}
+			r.endReleased(s, w)
 		case stProc:
 			if code == 0 {
 				code = codeCanceled
@@ -972,16 +980,7 @@ func (r *Reactor) endJob(j *dirJob) {
 		s.run.Store(nil)
 		switch wordState(w) {
 		case stCanceling:
-			r.st.canceled.Add(1)
-			s.trim()
-			// Freed here only once onCancel has drained the release's
-			// entry; otherwise onCancel frees it (s.job is nil now), so a
-			// slot never has two cancel entries on the ring.
-			if s.cancelDrained {
-				s.cancelDrained = false
-				r.tab.free(s, w)
-				r.ended = true // a Wait blocked on the handle must see it gone
-			}
+			r.endReleased(s, w)
 		case stProc:
 			if code := j.endCode; code != 0 {
 				// Ended by failDirectReads; published only now that the
