@@ -10,6 +10,7 @@ import (
 
 	"github.com/ecxfer/ecxfer/internal/leakcheck"
 	"github.com/ecxfer/ecxfer/internal/pattern"
+	"github.com/ecxfer/ecxfer/internal/testhook"
 )
 
 // An engine-path READ released while its gets are outstanding (its
@@ -131,6 +132,15 @@ func TestDirectReadHeldByEngineFence(t *testing.T) {
 			require.Equal(t, inline0+1, cons.Stats().InlineReads, "only the READ into unfenced blocks was copied inline")
 			held(inline, pooled)
 			require.Equal(t, int64(2), cons.Stats().InFlight)
+			// Held READs are looked at when something changes, not at
+			// every loop turn (the loop turns at least every 1 ms while
+			// any is held).
+			looks, stop := testhook.Count(&testhook.HeldLook)
+			turns := cons.Stats().LoopTurns
+			time.Sleep(50 * time.Millisecond)
+			require.Greater(t, cons.Stats().LoopTurns, turns+20)
+			require.Zero(t, looks.Load(), "the held READs were looked at with nothing changed")
+			stop()
 			marked(seq(32, 30))
 			released := post(seq(32, 30), 132) // on the copy workers when not held
 			held(released)

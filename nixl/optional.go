@@ -55,6 +55,9 @@ type LocalFencer interface {
 	// change of the fences (until the engine next progresses) it may
 	// answer true for memory no fence covers.
 	Fenced(addr, n uint64) bool
+	// FenceVersion changes whenever Fenced's answers may have changed.
+	// Any goroutine may call it.
+	FenceVersion() uint64
 }
 
 // ProcessNamer is implemented by engines whose metadata names the process

@@ -3,6 +3,7 @@ package reactor
 import (
 	"errors"
 	"fmt"
+	"math"
 	"runtime"
 	"slices"
 	"sync"
@@ -273,14 +274,22 @@ type direct struct {
 	recs  []*notifRec
 
 	// loop-only
-	active   []*dirJob
-	held     []*dirJob // READs into local memory the engine fences (holdJob)
-	watched  []*Peer   // direct peers with a live pidfd
-	pollFDs  []unix.PollFd
-	polled   []*Peer // the peers of pollFDs, in order
-	lastPoll int64
-	jobBuf   []*dirJob
-	notifBuf []*notifRec
+	active []*dirJob
+	held   []*dirJob // READs into local memory the engine fences (holdJob)
+	// releaseHeldJobs looks at held again only when the engine's fences
+	// (heldSeen: their version then), the timeout (heldTimeout) or a held
+	// READ's release or peer (heldCheck) changed, or heldDue (the first
+	// held READ's timeout, 0: none) has passed.
+	heldSeen    uint64
+	heldCheck   bool
+	heldTimeout int64
+	heldDue     int64
+	watched     []*Peer // direct peers with a live pidfd
+	pollFDs     []unix.PollFd
+	polled      []*Peer // the peers of pollFDs, in order
+	lastPoll    int64
+	jobBuf      []*dirJob
+	notifBuf    []*notifRec
 
 	reads, inlineReads atomic.Uint64
 	// inlining counts the Posts copying inline right now: they write the
@@ -732,6 +741,7 @@ func (r *Reactor) holdJob(j *dirJob) {
 	j.running, j.live = true, true
 	r.inflight.Add(1)
 	r.dir.held = append(r.dir.held, j)
+	r.dir.heldCheck = true // its timeout is not in heldDue yet
 }
 
 // releaseHeldJobs hands the held READs no fence covers any more to the
@@ -740,6 +750,14 @@ func (r *Reactor) holdJob(j *dirJob) {
 func (r *Reactor) releaseHeldJobs() bool {
 	d := r.dir
 	t := r.timeout.Load()
+	v := r.fencer.FenceVersion()
+	if v == d.heldSeen && !d.heldCheck && t == d.heldTimeout && (d.heldDue == 0 || r.lastTime < d.heldDue) {
+		// Nothing that could end or free a held READ has happened since
+		// the last look: a turn costs this, not a look at every block.
+		return false
+	}
+	d.heldSeen, d.heldCheck, d.heldTimeout, d.heldDue = v, false, t, 0
+	testhook.Run(&testhook.HeldLook)
 	keep := d.held[:0]
 	timedOut, first := 0, ""
 	for _, j := range d.held {
@@ -757,6 +775,14 @@ func (r *Reactor) releaseHeldJobs() bool {
 			r.endHeld(j, codeTimeout)
 		case r.fencing() && r.jobFenced(j):
 			keep = append(keep, j)
+			if t > 0 {
+				// Its timeout, from its post; a t meant as "never" does
+				// not wrap.
+				due := s.start + min(t, math.MaxInt64-s.start)
+				if d.heldDue == 0 || due < d.heldDue {
+					d.heldDue = due
+				}
+			}
 		default:
 			j.running, j.live = false, false
 			r.inflight.Add(-1) // submitDirect counts it again

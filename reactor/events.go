@@ -201,6 +201,9 @@ func (r *Reactor) peerDead(p *Peer, why string) {
 	}
 	p.deadLogged = true
 	p.pc.dead.Store(true)
+	if r.dir != nil && len(r.dir.held) > 0 {
+		r.dir.heldCheck = true // its held READs end
+	}
 	r.logPeer(EventPeerDead, p.Name, slog.String("why", why))
 }
 

@@ -586,6 +586,9 @@ func (r *Reactor) onCancel(h uint64) {
 		}
 	}
 	if s.job != nil {
+		if r.dir != nil && len(r.dir.held) > 0 {
+			r.dir.heldCheck = true // it may be one of them
+		}
 		if s.job.running {
 			// endJob frees the slot when the copy ends; this entry is
 			// drained, so the slot may be claimed again then. The chunks

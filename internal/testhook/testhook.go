@@ -19,6 +19,10 @@ var NewAgent atomic.Pointer[func()]
 // answered): tests count the polls.
 var PidfdPoll atomic.Pointer[func()]
 
+// HeldLook runs when the reactor looks at the direct READs it holds behind
+// the engine's fences: tests count the looks.
+var HeldLook atomic.Pointer[func()]
+
 // Count makes hook h count its runs until stop is called.
 func Count(h *atomic.Pointer[func()]) (n *atomic.Int64, stop func()) {
 	n = new(atomic.Int64)

@@ -96,6 +96,15 @@ var _ nixl.LocalFencer = (*Agent)(nil)
 // goroutine may call it.
 func (a *Agent) Fencing() bool { return a.fenceN.Load() > 0 }
 
+// FenceVersion implements nixl.LocalFencer: the change of the fences
+// Fenced answers from; any goroutine may call it.
+func (a *Agent) FenceVersion() uint64 {
+	if v := a.fenceView.Load(); v != nil {
+		return v.gen
+	}
+	return 0
+}
+
 // Fenced reports whether [addr, addr+n) may overlap a fence
 // (nixl.LocalFencer); any goroutine may call it. Until Progress has
 // published the fences after a change it answers true.
