@@ -212,8 +212,10 @@ func New(cfg Config) (*Agent, error) {
 	const errCap = 1024
 	ebuf := (*C.char)(C.malloc(errCap))
 	*ebuf = 0
+	enginekit.UCXInit.Lock()
 	st := C.ecx_dl_agent_create(l.c, cname, C.size_t(len(cfg.Name)), cparams, C.size_t(len(params)),
 		&a.c, ebuf, errCap)
+	enginekit.UCXInit.Unlock()
 	msg := C.GoString(ebuf)
 	C.free(unsafe.Pointer(cname))
 	C.free(unsafe.Pointer(cparams))

@@ -251,7 +251,9 @@ func New(cfg Config) (*Agent, error) {
 	a.ucxVer = ucxFeatures(uint64(ma), uint64(mi), featFragNotifs)
 
 	cname := C.CString(cfg.Name)
+	enginekit.UCXInit.Lock() // see there: libnixl may be setting UCX_MODULES
 	st := C.ecx_create(cname, C.uint32_t(len(cfg.Name)), &a.c)
+	enginekit.UCXInit.Unlock()
 	C.free(unsafe.Pointer(cname))
 	if st != 0 {
 		return nil, ucsErr(st, "ucx: init")

@@ -15,10 +15,19 @@ package enginekit
 
 import (
 	"errors"
+	"sync"
 
 	"github.com/ecxfer/ecxfer/descriptors"
 	"github.com/ecxfer/ecxfer/nixl"
 )
+
+// UCXInit is held while an engine starts UCX in this process: the ucx
+// engine reading UCX's configuration from the environment, and libnixl's
+// first agent, which sets UCX_MODULES for the moment it loads NIXL's own
+// UCX plugin (and whose agent reads its configuration too). glibc's
+// setenv is not safe against a getenv on another thread, so the two must
+// not overlap.
+var UCXInit sync.Mutex
 
 // MaxNotifLimit caps an engine's configured notification size.
 const MaxNotifLimit = 1 << 20
