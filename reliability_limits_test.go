@@ -93,7 +93,7 @@ func runHugeRegion() int {
 			res.ShmLeft = append(res.ShmLeft, e.Name())
 		}
 	}
-	if err := json.NewEncoder(os.Stdout).Encode(res); err != nil {
+	if err := json.NewEncoder(ctrlOut).Encode(res); err != nil {
 		return 1
 	}
 	return 0

@@ -68,7 +68,7 @@ func monoNow() int64 {
 // runTestConsumer is the consumer role: a transport of ECX_NB blocks that
 // adds peers, reads and streams reads on command.
 func runTestConsumer() int {
-	c := ctrl.New(os.Stdin, os.Stdout)
+	c := ctrl.New(os.Stdin, ctrlOut)
 	bs, nb := envInt("ECX_BS"), envInt("ECX_NB")
 	cfg := Config{AgentName: os.Getenv("ECX_NAME"), BlockSize: bs, NumBlocks: nb}
 	if v := os.Getenv("ECX_XFER_MS"); v != "" {

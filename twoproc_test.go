@@ -37,23 +37,33 @@ func TestMain(m *testing.M) {
 		os.Exit(runTestConsumer())
 	case "hugeregion":
 		os.Exit(runHugeRegion())
+	case "fdcheck":
+		os.Exit(runFdCheck())
 	}
 	os.Exit(m.Run())
 }
 
 // keepCtrlOut moves the control channel off file descriptor 1: UCX logs
 // to stdout, and a log line in the channel would break its framing. From
-// here on os.Stdout is a duplicate of the pipe and fd 1 goes to stderr.
+// here on ctrlOut is a duplicate of the pipe and fd 1 goes to stderr.
+//
+// os.Stdout is left alone: it is the only reference to the *os.File of
+// fd 1, and an unreachable *os.File closes its descriptor when the
+// collector finds it. Replacing it once made the first GC close fd 1, the
+// next socket a process opened took that number, and UCX's log lines went
+// into a TCP stream: the peer's transport aborted on the garbled framing
+// (TestCtrlOutKeepsStdout).
+var ctrlOut *os.File
+
 func keepCtrlOut() {
-	fd, err := unix.Dup(1)
+	fd, err := unix.FcntlInt(1, unix.F_DUPFD_CLOEXEC, 0)
 	if err != nil {
 		panic(err)
 	}
 	if err := unix.Dup2(2, 1); err != nil {
 		panic(err)
 	}
-	unix.CloseOnExec(fd)
-	os.Stdout = os.NewFile(uintptr(fd), "ctrl")
+	ctrlOut = os.NewFile(uintptr(fd), "ctrl")
 }
 
 func envInt(name string) int {
@@ -65,7 +75,7 @@ func envInt(name string) int {
 }
 
 func runTestProducer() int {
-	c := ctrl.New(os.Stdin, os.Stdout)
+	c := ctrl.New(os.Stdin, ctrlOut)
 	fail := func(err error) int {
 		_ = c.Send(ctrl.Message{Kind: "error", Strs: map[string]string{"error": err.Error()}})
 		return 1
