@@ -45,25 +45,18 @@ func TestMain(m *testing.M) {
 
 // keepCtrlOut moves the control channel off file descriptor 1: UCX logs
 // to stdout, and a log line in the channel would break its framing. From
-// here on ctrlOut is a duplicate of the pipe and fd 1 goes to stderr.
-//
-// os.Stdout is left alone: it is the only reference to the *os.File of
-// fd 1, and an unreachable *os.File closes its descriptor when the
-// collector finds it. Replacing it once made the first GC close fd 1, the
-// next socket a process opened took that number, and UCX's log lines went
-// into a TCP stream: the peer's transport aborted on the garbled framing
-// (TestCtrlOutKeepsStdout).
+// here on ctrlOut is a duplicate of the pipe and fd 1 goes to stderr
+// (ctrl.TakeStdout). os.Stdout must not be replaced by ctrlOut: the
+// collector then closed fd 1, a socket took the number, and UCX's log
+// lines went into a TCP stream, where the peer's transport aborted on the
+// garbled framing (TestCtrlOutKeepsStdout).
 var ctrlOut *os.File
 
 func keepCtrlOut() {
-	fd, err := unix.FcntlInt(1, unix.F_DUPFD_CLOEXEC, 0)
-	if err != nil {
+	var err error
+	if ctrlOut, err = ctrl.TakeStdout(); err != nil {
 		panic(err)
 	}
-	if err := unix.Dup2(2, 1); err != nil {
-		panic(err)
-	}
-	ctrlOut = os.NewFile(uintptr(fd), "ctrl")
 }
 
 func envInt(name string) int {

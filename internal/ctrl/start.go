@@ -51,11 +51,25 @@ func StartPiped(cmd *exec.Cmd) (stdin io.WriteCloser, stdout io.ReadCloser, err 
 }
 
 // ChildConn is the child's side of StartPiped: a Conn over its standard
-// input and a duplicate of its standard output, with descriptor 1 then
-// pointed at standard error. Libraries that print to stdout (UCX logs
-// there) would otherwise write into the control stream and break its
-// framing; their lines now reach stderr.
+// input and its standard output taken by TakeStdout.
 func ChildConn() (*Conn, error) {
+	out, err := TakeStdout()
+	if err != nil {
+		return nil, err
+	}
+	return New(os.Stdin, out), nil
+}
+
+// TakeStdout returns a duplicate of standard output (close-on-exec) for a
+// stream of the caller's own and points descriptor 1 at standard error.
+// Libraries that print to stdout (UCX logs there) would otherwise write
+// into that stream and break its framing; their lines now reach stderr.
+//
+// os.Stdout is left as it is: it is what holds descriptor 1 open. An
+// *os.File that becomes unreachable closes its descriptor, so replacing
+// os.Stdout would let the collector close fd 1, and the next descriptor
+// the process opened (a socket, say) would receive those lines.
+func TakeStdout() (*os.File, error) {
 	fd, err := unix.FcntlInt(1, unix.F_DUPFD_CLOEXEC, 0)
 	if err != nil {
 		return nil, fmt.Errorf("ctrl: duplicating stdout: %w", err)
@@ -64,5 +78,5 @@ func ChildConn() (*Conn, error) {
 		_ = unix.Close(fd)
 		return nil, fmt.Errorf("ctrl: pointing stdout at stderr: %w", err)
 	}
-	return New(os.Stdin, os.NewFile(uintptr(fd), "ctrl")), nil
+	return os.NewFile(uintptr(fd), "ctrl"), nil
 }

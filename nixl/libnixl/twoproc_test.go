@@ -47,6 +47,13 @@ func exit(code int) { syscall.Exit(code) }
 // prints "MD <hex>" and "BASE <addr>", then "NOTIF <sender> <hex>" per
 // notification, until stdin closes.
 func runChild(spec string) int {
+	// Lines go to a duplicate of stdout; UCX's log lines, printed to
+	// stdout, reach stderr instead of the parent's line reader.
+	stdout, err := ctrl.TakeStdout()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
 	f := strings.Split(spec, ",")
 	bs, _ := strconv.Atoi(f[1])
 	nb, _ := strconv.Atoi(f[2])
@@ -68,7 +75,7 @@ func runChild(spec string) int {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
 	}
-	out := bufio.NewWriter(os.Stdout)
+	out := bufio.NewWriter(stdout)
 	fmt.Fprintf(out, "MD %x\nBASE %d\n", md, uintptr(unsafePointer(buf)))
 	out.Flush()
 	eof := make(chan struct{})

@@ -82,6 +82,12 @@ func envInt(name string, def int) int {
 // with the seeded pattern, publishes its metadata, loads the consumer's and
 // progresses its agent until told to quit, forwarding notifications.
 func runProducer() error {
+	// Frames go to a duplicate of stdout; UCX's log lines, printed to
+	// stdout, reach stderr instead of the frame stream.
+	stdout, err := ctrl.TakeStdout()
+	if err != nil {
+		return err
+	}
 	cfg := Config{Name: os.Getenv("ECX_NAME"), ErrMode: ErrMode(envInt("ECX_ERRMODE", 0))}
 	a, err := New(cfg)
 	if err != nil {
@@ -107,7 +113,7 @@ func runProducer() error {
 	if err != nil {
 		return err
 	}
-	out := bufio.NewWriter(os.Stdout)
+	out := bufio.NewWriter(stdout)
 	send := func(typ byte, b []byte) error {
 		if err := writeFrame(out, typ, b); err != nil {
 			return err
