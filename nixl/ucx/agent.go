@@ -325,7 +325,9 @@ func (a *Agent) Progress() (bool, error) {
 		a.drainC()
 		did = true
 	}
-	if len(a.pidPeers) > 0 {
+	// a.gone too: a removed peer's fences wait for its process to exit,
+	// and a spinning reactor never arms the agent (Arm checks too).
+	if len(a.pidPeers) > 0 || len(a.gone) > 0 {
 		a.calls++
 		if a.calls&63 == 0 && time.Since(a.lastPoll) >= a.cfg.LivenessPoll && a.checkPids() {
 			did = true

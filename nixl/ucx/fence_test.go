@@ -232,8 +232,18 @@ func testFenceReleaseAndRemoval(t *testing.T, r *fenceRig, peerMode bool) {
 // force-closed), so without the lift those local blocks could never be
 // read into again. (Over tcp alone the broken connection ends them, but
 // killing a same-host tcp peer can trip UCX 1.13's wire-up assertion:
-// README, "Failure behaviour".)
+// README, "Failure behaviour".) "removed": the peer is removed first and
+// dies later, with no other same-host peer left and nobody arming the
+// agent (a spinning reactor only calls Progress): the lift still comes.
 func TestFenceLiftedWhenPeerDies(t *testing.T) {
+	for _, removed := range []bool{false, true} {
+		t.Run(map[bool]string{false: "loaded", true: "removed"}[removed], func(t *testing.T) {
+			testFenceLiftedWhenPeerDies(t, removed)
+		})
+	}
+}
+
+func testFenceLiftedWhenPeerDies(t *testing.T, removed bool) {
 	leakcheck.Check(t)
 	const tls = "posix,sysv"
 	t.Setenv("UCX_TLS", tls)
@@ -253,6 +263,15 @@ func TestFenceLiftedWhenPeerDies(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, c.a.PostXfer(held))
 	require.Len(t, c.a.held, 1)
+	if removed {
+		require.NoError(t, c.a.InvalidateRemoteMetadata("prod"))
+		require.Empty(t, c.a.pidPeers)
+		require.Len(t, c.a.gone, 1, "the removed peer's process is not watched")
+		for range 200 {
+			c.a.Progress()
+		}
+		require.Len(t, c.a.fences, 1, "lifted while the producer lives and its gets may land")
+	}
 
 	ch.kill()
 	for deadline := time.Now().Add(10 * time.Second); len(c.a.fences) > 0 && time.Now().Before(deadline); {
@@ -260,6 +279,7 @@ func TestFenceLiftedWhenPeerDies(t *testing.T) {
 		time.Sleep(time.Millisecond)
 	}
 	require.Empty(t, c.a.fences, "the dead producer's fence was not lifted")
+	require.Empty(t, c.a.gone)
 	require.Empty(t, c.a.held)
 	ok, err := c.a.XferStatus(held)
 	require.True(t, ok)
