@@ -44,6 +44,7 @@ package main
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"errors"
 	"flag"
@@ -374,7 +375,8 @@ var ucxLeakLine = regexp.MustCompile(`were not flushed|was not returned to mpool
 // ucxReport captures this process's standard output, where UCX logs, and
 // counts the lines of UCX's teardown report while passing everything on.
 type ucxReport struct {
-	orig  int // the real standard output
+	orig  int      // the real standard output
+	out   *os.File // owns orig
 	w     *os.File
 	done  chan struct{}
 	lines atomic.Int64
@@ -385,29 +387,40 @@ func captureUCX() (*ucxReport, error) {
 	if err != nil {
 		return nil, err
 	}
-	orig, err := unix.Dup(1)
+	orig, err := unix.FcntlInt(1, unix.F_DUPFD_CLOEXEC, 0)
 	if err == nil {
-		unix.CloseOnExec(orig)
-		err = unix.Dup2(int(w.Fd()), 1)
+		if err = unix.Dup2(int(w.Fd()), 1); err != nil {
+			_ = unix.Close(orig)
+		}
 	}
 	if err != nil {
 		_ = r.Close()
 		_ = w.Close()
 		return nil, err
 	}
-	c := &ucxReport{orig: orig, w: w, done: make(chan struct{})}
+	// out owns orig and stop closes it, after fd 1 is a copy of it again:
+	// closed any earlier, its number could be reused and stop would point
+	// fd 1 at whatever took it.
+	c := &ucxReport{orig: orig, out: os.NewFile(uintptr(orig), "stdout"), w: w, done: make(chan struct{})}
 	go func() {
 		defer close(c.done)
 		defer r.Close()
-		out := os.NewFile(uintptr(orig), "stdout")
-		defer out.Close()
-		sc := bufio.NewScanner(r)
-		sc.Buffer(make([]byte, 0, 4096), 1<<20)
-		for sc.Scan() {
-			if strings.Contains(sc.Text(), "UCX") && ucxLeakLine.MatchString(sc.Text()) {
-				c.lines.Add(1)
+		// Lines pass on as they are, however long; a line longer than the
+		// buffer goes out in pieces and is not matched.
+		br := bufio.NewReaderSize(r, 64<<10)
+		whole := true // the next piece starts a line
+		for {
+			piece, err := br.ReadSlice('\n')
+			if len(piece) > 0 {
+				if whole && bytes.Contains(piece, []byte("UCX")) && ucxLeakLine.Match(piece) {
+					c.lines.Add(1)
+				}
+				_, _ = c.out.Write(piece)
+				whole = piece[len(piece)-1] == '\n'
 			}
-			_, _ = fmt.Fprintln(out, sc.Text())
+			if err != nil && err != bufio.ErrBufferFull {
+				return // EOF: stop closed the pipe
+			}
 		}
 	}()
 	return c, nil
@@ -419,6 +432,7 @@ func (c *ucxReport) stop() int64 {
 	_ = unix.Dup2(c.orig, 1)
 	_ = c.w.Close()
 	<-c.done
+	_ = c.out.Close()
 	return c.lines.Load()
 }
 

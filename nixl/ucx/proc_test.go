@@ -136,7 +136,8 @@ func runProducer() error {
 	if err != nil {
 		return err
 	}
-	defer unix.Close(cmdFD)
+	// cmdFD is not closed: the stdin reader below may still write to it
+	// after this returns, and the process exits right after.
 	cmds := make(chan frame, 16)
 	go func() {
 		one := []byte{1, 0, 0, 0, 0, 0, 0, 0}
