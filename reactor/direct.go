@@ -345,7 +345,10 @@ func (r *Reactor) SetDirect(o DirectOptions) error {
 	rfd := -1
 	var key notifKey
 	if o.Notify != nil {
-		rfd, o.Notify.fd = o.Notify.fd, -1
+		if !o.Notify.open {
+			return errors.New("reactor: DirectOptions.Notify is not an open socket from ListenNotify")
+		}
+		rfd, o.Notify.fd, o.Notify.open = o.Notify.fd, -1, false
 		key = o.Notify.Key
 	}
 	ns, err := newNotifSock(rfd, key, o.Name)

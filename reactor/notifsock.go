@@ -73,7 +73,8 @@ var (
 // NotifySocket is a bound notification socket not yet handed to a
 // reactor.
 type NotifySocket struct {
-	fd int
+	fd   int
+	open bool // fd is ours: only ListenNotify sets it (a zero value holds no fd 0)
 	// Token goes into the region's advertisement (shmview.Advert.Notify),
 	// Key too (shmview.Advert.NotifyKey).
 	Token uint64
@@ -105,14 +106,14 @@ func ListenNotify(lifeFD int) (*NotifySocket, error) {
 		_ = unix.Close(fd)
 		return nil, fmt.Errorf("notification socket: bind %s: %w", addr.Name, err)
 	}
-	return &NotifySocket{fd: fd, Token: token, Key: key}, nil
+	return &NotifySocket{fd: fd, open: true, Token: token, Key: key}, nil
 }
 
 // Close closes a socket that was not handed to a reactor.
 func (s *NotifySocket) Close() {
-	if s != nil && s.fd >= 0 {
+	if s != nil && s.open {
 		_ = unix.Close(s.fd)
-		s.fd = -1
+		s.fd, s.open = -1, false
 	}
 }
 

@@ -4,11 +4,15 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"os"
 	"testing"
 
+	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
+	"github.com/ecxfer/ecxfer/internal/leakcheck"
 	"github.com/ecxfer/ecxfer/internal/shmview"
+	"github.com/ecxfer/ecxfer/nixl/loopback"
 )
 
 // testKey is the notification key of the decoding tests.
@@ -330,4 +334,41 @@ func TestNotifSockStalledPeerBlocksOnlyItself(t *testing.T) {
 	if dropped := send.undelivered.Load() - before; held == 0 || dropped != uint64(held) || ps.notifsHeld.Load() != 0 {
 		t.Fatalf("%d held, %d counted undelivered, %d still held", held, dropped, ps.notifsHeld.Load())
 	}
+}
+
+// A NotifySocket not made by ListenNotify holds no descriptor: its zero
+// value's fd field is 0, which is standard input. SetDirect refuses it and
+// Close leaves fd 0 alone (before, both took fd 0 for the socket: the
+// reactor put it in its epoll set and closed it at the end).
+func TestNotifySocketZeroValue(t *testing.T) {
+	leakcheck.Check(t)
+	// fd 0 stands for a descriptor that is not ours: a pipe, so that an
+	// epoll set would take it.
+	pr, pw, err := os.Pipe()
+	require.NoError(t, err)
+	defer pr.Close()
+	defer pw.Close()
+	saved, err := unix.FcntlInt(0, unix.F_DUPFD_CLOEXEC, 0)
+	require.NoError(t, err)
+	defer func() {
+		_ = unix.Dup2(saved, 0)
+		_ = unix.Close(saved)
+	}()
+	require.NoError(t, unix.Dup2(int(pr.Fd()), 0))
+	var want unix.Stat_t
+	require.NoError(t, unix.Fstat(0, &want))
+
+	la, err := loopback.New("zero-notify")
+	require.NoError(t, err)
+	r, err := Start(la, Options{}, noSetup)
+	require.NoError(t, err)
+	region := make([]byte, 4096)
+	err = r.SetDirect(DirectOptions{Region: region, Notify: &NotifySocket{}, Name: "zero-notify"})
+	require.ErrorContains(t, err, "ListenNotify")
+	(&NotifySocket{}).Close()
+	require.NoError(t, r.Close())
+
+	var got unix.Stat_t
+	require.NoError(t, unix.Fstat(0, &got), "fd 0 was closed")
+	require.Equal(t, [2]uint64{want.Dev, want.Ino}, [2]uint64{got.Dev, got.Ino}, "fd 0 is not the pipe any more")
 }
