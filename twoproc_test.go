@@ -43,6 +43,9 @@ func TestMain(m *testing.M) {
 	os.Exit(m.Run())
 }
 
+// ctrlOut is a role's control channel: a duplicate of the pipe on fd 1.
+var ctrlOut *os.File
+
 // keepCtrlOut moves the control channel off file descriptor 1: UCX logs
 // to stdout, and a log line in the channel would break its framing. From
 // here on ctrlOut is a duplicate of the pipe and fd 1 goes to stderr
@@ -50,8 +53,6 @@ func TestMain(m *testing.M) {
 // collector then closed fd 1, a socket took the number, and UCX's log
 // lines went into a TCP stream, where the peer's transport aborted on the
 // garbled framing (TestCtrlOutKeepsStdout).
-var ctrlOut *os.File
-
 func keepCtrlOut() {
 	var err error
 	if ctrlOut, err = ctrl.TakeStdout(); err != nil {

@@ -88,6 +88,9 @@ func runProducer() error {
 	if err != nil {
 		return err
 	}
+	// A line printed to fd 1, as UCX prints its log lines: every test of
+	// a producer child checks that the frame stream does not carry it.
+	_, _ = unix.Write(1, []byte("producer child: a line printed to stdout\n"))
 	cfg := Config{Name: os.Getenv("ECX_NAME"), ErrMode: ErrMode(envInt("ECX_ERRMODE", 0))}
 	a, err := New(cfg)
 	if err != nil {

@@ -1,7 +1,8 @@
 // Command gopeer is the Go side of the Python <-> Go tests
 // (python/tests/test_go_interop.py): a producer or a consumer on the Go
-// transport, speaking JSON lines prefixed "@@ " on stdout (UCX may log
-// there too) and reading JSON lines on stdin.
+// transport, speaking JSON lines prefixed "@@ " on stdout and reading JSON
+// lines on stdin. UCX logs to stdout too: its lines are moved to stderr
+// (ctrl.TakeStdout), so a log line without a newline cannot swallow ours.
 //
 //	gopeer producer NAME NUM_BLOCKS BLOCK_SIZE SEED
 //	gopeer consumer NAME NUM_BLOCKS BLOCK_SIZE
@@ -20,6 +21,7 @@ import (
 	"time"
 
 	"github.com/ecxfer/ecxfer"
+	"github.com/ecxfer/ecxfer/internal/ctrl"
 )
 
 func fill(dst []byte, seed, b int) {
@@ -28,12 +30,15 @@ func fill(dst []byte, seed, b int) {
 	}
 }
 
+// out is the protocol stream: the real stdout, fd 1 being stderr.
+var out = os.Stdout
+
 func say(v any) {
 	b, err := json.Marshal(v)
 	if err != nil {
 		panic(err)
 	}
-	fmt.Printf("@@ %s\n", b)
+	fmt.Fprintf(out, "@@ %s\n", b)
 }
 
 type blobs struct {
@@ -55,6 +60,11 @@ func main() {
 	if len(os.Args) < 5 {
 		fmt.Fprintln(os.Stderr, "usage: gopeer producer|consumer NAME NUM_BLOCKS BLOCK_SIZE [SEED]")
 		os.Exit(2)
+	}
+	var err error
+	if out, err = ctrl.TakeStdout(); err != nil {
+		fmt.Fprintln(os.Stderr, "gopeer:", err)
+		os.Exit(1)
 	}
 	nums := make([]int, 0, 3)
 	for _, a := range os.Args[3:] {
