@@ -63,11 +63,12 @@ type Config struct {
 	// 1 MiB.
 	MaxNotif int
 	// LivenessPoll is how often, at most, Progress polls the pidfds of
-	// same-host peers; 0 means 10ms. Progress looks at the clock every
-	// 64th call, so a slower loop polls every 64 calls. Arm always polls
-	// them before the caller sleeps,
-	// and the pidfds are in the EventFD epoll set, so a parked caller wakes
-	// on a peer's death.
+	// same-host peers, and of removed ones whose fences wait for their
+	// exit; 0 means 10ms. Progress looks at the clock every 64th call, so
+	// a slower loop polls every 64 calls. Arm always polls them before the
+	// caller sleeps. Loaded peers' pidfds are in the EventFD epoll set, so
+	// a parked caller wakes on their death; a removed peer's exit is seen
+	// at the caller's next wake-up.
 	LivenessPoll time.Duration
 
 	noPidfd        bool // tests: rely on UCX alone for same-host peers
