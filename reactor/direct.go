@@ -252,7 +252,8 @@ type DirectOptions struct {
 	InlineBytes int
 	// Notify is this process's notification socket (ListenNotify), which
 	// the reactor owns from now on; nil: notifications to this process
-	// come through the engine.
+	// come through the engine. A socket not from ListenNotify, or one
+	// already handed over, is refused with an error.
 	Notify *NotifySocket
 	// Name is this agent's name, the sender of its notifications.
 	Name string
@@ -345,10 +346,9 @@ func (r *Reactor) SetDirect(o DirectOptions) error {
 	rfd := -1
 	var key notifKey
 	if o.Notify != nil {
-		if !o.Notify.open {
+		if rfd = o.Notify.take(); rfd < 0 {
 			return errors.New("reactor: DirectOptions.Notify is not an open socket from ListenNotify")
 		}
-		rfd, o.Notify.fd, o.Notify.open = o.Notify.fd, -1, false
 		key = o.Notify.Key
 	}
 	ns, err := newNotifSock(rfd, key, o.Name)

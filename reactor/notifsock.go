@@ -109,6 +109,17 @@ func ListenNotify(lifeFD int) (*NotifySocket, error) {
 	return &NotifySocket{fd: fd, open: true, Token: token, Key: key}, nil
 }
 
+// take hands the descriptor over to a new owner: from then on s holds
+// none. It returns -1 for a socket that is not open.
+func (s *NotifySocket) take() int {
+	if !s.open {
+		return -1
+	}
+	fd := s.fd
+	s.fd, s.open = -1, false
+	return fd
+}
+
 // Close closes a socket that was not handed to a reactor.
 func (s *NotifySocket) Close() {
 	if s != nil && s.open {

@@ -96,11 +96,10 @@ func TestNotifSockBacklog(t *testing.T) {
 	if err := unix.SetsockoptInt(rx.fd, unix.SOL_SOCKET, unix.SO_RCVBUF, 4096); err != nil {
 		t.Fatal(err)
 	}
-	recv, err := newNotifSock(rx.fd, rx.Key, "producer")
+	recv, err := newNotifSock(rx.take(), rx.Key, "producer")
 	if err != nil {
 		t.Fatal(err)
 	}
-	rx.fd = -1
 	send, err := newNotifSock(-1, notifKey{}, "consumer-1")
 	if err != nil {
 		t.Fatal(err)
@@ -185,7 +184,7 @@ func notifSockPair(t *testing.T) (rx *NotifySocket, recv *notifSock, fd int, to 
 	if err != nil {
 		t.Fatal(err)
 	}
-	if recv, err = newNotifSock(rx.fd, rx.Key, "producer"); err != nil {
+	if recv, err = newNotifSock(rx.take(), rx.Key, "producer"); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(recv.close)
@@ -253,11 +252,10 @@ func TestNotifSockStalledPeerBlocksOnlyItself(t *testing.T) {
 			t.Fatal(err)
 		}
 		p := socketPeer(t, rx)
-		ns, err := newNotifSock(rx.fd, rx.Key, "producer")
+		ns, err := newNotifSock(rx.take(), rx.Key, "producer")
 		if err != nil {
 			t.Fatal(err)
 		}
-		rx.fd = -1
 		return ns, p
 	}
 	stalled, ps := listen()
