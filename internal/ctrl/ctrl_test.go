@@ -165,3 +165,35 @@ func TestDecodeBoundsAllocation(t *testing.T) {
 	require.Equal(t, map[string]int64{"a": 1, "b": -256, "c": 2, "d": 3}, m.Ints)
 	require.Equal(t, []byte{1, 2}, m.Metadata)
 }
+
+// TestTakeStdoutOnce: standard output is taken once. A second TakeStdout
+// used to succeed with a duplicate of standard error (fd 1 points there
+// after the first), and the stream it was meant for went to stderr. Runs
+// in a child of the test binary, whose fd 1 the parent reads.
+func TestTakeStdoutOnce(t *testing.T) {
+	if os.Getenv("ECXFER_CTRL_TAKE_CHILD") == "1" {
+		c, err := ChildConn()
+		if err != nil {
+			os.Exit(3)
+		}
+		_, again := TakeStdout()
+		msg := "refused"
+		if again == nil {
+			msg = "taken twice"
+		}
+		if c.Send(Message{Kind: "second", Name: msg}) != nil {
+			os.Exit(4)
+		}
+		os.Exit(0)
+	}
+	leakcheck.Check(t)
+	cmd := exec.Command(os.Args[0], "-test.run=^TestTakeStdoutOnce$")
+	cmd.Env = append(os.Environ(), "ECXFER_CTRL_TAKE_CHILD=1")
+	stdin, stdout, err := StartPiped(cmd)
+	require.NoError(t, err)
+	m, err := New(stdout, stdin).Expect("second")
+	require.NoError(t, err)
+	require.Equal(t, "refused", m.Name)
+	require.NoError(t, cmd.Wait())
+	require.NoError(t, stdout.Close())
+}

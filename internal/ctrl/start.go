@@ -6,6 +6,7 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"sync"
 
 	"golang.org/x/sys/unix"
 )
@@ -69,7 +70,15 @@ func ChildConn() (*Conn, error) {
 // *os.File that becomes unreachable closes its descriptor, so replacing
 // os.Stdout would let the collector close fd 1, and the next descriptor
 // the process opened (a socket, say) would receive those lines.
+//
+// Standard output can be taken once: a second call returns an error (it
+// would get a duplicate of standard error, and its stream would go there).
 func TakeStdout() (*os.File, error) {
+	stdoutMu.Lock()
+	defer stdoutMu.Unlock()
+	if stdoutTaken {
+		return nil, errors.New("ctrl: standard output was already taken")
+	}
 	fd, err := unix.FcntlInt(1, unix.F_DUPFD_CLOEXEC, 0)
 	if err != nil {
 		return nil, fmt.Errorf("ctrl: duplicating stdout: %w", err)
@@ -78,5 +87,11 @@ func TakeStdout() (*os.File, error) {
 		_ = unix.Close(fd)
 		return nil, fmt.Errorf("ctrl: pointing stdout at stderr: %w", err)
 	}
+	stdoutTaken = true
 	return os.NewFile(uintptr(fd), "ctrl"), nil
 }
+
+var (
+	stdoutMu    sync.Mutex
+	stdoutTaken bool // TakeStdout has pointed fd 1 at stderr
+)
