@@ -15,6 +15,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -1184,4 +1185,92 @@ func TestDirectInlineNotifSentByCaller(t *testing.T) {
 		got := notifsUntil(prod, 1, 10*time.Second)
 		require.Equal(t, map[string][][]byte{cons.cfg.AgentName: {msg}}, got)
 	}
+}
+
+// An inline READ's notification the reactor cannot send, because its
+// producer closed its transport (and socket) but its process lives on, is
+// counted as one that waited and was dropped unsent: in NotifsSent and in
+// NotifsUndelivered, besides the engine error. It used to be only an
+// engine error, while the same loss a moment after the producer was seen
+// to exit counted in both.
+func TestDirectInlineNotifToClosedProducerCounted(t *testing.T) {
+	leakcheck.Check(t)
+	e := env{t: t, backend: "ucx"}
+	const bs, nb = 4096, 8
+	prod := e.transport(uniqueName("uprod"), bs, nb, direct)
+	cons := e.transport(uniqueName("ucons"), bs, nb, direct)
+	pname, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+	require.NoError(t, err)
+	require.Equal(t, "direct-sysv", cons.PeerPath(pname))
+	require.NoError(t, prod.Deregister())
+	before := cons.Stats()
+	h, err := cons.PostRead([]int{0}, pname, []int{1}, []byte("sess:mm"))
+	require.NoError(t, err)
+	st, err := cons.CheckXferState(h)
+	require.NoError(t, err)
+	require.Equal(t, StateDone, st, "the region is still mapped and its process alive")
+	require.NoError(t, cons.ReleaseXferHandle(h))
+	var s Stats
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+		if s = cons.Stats(); s.EngineErrors > before.EngineErrors {
+			break
+		}
+	}
+	require.Greater(t, s.EngineErrors, before.EngineErrors, "the failed send is an engine error")
+	require.Equal(t, before.NotifsSent+1, s.NotifsSent)
+	require.Equal(t, before.NotifsUndelivered+1, s.NotifsUndelivered)
+}
+
+// Stats never shows a part above its whole while READs end: inline READs
+// are direct READs, direct READs are READs done, failures by reason add
+// up to at most ReadsFailed. Direct and inline READs used to be counted
+// before ReadsDone and loaded after it.
+func TestDirectStatsPartsWithinWholes(t *testing.T) {
+	leakcheck.Check(t)
+	e := env{t: t, backend: "ucx"}
+	const bs, nb = 4096, 64
+	_, cons, pname := directPair(e, "parts", bs, nb)
+	var stop atomic.Bool
+	var wg sync.WaitGroup
+	for g := range 2 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			n := 1 + g*(DefaultInlineBytes/bs) // inline, and on the copy workers
+			idx := make([]int, n)
+			for i := range idx {
+				idx[i] = i
+			}
+			for !stop.Load() {
+				h, err := cons.PostRead(idx, pname, idx, nil)
+				if err != nil {
+					continue
+				}
+				_ = cons.Wait(context.Background(), h)
+				_ = cons.ReleaseXferHandle(h)
+			}
+		}()
+	}
+	var n, bad int
+	var first Stats
+	for deadline := time.Now().Add(1500 * time.Millisecond); time.Now().Before(deadline); n++ {
+		s := cons.Stats()
+		var byReason uint64
+		for _, k := range s.FailedBy {
+			byReason += k
+		}
+		if s.InlineReads > s.DirectReads || s.DirectReads > s.ReadsDone || byReason > s.ReadsFailed {
+			if bad == 0 {
+				first = s
+			}
+			bad++
+		}
+	}
+	stop.Store(true)
+	wg.Wait()
+	s := cons.Stats()
+	require.Greater(t, s.InlineReads, uint64(100), "too few inline READs to tell")
+	require.Greater(t, s.DirectReads, s.InlineReads, "no READ on the copy workers")
+	require.Zero(t, bad, "%d of %d snapshots with a part above its whole; first: inline %d, direct %d, done %d",
+		bad, n, first.InlineReads, first.DirectReads, first.ReadsDone)
 }

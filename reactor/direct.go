@@ -464,9 +464,10 @@ func (r *Reactor) postInline(h uint64, s *slot, p *Peer, localIdx, remoteIdx []i
 		s.word.Store(w&^stateMask | code<<errShift | stErr)
 		return h, nil
 	}
+	// Wholes before parts (Stats loads them the other way round).
+	r.countDone(p, s.bytes)
 	d.reads.Add(1)
 	d.inlineReads.Add(1)
-	r.countDone(p, s.bytes)
 	r.st.latency.Add(time.Duration(r.now() - s.start))
 	s.word.Store(w&^stateMask | stDone)
 	if len(notif) > 0 {
@@ -481,7 +482,11 @@ func (r *Reactor) postInline(h uint64, s *slot, p *Peer, localIdx, remoteIdx []i
 		for !d.notifQ.TryPush(rec) {
 			if r.closing.Load() {
 				// Teardown waits for this Post and no longer drains the
-				// queue: the notification goes with the transport.
+				// queue: the notification goes with the transport, counted
+				// as one that waited and was dropped unsent.
+				p.notifsHeld.Add(-1)
+				r.st.notifsSent.Add(1)
+				d.ns.undelivered.Add(1)
 				d.putRec(rec)
 				return h, nil
 			}
@@ -1046,9 +1051,12 @@ func (r *Reactor) endJob(j *dirJob) {
 				if !r.finish(h, s, codeNone) {
 					r.st.canceled.Add(1)
 				} else {
-					d.reads.Add(1)
+					r.readDone(p, bytes, took, false, nil)
+					d.reads.Add(1) // after the whole it is part of
 					testhook.Run(&testhook.AfterDirectDone)
-					r.readDone(p, bytes, took, notify, j.notif)
+					if notify {
+						r.sendDoneNotif(p, j.notif)
+					}
 				}
 				if notify {
 					p.notifsHeld.Add(-1)
@@ -1330,10 +1338,13 @@ func (r *Reactor) sendInlineNotifs() bool {
 			p := rec.peer
 			switch {
 			case p.gone.Load() == 0:
+				// It waited: counted sent, and undelivered if it cannot
+				// go (the producer closed its socket but lives on, or was
+				// not yet seen to have exited), as below.
+				r.st.notifsSent.Add(1)
 				if err := r.notify(p, rec.msg); err != nil {
+					d.ns.undelivered.Add(1)
 					r.engineError("notify", err)
-				} else {
-					r.st.notifsSent.Add(1)
 				}
 			case d.ns.canSend(p, rec.msg) && !p.direct.exitSeen.Load():
 				// Removed since, or its copies fault (it truncated its

@@ -530,11 +530,17 @@ func (r *Reactor) readDone(p *Peer, n uint64, took time.Duration, notify bool, m
 	r.countDone(p, n)
 	r.st.latency.Add(took)
 	if notify {
-		if err := r.notify(p, msg); err != nil {
-			r.engineError("notify", err)
-		} else {
-			r.st.notifsSent.Add(1)
-		}
+		r.sendDoneNotif(p, msg)
+	}
+}
+
+// sendDoneNotif sends p the notification of a READ that ended DONE. A send
+// that fails at once is an engine error, not a notification sent.
+func (r *Reactor) sendDoneNotif(p *Peer, msg []byte) {
+	if err := r.notify(p, msg); err != nil {
+		r.engineError("notify", err)
+	} else {
+		r.st.notifsSent.Add(1)
 	}
 }
 

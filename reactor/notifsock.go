@@ -231,7 +231,16 @@ func newNotifSock(rfd int, key notifKey, name string) (*notifSock, error) {
 // checked to be at most 256 bytes long by their owners).
 const maxSenderName = 1 << 10
 
+// close closes the sockets. Notifications still in the backlog are
+// dropped and counted undelivered (they were counted sent when queued).
 func (ns *notifSock) close() {
+	for i, e := range ns.backlog {
+		ns.undelivered.Add(uint64(e.n))
+		e.peer.backlogged--
+		e.peer.notifsHeld.Add(-e.n)
+		ns.backlog[i] = pendingNotif{}
+	}
+	ns.backlog = ns.backlog[:0]
 	ns.recvMu.Lock()
 	if ns.rfd >= 0 {
 		_ = unix.Close(ns.rfd)

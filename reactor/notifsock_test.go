@@ -370,3 +370,39 @@ func TestNotifySocketZeroValue(t *testing.T) {
 	require.NoError(t, unix.Fstat(0, &got), "fd 0 was closed")
 	require.Equal(t, [2]uint64{want.Dev, want.Ino}, [2]uint64{got.Dev, got.Ino}, "fd 0 is not the pipe any more")
 }
+
+// Notifications left in the backlog when the socket closes (Deregister,
+// after its flush ran out of time) are counted undelivered: they were
+// counted sent when queued. They used to vanish from the counts.
+func TestNotifSockCloseCountsBacklog(t *testing.T) {
+	rx, err := ListenNotify(-1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	recv, err := newNotifSock(rx.take(), rx.Key, "producer")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer recv.close()
+	send, err := newNotifSock(-1, notifKey{}, "consumer-1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := socketPeer(t, &NotifySocket{Token: rx.Token, Key: rx.Key})
+	for i := range 500 {
+		if err := send.send(p, fmt.Appendf(nil, "sess-%d:%064x", i, i)); err != nil {
+			t.Fatalf("send %d: %v", i, err)
+		}
+	}
+	held := p.notifsHeld.Load()
+	if held == 0 {
+		t.Fatal("a receiver that reads nothing took 500 notifications: nothing in the backlog")
+	}
+	send.close()
+	if got := send.undelivered.Load(); got != uint64(held) {
+		t.Fatalf("%d undelivered after close, %d were in the backlog", got, held)
+	}
+	if len(send.backlog) != 0 || p.notifsHeld.Load() != 0 || p.backlogged != 0 {
+		t.Fatalf("backlog %d entries, peer holds %d in %d", len(send.backlog), p.notifsHeld.Load(), p.backlogged)
+	}
+}

@@ -71,8 +71,9 @@ type Stats struct {
 	NotifsDroppedByEngine uint64
 	// NotifsUndelivered counts notifications in NotifsSent that waited
 	// and were dropped unsent. Direct path: for a full producer socket, or
-	// an inline READ's for the reactor, and the producer exited or the
-	// send failed for good (also an engine error). Engine path (an engine
+	// an inline READ's for the reactor, and the producer exited, the send
+	// failed for good (also an engine error), or the transport closed
+	// before it went out. Engine path (an engine
 	// that is a nixl.NotifUndeliverer; ucx over shared memory): for room
 	// in the producer's receive queue, and the producer died, or was
 	// removed and did not take them in time, or the transport closed.
@@ -90,14 +91,25 @@ type Stats struct {
 
 // Stats returns the counters.
 func (r *Reactor) Stats() Stats {
-	// Ends before posts, parts before wholes: a READ counted between two
-	// loads then shows in the whole only, never done > posted or inline >
-	// direct in one snapshot. The latency histogram before done, which
+	// Ends before posts, parts before wholes (wholes are counted first):
+	// a READ counted between two loads then shows in the whole only, never
+	// done > posted, inline > direct > done, the failures by reason above
+	// ReadsFailed or undelivered notifications above those sent in one
+	// snapshot. The latency histogram before done, which
 	// is counted before its latency is added: its count is never above
 	// ReadsDone. A READ can end before Post has counted it posted (the
 	// loop takes it as soon as it is on the ring), so posted is at least
 	// what has ended; the max of two counters that only rise only rises.
 	lat := r.st.latency.Snapshot()
+	failedBy := r.failedBy()
+	undelivered := r.st.notifsUndeliveredByEngine.Load()
+	var inline, direct uint64
+	if d := r.dir; d != nil {
+		undelivered += d.ns.undelivered.Load()
+		inline = d.inlineReads.Load()
+		direct = d.reads.Load()
+	}
+	notifsSent := r.st.notifsSent.Load()
 	ended := [3]uint64{r.st.done.Load(), r.st.failed.Load(), r.st.canceled.Load()}
 	posted := max(r.st.posted.Load(), ended[0]+ended[1]+ended[2])
 	st := Stats{
@@ -106,7 +118,7 @@ func (r *Reactor) Stats() Stats {
 		ReadsCanceled:  ended[2],
 		ReadsPosted:    posted,
 		BytesRead:      r.st.bytes.Load(),
-		NotifsSent:     r.st.notifsSent.Load(),
+		NotifsSent:     notifsSent,
 		NotifsReceived: r.st.notifsReceived.Load(),
 		EngineErrors:   r.st.engineErrors.Load(),
 		LiveHandles:    r.tab.live.Load(),
@@ -116,18 +128,16 @@ func (r *Reactor) Stats() Stats {
 		Parks:          r.st.parks.Load(),
 		WaitBlocks:     r.st.waitBlocks.Load(),
 		Latency:        lat,
-		FailedBy:       r.failedBy(),
+		FailedBy:       failedBy,
 		BusyRefusals:   r.st.busyRefusals.Load(),
 		BusyTime:       time.Duration(r.st.busyNs.Load()),
 
 		NotifsDroppedByEngine: r.st.notifsDroppedByEngine.Load(),
-		NotifsUndelivered:     r.st.notifsUndeliveredByEngine.Load(),
+		NotifsUndelivered:     undelivered,
 		NotifsOversized:       r.st.notifsOversized.Load(),
 	}
 	if d := r.dir; d != nil {
-		st.NotifsUndelivered += d.ns.undelivered.Load()
-		st.InlineReads = d.inlineReads.Load()
-		st.DirectReads = d.reads.Load()
+		st.InlineReads, st.DirectReads = inline, direct
 		if d.pool != nil {
 			st.CopyWorkers, st.CopyBusyTime = d.pool.Workers(), d.pool.BusyTime()
 		}
