@@ -167,6 +167,11 @@ def _q_array(x):
     return a, addr, n
 
 
+# The largest caller region the library takes (its bound on every length,
+# maxLen in cmd/libecxfer/abi.go).
+_MAX_REGION = 1 << 40
+
+
 def _int_arg(name: str, v: Any, end: int) -> int:
     """v as an int in [0, end), or ConfigError: ctypes would wrap a value
     out of its C type's range silently (2**64 + 256 bytes would pass as
@@ -343,6 +348,10 @@ class EcxferDataTransport(_Base):
         size = _int_arg("total_size_bytes", 0 if total_size_bytes is None else total_size_bytes, 1 << 63)
         if region == 0:
             size = 0
+        elif not 0 < size <= _MAX_REGION:
+            raise ConfigError(
+                f"ecxfer: bad config: total_size_bytes {size} with a base_ptr: the region must be 1 byte to 1 TiB"
+            )
         _bind()
         tid = ctypes.c_uint64()
         rc = _lib_.ecx_new(raw, len(raw), region or None, size, ctypes.byref(tid))
@@ -356,7 +365,15 @@ class EcxferDataTransport(_Base):
         self._pid = os.getpid()
         # deregister() holds it while it tears down: a second call waits
         # for the first, so neither returns while the region is in use.
-        self._closing = threading.Lock()
+        # Re-entrant: a signal handler that calls deregister() runs in the
+        # thread a first call may be in (CPython runs handlers in the main
+        # thread, between bytecodes); that call finds the transport
+        # already taken apart and returns.
+        self._closing = threading.RLock()
+        # Notifications a signal handler's exception kept _notifs from
+        # returning: handed out by the next call (guarded by _held_mu).
+        self._held: dict[str, list[bytes]] | None = None
+        self._held_mu = threading.Lock()
         # Tear the transport down if the object is dropped without
         # deregister(), at the latest when the interpreter exits.
         self._finalizer = weakref.finalize(self, _finalize, self._t, self._pid)
@@ -490,19 +507,27 @@ class EcxferDataTransport(_Base):
     def deregister(self) -> None:
         """Tear everything down: handles, peers, memory registration, the
         engine and the reactor thread. Never raises. A second call waits
-        for a first one still tearing down, then does nothing; in a
+        for a first one still tearing down, then does nothing (one from a
+        signal handler that interrupted the first in its thread returns at
+        once); in a
         process forked from the one that made the transport it only
         forgets it. Afterwards post_read and add_remote_peer raise
         ClosedError, check_xfer_state returns "ERR" and get_new_notifs {}."""
         try:
+            if self._pid != os.getpid():
+                # Inherited by a forked child: the parent's to tear down.
+                # Not under _closing, which a thread of the parent may
+                # have held at the fork, and no thread here would release.
+                self._t = 0
+                self._peers.clear()
+                self._finalizer.detach()
+                return
             with self._closing:
                 t, self._t = self._t, 0
                 self._peers.clear()
                 if t == 0:
                     return
                 self._finalizer.detach()
-                if self._pid != os.getpid():
-                    return  # inherited by a forked child: the parent's to tear down
                 rc = _lib_.ecx_deregister(t)
                 if rc != 0:
                     raise from_code(rc)
@@ -537,7 +562,9 @@ class EcxferDataTransport(_Base):
 
     def wait_notifs(self, timeout: float | None = None) -> dict[str, list[bytes]]:
         """Like get_new_notifs, but block (without the GIL) up to timeout
-        seconds (None: no limit) for the first notification."""
+        seconds (None: no limit) for the first notification. A signal
+        handler's exception ends the wait; notifications taken meanwhile
+        come with the next call."""
         total = _timeout_ns(timeout, 1)
         end = None if total < 0 else time.monotonic_ns() + total
         while True:
@@ -582,8 +609,25 @@ class EcxferDataTransport(_Base):
     def _notifs(self, timeout_ns: int) -> dict[str, list[bytes]]:
         if self._t == 0:
             return {}
+        if self._held is not None:
+            with self._held_mu:
+                held, self._held = self._held, None
+            if held:
+                return held
         p = ctypes.c_void_p()
-        n = _lib_.ecx_notifs(self._t, timeout_ns, ctypes.byref(p))
+        try:
+            n = _lib_.ecx_notifs(self._t, timeout_ns, ctypes.byref(p))
+        except BaseException:
+            # A signal handler raised as the call returned (wait_notifs
+            # waits in slices so that handlers run): the library has
+            # handed the notifications over, at p, and the length with
+            # the lost return value. Keep them for the next call.
+            if p.value:
+                got = _notifs_at(p.value)
+                _lib_.ecx_free(p)
+                with self._held_mu:
+                    self._held = _merge_notifs(self._held, got)
+            raise
         if n < 0:
             err = from_code(n)
             if isinstance(err, ClosedError):
@@ -595,6 +639,38 @@ class EcxferDataTransport(_Base):
 
 
 _U32 = struct.Struct("<I")
+
+
+def _notifs_at(addr: int) -> dict[str, list[bytes]]:
+    """Decode ecx_notifs' encoding at addr without its length (which the
+    library returned, and an exception lost): the encoding delimits
+    itself, and it is the library's own."""
+    off = 0
+
+    def take(n: int) -> bytes:
+        nonlocal off
+        b = ctypes.string_at(addr + off, n)
+        off += n
+        return b
+
+    def u32() -> int:
+        return _U32.unpack(take(4))[0]
+
+    out: dict[str, list[bytes]] = {}
+    for _ in range(u32()):
+        msgs = out.setdefault(take(u32()).decode("ascii", "replace"), [])
+        for _ in range(u32()):
+            msgs.append(take(u32()))
+    return out
+
+
+def _merge_notifs(a: dict[str, list[bytes]] | None, b: dict[str, list[bytes]]) -> dict[str, list[bytes]]:
+    """a's notifications, then b's, per sender (b: the later ones)."""
+    if not a:
+        return b
+    for name, msgs in b.items():
+        a.setdefault(name, []).extend(msgs)
+    return a
 
 
 def decode_notifs(buf: bytes) -> dict[str, list[bytes]]:

@@ -161,3 +161,131 @@ def test_fault_handlers_installed_after_load_are_reported(early):
     else:
         assert len(warned) == 1, out.stdout
         assert "SIGBUS and SIGSEGV" in warned[0]
+
+
+def test_signal_during_wait_notifs_keeps_the_notifications(monkeypatch):
+    """A signal handler that raises as ecx_notifs returns (wait_notifs
+    waits in slices so that handlers run) used to lose the notifications
+    the library had just handed over: its return value, their length, went
+    with the exception, and they were never freed. The next call now hands
+    them out. The wrapper raises where the handler would."""
+    from ecxfer import transport
+
+    p, c = _loopback("arg-held-p"), _loopback("arg-held-c")
+    real = transport._lib_
+    try:
+        peer = c.add_remote_peer(p.get_agent_metadata(), p.get_mem_descriptor())
+        for i in range(2):
+            h = c.post_read([0], peer, [1], b"sess:hash-%d" % i)
+            assert c.wait(h, 10) == "DONE"
+            c.release_xfer_handle(h)
+
+        class Lib:
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+            def ecx_notifs(self, tid, timeout_ns, out):
+                n = real.ecx_notifs(tid, timeout_ns, out)
+                if n > 0:
+                    raise _Alarm()
+                return n
+
+        monkeypatch.setattr(transport, "_lib_", Lib())
+        with pytest.raises(_Alarm):
+            p.wait_notifs(10)
+        monkeypatch.setattr(transport, "_lib_", real)
+        got = p.get_new_notifs()
+        while sum(len(v) for v in got.values()) < 2:  # the second may come after the first
+            more = p.wait_notifs(10)
+            assert more, f"only {got} arrived"
+            for k, v in more.items():
+                got.setdefault(k, []).extend(v)
+        assert got == {c.agent_name: [b"sess:hash-0", b"sess:hash-1"]}
+        assert p.get_new_notifs() == {}
+    finally:
+        monkeypatch.setattr(transport, "_lib_", real)
+        c.deregister()
+        p.deregister()
+
+
+_REENTER = r"""
+import os, signal
+import ecxfer
+from ecxfer import transport
+t = ecxfer.EcxferDataTransport("arg-reenter", 0, 4, 4096, 0, backend="loopback")
+real = transport._lib_
+class Lib:
+    def __getattr__(self, name):
+        return getattr(real, name)
+    def ecx_deregister(self, tid):
+        rc = real.ecx_deregister(tid)
+        os.kill(os.getpid(), signal.SIGUSR1)  # its handler runs as this returns, in deregister()
+        return rc
+calls = []
+def handler(*a):
+    calls.append(1)
+    t.deregister()
+signal.signal(signal.SIGUSR1, handler)
+transport._lib_ = Lib()
+t.deregister()
+print("done", len(calls), t.closed)
+"""
+
+
+def test_deregister_from_a_signal_handler_during_deregister():
+    """A handler that calls deregister() (SIGTERM -> clean up) runs in the
+    thread a deregister() may be in, which holds the transport's lock: the
+    process used to hang there for good. The inner call now returns."""
+    r = subprocess.run([sys.executable, "-c", _REENTER], env=child_env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["done", "1", "True"]
+
+
+_FORK_DEREG = r"""
+import os, threading, time
+import ecxfer
+from ecxfer import transport
+t = ecxfer.EcxferDataTransport("arg-forkdereg", 0, 4, 4096, 0, backend="loopback")
+real = transport._lib_
+inside, go = threading.Event(), threading.Event()
+class Lib:
+    def __getattr__(self, name):
+        return getattr(real, name)
+    def ecx_deregister(self, tid):
+        inside.set()
+        go.wait(30)
+        return real.ecx_deregister(tid)
+transport._lib_ = Lib()
+th = threading.Thread(target=t.deregister)
+th.start()
+inside.wait(30)
+pid = os.fork()
+if pid == 0:
+    t.deregister()  # the lock was held at the fork, by a thread the child does not have
+    os._exit(0 if t.closed else 1)
+deadline = time.monotonic() + 20
+while True:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        result = os.waitstatus_to_exitcode(status)
+        break
+    if time.monotonic() > deadline:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        result = "hung"
+        break
+    time.sleep(0.01)
+go.set()
+th.join()
+print("child", result, t.closed)
+"""
+
+
+def test_deregister_in_a_child_forked_during_deregister():
+    """A child forked while another thread of the parent was inside
+    deregister() inherited the transport's lock held; its own deregister()
+    (or a `with` block's end) waited for it forever. In a forked child it
+    only forgets the transport, without the lock."""
+    r = subprocess.run([sys.executable, "-c", _FORK_DEREG], env=child_env(), capture_output=True, text=True, timeout=90)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["child", "0", "True"]

@@ -267,6 +267,11 @@ def test_options_reach_config(region):
         EcxferDataTransport(agent_name="o5", base_ptr=r.addr, num_blocks=n, block_size_bytes=bs, total_size_bytes=bs)
     with pytest.raises(ecxfer.ConfigError):
         EcxferDataTransport(agent_name="o6", base_ptr=r.addr, num_blocks=0, block_size_bytes=bs, total_size_bytes=bs)
+    # A caller's region of 0 bytes, or of more than the library takes
+    # (1 TiB): ConfigError as README says, not BadArgumentError.
+    for size in (0, (1 << 40) + 1):
+        with pytest.raises(ecxfer.ConfigError, match="total_size_bytes"):
+            EcxferDataTransport(agent_name="o9", base_ptr=r.addr, num_blocks=n, block_size_bytes=bs, total_size_bytes=size)
     # Options that are fine: the transport works with them.
     t = EcxferDataTransport(
         agent_name="o7", pin_cpu=0, idle="park", xfer_timeout_s=5, wait_spin_us=10, handles=64, max_notif=16, **kw
