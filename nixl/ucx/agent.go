@@ -139,9 +139,10 @@ type xfer struct {
 	state   enginekit.XferState
 	gen     uint64 // bumped on every post
 	err     error
-	// rounds: part of the post went out after PostXfer, from Progress,
-	// without the pidfd poll PostXfer does first (see drainC).
-	rounds bool
+	// recheck: part or all of the post went out without the pidfd poll
+	// PostXfer does first (later rounds, from Progress; a held READ, when
+	// its fences lifted): drainC polls the peer's pidfd when it ends.
+	recheck bool
 }
 
 const compBufLen = 256

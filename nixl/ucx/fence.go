@@ -235,6 +235,10 @@ func (a *Agent) releaseHeld() {
 		err := x.peer.Dead
 		if err == nil {
 			err = a.post(x)
+			// Posted without PostXfer's poll of the peer's pidfd, which
+			// may be up to LivenessPoll old: a same-host peer that died
+			// since would serve these gets from the segment it left.
+			x.recheck = true
 		}
 		if err != nil {
 			x.state = enginekit.Done

@@ -285,3 +285,52 @@ func testFenceLiftedWhenPeerDies(t *testing.T, removed bool) {
 	require.ErrorIs(t, err, nixl.ErrRemoteDisconnect)
 	require.NoError(t, c.a.ReleaseXfer(held))
 }
+
+// A READ held behind a fence is posted when the fence lifts, without the
+// poll of pidfds PostXfer does first: when its same-host producer died
+// meanwhile, its gets copied what the dead process left in its segment
+// and the READ ended DONE. Its pidfd is now polled when it ends.
+func TestHeldReadOfDeadPeerFails(t *testing.T) {
+	leakcheck.Check(t)
+	const tls = "posix,sysv" // no cma: gets of the fencing peer's memory are emulated
+	t.Setenv("UCX_TLS", tls)
+	fencer := startChild(t, childOpts{name: "fencer", seed: 5, tls: tls})
+	dying := startChild(t, childOpts{name: "dying", seed: 6, tls: tls, alloc: true})
+	// Progress never polls pidfds on its own here: only the fix can see
+	// the death before the READ ends.
+	c := newConsumer(t, Config{Name: "cons", LivenessPoll: time.Hour}, testBlocks, testBlock)
+	c.connect(t, fencer)
+	m, err := decodeMetadata(dying.md)
+	require.NoError(t, err)
+	dname, err := c.a.LoadRemoteMetadata(dying.md)
+	require.NoError(t, err)
+	dremote, err := c.a.PrepDlist(dname, descriptors.BuildBlockDescs(m.Region[0].Addr, testBlocks, testBlock, 0), nixl.DRAM)
+	require.NoError(t, err)
+
+	fencer.command('S', nil, c.a) // stops progressing: its gets stay outstanding
+	id, err := c.a.MakeXfer(nixl.Read, c.local, []int{0}, c.remote, []int{0}, nil)
+	require.NoError(t, err)
+	require.NoError(t, c.a.PostXfer(id))
+	for range 10 {
+		c.a.Progress()
+	}
+	require.NoError(t, c.a.ReleaseXfer(id))
+	require.Len(t, c.a.fences, 1, "the gets are outstanding (else this tests nothing)")
+
+	held, err := c.a.MakeXfer(nixl.Read, c.local, []int{0}, dremote, []int{2}, nil)
+	require.NoError(t, err)
+	require.NoError(t, c.a.PostXfer(held))
+	require.Len(t, c.a.held, 1)
+	dying.kill() // reaped: its pidfd is readable
+
+	fencer.command('R', nil, c.a) // answers the gets: the fence lifts, the held READ goes out
+	var done bool
+	for deadline := time.Now().Add(10 * time.Second); !done && time.Now().Before(deadline); {
+		c.a.Progress()
+		done, err = c.a.XferStatus(held)
+	}
+	require.True(t, done, "the held READ did not end")
+	require.Empty(t, c.a.fences)
+	require.ErrorIs(t, err, nixl.ErrRemoteDisconnect, "DONE from a producer that died before its gets went out")
+	require.NoError(t, c.a.ReleaseXfer(held))
+}

@@ -279,7 +279,7 @@ func TestMultiRoundReadAfterDeath(t *testing.T) {
 		id, err := c.a.MakeXfer(nixl.Read, c.local, idx, c.remote, idx, nil)
 		require.NoError(t, err)
 		require.NoError(t, c.a.PostXfer(id))
-		require.True(t, c.a.xfers[id].rounds, "run %d: the READ went out in one round", run)
+		require.True(t, c.a.xfers[id].recheck, "run %d: the READ went out in one round", run)
 		ch.kill() // SIGKILL and reaped: the pidfd is readable from here on
 		var comp [4]nixl.Completion
 		var got *nixl.Completion

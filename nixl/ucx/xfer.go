@@ -211,7 +211,7 @@ func (a *Agent) post(x *xfer) error {
 		return ucsErr(st, "ucx: post")
 	}
 	x.post = *a.postOut
-	x.rounds = a.c.last_in_rounds != 0
+	x.recheck = a.c.last_in_rounds != 0
 	x.state = enginekit.Inflight
 	x.err = nil
 	x.gen++
@@ -245,11 +245,11 @@ func (a *Agent) drainC() {
 			x.state = enginekit.Done
 			if e.status != 0 {
 				x.err = ucsErr(C.int(e.status), fmt.Sprintf("ucx: xfer %d", x.id))
-			} else if x.rounds && x.peer.pidfd >= 0 && exited(x.peer.pidfd) {
+			} else if x.recheck && x.peer.pidfd >= 0 && exited(x.peer.pidfd) {
 				// Gets from a same-host peer's segment are copies of
-				// whatever it holds: the rounds posted after the peer died
-				// read what the dead process left. DONE only if the peer
-				// outlived the whole READ.
+				// whatever it holds: what was posted after the peer died
+				// (without PostXfer's poll) read what the dead process
+				// left. DONE only if the peer outlived the whole READ.
 				x.err = nixl.Errorf(nixl.ErrRemoteDisconnect, "ucx: xfer %d: peer %q (pid %d) exited during the transfer", x.id, x.peer.name, x.peer.pid)
 			}
 			delete(x.peer.inflight, x.id)
