@@ -22,8 +22,9 @@
 //   - raw: one goroutine driving the nixl.Agent with no concurrency and no
 //     lock: the floor of overhead.
 //
-// References, measured in the same run: single-thread memcpy from a buffer
-// far larger than the caches (the copy limit of one core), and UCX's own
+// References, measured in the same run: memcpy on one thread and on two
+// from a buffer far larger than the caches (the copy limits of one core
+// and of the machine's two), whole rounds and block by block, and UCX's own
 // ucx_perftest ucp_get for the same message sizes when it is installed.
 //
 // Callers wait the same way in every mode: a burst of back-to-back state
@@ -38,9 +39,9 @@
 //
 // Workloads: latency (one block per READ, one at a time), image (880 blocks
 // per READ, contiguous and scattered), fanin (1 to 64 goroutines posting
-// 1–16-block READs) and notif (from the reader seeing DONE to the producer
-// application seeing the notification, timed with CLOCK_MONOTONIC, which
-// both processes share).
+// 1–16-block READs) and notif (from the post to the producer application
+// seeing the READ's notification, timed with CLOCK_MONOTONIC, which both
+// processes share).
 //
 // The producer runs in a child process (the same binary, re-executed with
 // ECXFER_BENCH_ROLE=producer) for the ucx backend, in-process for the

@@ -23,3 +23,34 @@ func TestFillCheck(t *testing.T) {
 	require.False(t, ok)
 	require.Equal(t, 100, off)
 }
+
+// No block passes for another at any of its first few word offsets: a
+// READ that landed the wrong block, or the right one shifted, fails.
+func TestBlocksDistinct(t *testing.T) {
+	const bs = 256
+	region := make([]byte, 64*bs)
+	FillRegion(region, 3, bs)
+	for i := range 64 {
+		for j := range 64 {
+			for shift := 0; shift < 4; shift++ {
+				if i == j && shift == 0 {
+					continue
+				}
+				ok, _ := Check(region[i*bs+8*shift:(i+1)*bs], 3, j)
+				require.False(t, ok, "block %d at word %d passes for block %d", i, shift, j)
+			}
+		}
+	}
+}
+
+func BenchmarkCheck(b *testing.B) {
+	const bs = 32 << 10
+	blk := make([]byte, bs)
+	Fill(blk, 9, 5)
+	b.SetBytes(bs)
+	for b.Loop() {
+		if ok, _ := Check(blk, 9, 5); !ok {
+			b.Fatal("mismatch")
+		}
+	}
+}
