@@ -121,6 +121,13 @@ type peer struct {
 	inflight   map[nixl.XferID]*xfer
 }
 
+// abandonedEp is what Close frees of an endpoint it leaves to the worker.
+type abandonedEp struct {
+	arg   *C.ecx_ep_arg_t
+	rkeys *C.ucp_rkey_h
+	n     int
+}
+
 type dlist struct {
 	enginekit.ListBase[*peer, *memRegion]
 }
@@ -194,10 +201,13 @@ type Agent struct {
 	gone      map[*peer]int // removed peers with fences: a dup of the pidfd
 	// staged holds the peers staged and neither committed nor aborted;
 	// Close closes them with the rest.
-	staged   map[*staged]struct{}
-	rangeBuf []descriptors.Range
-	pollfds  []unix.PollFd
-	calls    uint32
+	staged map[*staged]struct{}
+	// abandoned: same-host peers Close leaves to ucp_worker_destroy; their
+	// rkeys and error-callback arguments are freed after its last progress.
+	abandoned []abandonedEp
+	rangeBuf  []descriptors.Range
+	pollfds   []unix.PollFd
+	calls     uint32
 	// pidPolled: the pidfds were polled since the last Progress.
 	pidPolled bool
 	dropped   uint64 // notif_dropped, kept when the C context goes at Close
@@ -444,6 +454,12 @@ func (a *Agent) Close() error {
 	for a.closingEndpoints() > 0 && time.Now().Before(deadline) {
 		C.ecx_progress(a.c)
 	}
+	// No progress from here on: the endpoints left to the worker drop
+	// their rkeys (before the worker goes, which they need).
+	for _, e := range a.abandoned {
+		C.ecx_ep_abandon(e.arg, e.rkeys, C.uint32_t(e.n))
+	}
+	a.abandoned = nil
 	for p, fd := range a.gone {
 		unix.Close(fd)
 		delete(a.gone, p)

@@ -144,9 +144,11 @@
 // warns about unreturned requests).
 //
 // InvalidateRemoteMetadata ends in-flight requests with ErrRemoteDisconnect
-// and closes the endpoint the same way. Close force-closes PEER-mode
-// endpoints, waits at most 250 ms for pending closes, leaves NONE-mode
-// endpoints to the worker, and destroys the worker and context.
+// and closes the endpoint the same way. Close gives PEER-mode endpoints a
+// flushed close (a forced one lost notifications already handed to the
+// socket), waits at most 250 ms for pending closes, leaves NONE-mode
+// endpoints to the worker (their rkeys are destroyed after its last
+// progress call), and destroys the worker and context.
 //
 // ReleaseXfer of an in-flight request calls ucp_request_cancel on its
 // outstanding operations (in UCX 1.13 this does not stop RMA already under

@@ -456,7 +456,10 @@ func (a *Agent) failPeer(p *peer, err error, leaving bool) {
 	}
 	switch {
 	case leaving && !p.peerMode:
-		C.ecx_ep_abandon(p.eparg, p.rkeys, C.uint32_t(len(p.regions)))
+		// Its rkeys go after Close's last progress (abandonLeft): a get
+		// still in UCX's pending queue is sent from there and reads its
+		// rkey.
+		a.abandoned = append(a.abandoned, abandonedEp{p.eparg, p.rkeys, len(p.regions)})
 	case leaving:
 		C.ecx_ep_close_rkeys(a.c, p.ep, p.eparg, 0, p.rkeys, C.uint32_t(len(p.regions)), 0)
 	default:
