@@ -155,7 +155,7 @@ func NewCollector(t *ecxfer.Transport, opts ...Option) prometheus.Collector {
 	c.waitBlocks = d("ecxfer_wait_blocks_total", "Wait calls that stopped spinning and slept.")
 	c.duration = d("ecxfer_read_duration_seconds", "Post to DONE latency of READs.")
 	c.peerDone = d("ecxfer_peer_reads_done_total", "READs from this peer finished DONE.", "peer")
-	c.peerFailed = d("ecxfer_peer_reads_failed_total", "READs from this peer that ended in ERR.", "peer")
+	c.peerFailed = d("ecxfer_peer_reads_failed_total", "READs from this peer that failed (ERR; not those canceled by a release or the peer's removal).", "peer")
 	c.peerBytes = d("ecxfer_peer_read_bytes_total", "Bytes read from this peer.", "peer")
 	c.peerOmitted = d("ecxfer_peer_series_omitted", "Peers left out of the per-peer series by the WithPeers bound.")
 	return c

@@ -102,7 +102,8 @@ func (f *fold) due() (int64, bool) {
 // maxOversizedSenders bounds events.oversized.
 const maxOversizedSenders = 1024
 
-// logOversized logs EventNotifOversized once per sender. Loop thread only.
+// logOversized logs EventNotifOversized once per sender, for the first
+// maxOversizedSenders senders. Loop thread only.
 func (r *Reactor) logOversized(sender string, n int) {
 	if r.ev.log == nil {
 		return
