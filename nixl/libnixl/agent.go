@@ -104,6 +104,9 @@ type zombie struct {
 	// reference on each until it finishes, so they cannot be deregistered
 	// (and an allocated one unmapped) under it.
 	mems []*region
+	// spans are the local ranges a zombie READ may still write: no READ
+	// into them is posted until it has finished (PostXfer).
+	spans []enginekit.Interval
 }
 
 // Agent is the NIXL engine: a nixl.Agent over one NIXL agent (UCX
@@ -124,6 +127,9 @@ type Agent struct {
 	sts      []int32
 	pending  enginekit.Completions
 	zombies  []zombie
+	zspans   []enginekit.Interval // every zombie's spans, merged (valid unless zdirty)
+	zdirty   bool
+	held     []heldXfer // READs into local blocks a zombie may still write
 	zreqs    []*C.ecxnixl_req
 	zsts     []int32
 	draining map[string]*peer
@@ -273,7 +279,8 @@ func (a *Agent) Progress() (bool, error) {
 	if len(a.zombies) > 0 {
 		a.reap()
 	}
-	return a.checkInflight() > 0, nil
+	released := len(a.held) > 0 && a.releaseHeld()
+	return a.checkInflight() > 0 || released, nil
 }
 
 // EventFD implements nixl.Agent: NIXL exposes no descriptor to sleep on.
@@ -310,6 +317,7 @@ func (a *Agent) Close() error {
 		delete(a.xfers, id)
 	}
 	a.inflight, a.reqs = nil, nil
+	a.held = nil
 	a.pending.Reset()
 	deadline := time.Now().Add(closeWait)
 	for len(a.zombies) > 0 && time.Now().Before(deadline) {

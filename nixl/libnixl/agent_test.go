@@ -355,6 +355,57 @@ func TestAgentZombieHoldsMemory(t *testing.T) {
 	require.NoError(t, cons.a.DeregisterMem(mem))
 }
 
+// A READ into local blocks that a released READ still running in NIXL may
+// write is held, in flight with nothing posted, until that one has ended:
+// NIXL cannot cancel it, and its late data would land on the new READ's
+// (which used to end DONE and then be overwritten). READs into other
+// blocks go out at once.
+func TestAgentZombieFencesLocalBlocks(t *testing.T) {
+	_, cons, _, rdl, idx, pm := bigPair(t, 7)
+	half := len(idx) / 2
+	for _, id := range postReads(t, cons, rdl, idx[:half], 8, nil) {
+		require.NoError(t, cons.a.ReleaseXfer(id))
+	}
+	if len(cons.a.zombies) == 0 {
+		t.Skip("every READ of 8 MiB ended before its release")
+	}
+	same, err := cons.a.MakeXfer(nixl.Read, cons.local, idx[half-1:half], rdl, idx[:1], []byte("held"))
+	require.NoError(t, err)
+	require.NoError(t, cons.a.PostXfer(same))
+	require.Len(t, cons.a.held, 1, "posted into blocks a released READ may still write")
+	require.Nil(t, cons.a.xfers[same].req)
+	done, err := cons.a.XferStatus(same)
+	require.NoError(t, err)
+	require.False(t, done)
+	other, err := cons.a.MakeXfer(nixl.Read, cons.local, idx[half:half+1], rdl, idx[:1], nil)
+	require.NoError(t, err)
+	require.NoError(t, cons.a.PostXfer(other))
+	require.Len(t, cons.a.held, 1, "held a READ of blocks no released READ writes")
+	for _, id := range []nixl.XferID{same, other} {
+		pm.until(t, "a READ", pm.done(id))
+		require.NoError(t, pm.comps[id])
+		require.NoError(t, cons.a.ReleaseXfer(id))
+	}
+	require.Empty(t, cons.a.zombies, "the held READ ended before the released READs it waited for")
+	require.Empty(t, cons.a.held)
+
+	// A held READ can be released, and then never goes out.
+	for _, id := range postReads(t, cons, rdl, idx[:half], 8, nil) {
+		require.NoError(t, cons.a.ReleaseXfer(id))
+	}
+	if len(cons.a.zombies) == 0 {
+		return
+	}
+	again, err := cons.a.MakeXfer(nixl.Read, cons.local, idx[:1], rdl, idx[:1], nil)
+	require.NoError(t, err)
+	require.NoError(t, cons.a.PostXfer(again))
+	require.Len(t, cons.a.held, 1)
+	require.NoError(t, cons.a.ReleaseXfer(again))
+	pm.until(t, "the released READs", func() bool { return len(cons.a.zombies) == 0 })
+	require.Empty(t, cons.a.held)
+	require.NotContains(t, pm.comps, again)
+}
+
 func TestAgentCancelAndInvalidate(t *testing.T) {
 	prod, cons, pname, rdl, idx, pm := bigPair(t, 4)
 

@@ -59,7 +59,10 @@
 // destroying the worker before then aborts the process in a UCX assertion. The request becomes a
 // zombie instead: it is no longer reported, Progress keeps polling it and
 // releases it once it has finished, so its data may still land and its
-// notification may still be sent. An invalidated peer with zombies is
+// notification may still be sent. A READ posted into local blocks a
+// zombie READ may still write is held, in flight with nothing posted,
+// until every such zombie has finished, so that the late data never lands
+// on its bytes. An invalidated peer with zombies is
 // forgotten by NIXL only after they finish; loading that peer again waits
 // for them (at most two seconds, then fails with ErrBackend). Close gives
 // in-flight requests two seconds, and if some are still running it leaves

@@ -143,6 +143,29 @@ func (a *Agent) PostXfer(id nixl.XferID) error {
 	if !x.remote.Valid || a.peers[p.name] != p {
 		return nixl.Errorf(nixl.ErrRemoteDisconnect, "libnixl: xfer %d: peer %q is gone", id, p.name)
 	}
+	if x.op == nixl.Read && len(a.zombies) > 0 && a.zombieFenced(x) {
+		if a.reap(); a.zombieFenced(x) {
+			// A released READ still running in NIXL (its peer stalled,
+			// say) may yet write these blocks: posted now, this READ
+			// could end DONE and then have its bytes overwritten. NIXL
+			// cannot cancel that one (see zombie), so this one is held,
+			// in flight with nothing posted, until it has ended.
+			a.dropReq(x)
+			x.state = enginekit.Inflight
+			x.err = nil
+			x.gen++
+			p.inflight[x.id] = x
+			a.held = append(a.held, heldXfer{x, x.gen})
+			return nil
+		}
+	}
+	return a.post(x)
+}
+
+// post makes and posts x's NIXL request.
+func (a *Agent) post(x *xfer) error {
+	p := x.remote.Peer
+	id := x.id
 	a.dropReq(x)
 	op := C.int32_t(C.ECXNIXL_OP_READ)
 	if x.op == nixl.Write {
@@ -216,7 +239,16 @@ func (a *Agent) bury(x *xfer) {
 	if x.req == nil {
 		return
 	}
-	a.zombies = append(a.zombies, zombie{req: x.req, peer: x.remote.Peer, mems: x.mems})
+	z := zombie{req: x.req, peer: x.remote.Peer, mems: x.mems}
+	if x.op == nixl.Read {
+		z.spans = make([]enginekit.Interval, 0, len(x.lidx))
+		for _, li := range x.lidx {
+			d := x.local.Descs[li]
+			z.spans = append(z.spans, enginekit.Interval{Lo: d.Addr, Hi: d.Addr + d.Len})
+		}
+		a.zdirty = true
+	}
+	a.zombies = append(a.zombies, z)
 	enginekit.AddRefs(x.mems, 1)
 	x.remote.Peer.zombies++
 	x.req = nil
@@ -250,6 +282,7 @@ func (a *Agent) reap() {
 		}
 		_ = C.ecx_dl_release_req(a.lib.c, a.c, z.req)
 		enginekit.AddRefs(z.mems, -1)
+		a.zdirty = a.zdirty || len(z.spans) > 0
 		z.peer.zombies--
 		if z.peer.zombies == 0 && z.peer.draining {
 			z.peer.draining = false
@@ -260,6 +293,71 @@ func (a *Agent) reap() {
 	clear(a.zombies[k:])
 	a.zombies = a.zombies[:k]
 	clear(a.zreqs)
+}
+
+// heldXfer is a READ held behind zombies; gen tells a reposted request
+// from the one that was held.
+type heldXfer struct {
+	x   *xfer
+	gen uint64
+}
+
+// releaseHeld posts, oldest first, the held READs no zombie may write
+// under any more (after reap). One that cannot be posted ends with why.
+// It reports whether it posted or ended any.
+func (a *Agent) releaseHeld() bool {
+	did := false
+	keep := a.held[:0]
+	for _, h := range a.held {
+		x := h.x
+		if x.gen != h.gen || x.state != enginekit.Inflight || a.xfers[x.id] != x {
+			continue // released, or ended with its peer
+		}
+		if a.zombieFenced(x) {
+			keep = append(keep, h)
+			continue
+		}
+		did = true
+		p := x.remote.Peer
+		delete(p.inflight, x.id)
+		err := p.Dead
+		if err == nil && (!x.remote.Valid || a.peers[p.name] != p) {
+			err = nixl.Errorf(nixl.ErrRemoteDisconnect, "libnixl: xfer %d: peer %q is gone", x.id, p.name)
+		}
+		if err == nil {
+			err = a.post(x)
+		}
+		if err != nil {
+			x.state = enginekit.Done
+			x.err = err
+			a.pending.Push(x.id, x.gen, err)
+		}
+	}
+	clear(a.held[len(keep):])
+	a.held = keep
+	return did
+}
+
+// zombieFenced reports whether a local block of READ x overlaps what a
+// zombie READ may still write.
+func (a *Agent) zombieFenced(x *xfer) bool {
+	if a.zdirty {
+		m := a.zspans[:0]
+		for _, z := range a.zombies {
+			m = append(m, z.spans...)
+		}
+		a.zspans, a.zdirty = enginekit.MergeIntervals(m), false
+	}
+	if len(a.zspans) == 0 {
+		return false
+	}
+	for _, li := range x.lidx {
+		d := x.local.Descs[li]
+		if enginekit.Overlaps(a.zspans, d.Addr, d.Addr+d.Len) {
+			return true
+		}
+	}
+	return false
 }
 
 // drainWait bounds how long loading a peer waits for the zombies of its
@@ -341,6 +439,9 @@ func (a *Agent) XferStatus(id nixl.XferID) (bool, error) {
 	case enginekit.Idle:
 		return false, nixl.ErrNotPosted
 	case enginekit.Inflight:
+		if x.req == nil {
+			return false, nil // held behind a zombie (releaseHeld)
+		}
 		a.one[0] = x.req
 		C.ecx_dl_status(a.lib.c, a.c, &a.one[0], (*C.int32_t)(unsafe.Pointer(&a.oneSt[0])), 1)
 		a.one[0] = nil

@@ -30,8 +30,8 @@ import (
 // gets call back, they stay. A peer on another host (mode PEER) has its
 // endpoint closed, and UCX ends its outstanding gets then.
 
-// span is a fenced range of local addresses, [lo, hi).
-type span struct{ lo, hi uint64 }
+// span is a fenced range of local addresses, [Lo, Hi).
+type span = enginekit.Interval
 
 // fence is one orphaned READ's local ranges.
 type fence struct {
@@ -54,7 +54,7 @@ func (a *Agent) fenceOrphan(x *xfer) {
 	}
 	f := fence{peer: x.peer, spans: make([]span, 0, x.nranges)}
 	for _, r := range unsafe.Slice(x.ranges, x.nranges) {
-		f.spans = append(f.spans, span{uint64(r.local), uint64(r.local) + uint64(r.len)})
+		f.spans = append(f.spans, span{Lo: uint64(r.local), Hi: uint64(r.local) + uint64(r.len)})
 	}
 	a.fences[x.id] = f
 	a.fencesChanged()
@@ -116,7 +116,7 @@ func (a *Agent) Fenced(addr, n uint64) bool {
 	if v == nil || v.gen != a.fenceGen.Load() {
 		return true
 	}
-	return overlaps(v.spans, addr, addr+min(n, ^addr))
+	return enginekit.Overlaps(v.spans, addr, addr+min(n, ^addr))
 }
 
 // liftFence drops the fence of orphan id, if it has one; drainC then
@@ -153,25 +153,11 @@ func (a *Agent) fenced(x *xfer) bool {
 		a.mergeFences()
 	}
 	for _, r := range unsafe.Slice(x.ranges, x.nranges) {
-		if overlaps(a.fenceSpans, uint64(r.local), uint64(r.local)+uint64(r.len)) {
+		if enginekit.Overlaps(a.fenceSpans, uint64(r.local), uint64(r.local)+uint64(r.len)) {
 			return true
 		}
 	}
 	return false
-}
-
-// overlaps reports whether [lo, hi) overlaps one of the sorted, merged
-// spans m.
-func overlaps(m []span, lo, hi uint64) bool {
-	// The first merged span that ends after lo; it overlaps when it starts
-	// before hi.
-	i, _ := slices.BinarySearchFunc(m, lo, func(s span, v uint64) int {
-		if s.hi <= v {
-			return -1
-		}
-		return 1
-	})
-	return i < len(m) && m[i].lo < hi
 }
 
 // mergeFences sorts and merges every fence's spans into a.fenceSpans.
@@ -180,24 +166,7 @@ func (a *Agent) mergeFences() {
 	for _, f := range a.fences {
 		m = append(m, f.spans...)
 	}
-	slices.SortFunc(m, func(x, y span) int {
-		switch {
-		case x.lo < y.lo:
-			return -1
-		case x.lo > y.lo:
-			return 1
-		}
-		return 0
-	})
-	out := m[:0]
-	for _, s := range m {
-		if k := len(out); k > 0 && s.lo <= out[k-1].hi {
-			out[k-1].hi = max(out[k-1].hi, s.hi)
-			continue
-		}
-		out = append(out, s)
-	}
-	a.fenceSpans = out
+	a.fenceSpans = enginekit.MergeIntervals(m)
 	a.fenceDirty = false
 }
 
