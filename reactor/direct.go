@@ -49,6 +49,8 @@ type Direct struct {
 	view  *shmview.View     // nil for a kernel copy (KindProc)
 	pidfd int               // the producer's process, open while refs > 0
 	life  *lifeword.Watcher // the producer's lifeword, or nil; mapped while refs > 0
+	// liveness is what Liveness reports, fixed when d is made.
+	liveness string
 	// dead: READs of this region fail, because the producer exited or a
 	// copy faulted (it truncated its file). exitSeen: the producer
 	// exited, so its notifications have nobody to go to; a producer
@@ -123,6 +125,10 @@ func OpenDirect(adv *shmview.Advert, descs descriptors.List) (*Direct, error) {
 		}
 		d.view.Populate(descs)
 	}
+	d.liveness = "pidfd"
+	if d.life != nil {
+		d.liveness = "lifeword"
+	}
 	return d, nil
 }
 
@@ -181,10 +187,9 @@ func (d *Direct) closeLife() {
 // Liveness names how READs of the peer learn that its process is alive:
 // "lifeword" (a load of the producer's lifeword) or "pidfd" (a poll).
 func (d *Direct) Liveness() string {
-	if d.life != nil {
-		return "lifeword"
-	}
-	return "pidfd"
+	// Fixed when d was made: d.life goes (without a lock) when the last
+	// reference does, and any goroutine may ask.
+	return d.liveness
 }
 
 // exited reports whether the producer has exited, after the copy of every

@@ -780,6 +780,11 @@ func (r *Reactor) addPeer(md []byte, descs descriptors.List, d *Direct) (_ strin
 	if stage != nil {
 		stage.Commit()
 	}
+	if p.direct != nil {
+		// Before callers can see p: its first notification must not
+		// overtake those still waiting for an earlier peer of its socket.
+		r.dir.ns.adopt(p)
+	}
 	r.publishPeer(name, p)
 	r.watchPeer(p)
 	switch {

@@ -294,6 +294,27 @@ func (ns *notifSock) queue(p *Peer, msg []byte) {
 	p.backlogged++
 }
 
+// adopt hands p the backlog's entries for earlier peers with p's socket
+// address: a producer removed and added again, or given a new block list,
+// gets a new *Peer, and its notifications must still go after those
+// waiting for the old one (order is kept per producer). Loop only.
+func (ns *notifSock) adopt(p *Peer) {
+	if p.direct == nil || p.direct.notify == nil {
+		return
+	}
+	for i := range ns.backlog {
+		e := &ns.backlog[i]
+		if e.peer == p || e.peer.direct.notify == nil || e.peer.direct.notify.Name != p.direct.notify.Name {
+			continue
+		}
+		e.peer.backlogged--
+		e.peer.notifsHeld.Add(-e.n)
+		e.peer = p
+		p.backlogged++
+		p.notifsHeld.Add(e.n)
+	}
+}
+
 // flush retries the backlog in order. A peer whose socket refuses an entry
 // keeps that entry and its later ones; other peers' entries go on. Entries
 // for producers known to have exited are dropped. It reports whether it

@@ -406,3 +406,64 @@ func TestNotifSockCloseCountsBacklog(t *testing.T) {
 		t.Fatalf("backlog %d entries, peer holds %d in %d", len(send.backlog), p.notifsHeld.Load(), p.backlogged)
 	}
 }
+
+// A producer removed and added again (or given a new block list) gets a
+// new *Peer with the same socket. Notifications waiting in the backlog for
+// the old one used to be overtaken by the new one's, which went out as
+// soon as the socket had room; the new peer now takes over the old one's
+// entries, and everything arrives in the order it was sent.
+func TestNotifSockOrderAcrossPeerReplacement(t *testing.T) {
+	rx, err := ListenNotify(-1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.SetsockoptInt(rx.fd, unix.SOL_SOCKET, unix.SO_RCVBUF, 4096); err != nil {
+		t.Fatal(err)
+	}
+	recv, err := newNotifSock(rx.take(), rx.Key, "producer")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer recv.close()
+	send, err := newNotifSock(-1, notifKey{}, "consumer-1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer send.close()
+	oldPeer := socketPeer(t, &NotifySocket{Token: rx.Token, Key: rx.Key})
+	const n = 300
+	for i := range n {
+		if err := send.send(oldPeer, fmt.Appendf(nil, "n-%04d", i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if len(send.backlog) == 0 {
+		t.Fatal("nothing in the backlog: the test tests nothing")
+	}
+	newPeer := socketPeer(t, &NotifySocket{Token: rx.Token, Key: rx.Key})
+	send.adopt(newPeer)
+	var got []string
+	deliver := func(_ string, msg []byte) { got = append(got, string(msg)) }
+	recv.recv(deliver) // room in the socket again
+	for i := n; i < n+100; i++ {
+		if err := send.send(newPeer, fmt.Appendf(nil, "n-%04d", i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for rounds := 0; len(got) < n+100; rounds++ {
+		if rounds > 100000 {
+			t.Fatalf("%d of %d delivered", len(got), n+100)
+		}
+		send.flush()
+		recv.recv(deliver)
+	}
+	for i, m := range got {
+		if want := fmt.Sprintf("n-%04d", i); m != want {
+			t.Fatalf("notification %d is %q, want %q", i, m, want)
+		}
+	}
+	if oldPeer.notifsHeld.Load() != 0 || newPeer.notifsHeld.Load() != 0 || oldPeer.backlogged != 0 || newPeer.backlogged != 0 {
+		t.Fatalf("held: old %d (%d entries), new %d (%d entries)", oldPeer.notifsHeld.Load(), oldPeer.backlogged,
+			newPeer.notifsHeld.Load(), newPeer.backlogged)
+	}
+}
