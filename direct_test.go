@@ -891,9 +891,16 @@ func TestDirectReleaseStopsCopy(t *testing.T) {
 		h, err := cons.PostRead(idx, bigName, idx, nil)
 		require.NoError(t, err)
 		// Release at a different point of the copy each round (it takes
-		// a few milliseconds).
-		for end := time.Now().Add(time.Duration(round%12) * 150 * time.Microsecond); time.Now().Before(end); {
-			runtime.Gosched()
+		// a millisecond or two): every other round a time after the
+		// post, the others as soon as the first block has landed (when
+		// the copy starts varies by more than the copy takes).
+		if round%2 == 1 {
+			for end := time.Now().Add(time.Second); binary.LittleEndian.Uint64(local) == mark && time.Now().Before(end); {
+			}
+		} else {
+			for end := time.Now().Add(time.Duration(round/2%12) * 150 * time.Microsecond); time.Now().Before(end); {
+				runtime.Gosched()
+			}
 		}
 		require.NoError(t, cons.ReleaseXferHandle(h))
 		snap := bytes.Clone(local)

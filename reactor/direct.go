@@ -881,6 +881,12 @@ func (j *dirJob) run(lo, hi int) error {
 	if j.stop.Load() {
 		return errCopyStopped
 	}
+	if s, w := j.r.tab.lookup(j.h); s == nil || wordState(w) == stCanceling {
+		// Released: Release marks the slot before the loop hears of it
+		// (and sets stop), so the chunks not started yet are skipped from
+		// the moment the caller released the READ.
+		return errCopyStopped
+	}
 	d, pd := j.r.dir, j.peer.direct
 	a, b := uint64(lo), uint64(hi)
 	// The first run that ends after a.
