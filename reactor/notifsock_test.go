@@ -375,20 +375,9 @@ func TestNotifySocketZeroValue(t *testing.T) {
 // after its flush ran out of time) are counted undelivered: they were
 // counted sent when queued. They used to vanish from the counts.
 func TestNotifSockCloseCountsBacklog(t *testing.T) {
-	rx, err := ListenNotify(-1)
-	if err != nil {
-		t.Fatal(err)
-	}
-	recv, err := newNotifSock(rx.take(), rx.Key, "producer")
-	if err != nil {
-		t.Fatal(err)
-	}
+	recv, send, ns := smallNotifPair(t)
 	defer recv.close()
-	send, err := newNotifSock(-1, notifKey{}, "consumer-1")
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := socketPeer(t, &NotifySocket{Token: rx.Token, Key: rx.Key})
+	p := socketPeer(t, ns)
 	for i := range 500 {
 		if err := send.send(p, fmt.Appendf(nil, "sess-%d:%064x", i, i)); err != nil {
 			t.Fatalf("send %d: %v", i, err)
@@ -413,24 +402,10 @@ func TestNotifSockCloseCountsBacklog(t *testing.T) {
 // soon as the socket had room; the new peer now takes over the old one's
 // entries, and everything arrives in the order it was sent.
 func TestNotifSockOrderAcrossPeerReplacement(t *testing.T) {
-	rx, err := ListenNotify(-1)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := unix.SetsockoptInt(rx.fd, unix.SOL_SOCKET, unix.SO_RCVBUF, 4096); err != nil {
-		t.Fatal(err)
-	}
-	recv, err := newNotifSock(rx.take(), rx.Key, "producer")
-	if err != nil {
-		t.Fatal(err)
-	}
+	recv, send, ns := smallNotifPair(t)
 	defer recv.close()
-	send, err := newNotifSock(-1, notifKey{}, "consumer-1")
-	if err != nil {
-		t.Fatal(err)
-	}
 	defer send.close()
-	oldPeer := socketPeer(t, &NotifySocket{Token: rx.Token, Key: rx.Key})
+	oldPeer := socketPeer(t, ns)
 	const n = 300
 	for i := range n {
 		if err := send.send(oldPeer, fmt.Appendf(nil, "n-%04d", i)); err != nil {
@@ -440,7 +415,7 @@ func TestNotifSockOrderAcrossPeerReplacement(t *testing.T) {
 	if len(send.backlog) == 0 {
 		t.Fatal("nothing in the backlog: the test tests nothing")
 	}
-	newPeer := socketPeer(t, &NotifySocket{Token: rx.Token, Key: rx.Key})
+	newPeer := socketPeer(t, ns)
 	send.adopt(newPeer)
 	var got []string
 	deliver := func(_ string, msg []byte) { got = append(got, string(msg)) }
@@ -466,4 +441,27 @@ func TestNotifSockOrderAcrossPeerReplacement(t *testing.T) {
 		t.Fatalf("held: old %d (%d entries), new %d (%d entries)", oldPeer.notifsHeld.Load(), oldPeer.backlogged,
 			newPeer.notifsHeld.Load(), newPeer.backlogged)
 	}
+}
+
+// smallNotifPair is a producer's socket with a small receive buffer (it
+// fills after a few datagrams) and a consumer's sender; the caller closes
+// both. ns carries the producer's token and key, for socketPeer.
+func smallNotifPair(t *testing.T) (recv, send *notifSock, ns *NotifySocket) {
+	t.Helper()
+	rx, err := ListenNotify(-1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.SetsockoptInt(rx.fd, unix.SOL_SOCKET, unix.SO_RCVBUF, 4096); err != nil {
+		t.Fatal(err)
+	}
+	ns = &NotifySocket{Token: rx.Token, Key: rx.Key}
+	if recv, err = newNotifSock(rx.take(), rx.Key, "producer"); err != nil {
+		t.Fatal(err)
+	}
+	if send, err = newNotifSock(-1, notifKey{}, "consumer-1"); err != nil {
+		recv.close()
+		t.Fatal(err)
+	}
+	return recv, send, ns
 }
