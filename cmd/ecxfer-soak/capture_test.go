@@ -2,12 +2,15 @@ package main
 
 import (
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
+
+	"github.com/ecxfer/ecxfer/nixl/ucx"
 )
 
 // TestCaptureUCXLongLine: a line on stdout longer than the capture's
@@ -52,4 +55,43 @@ func TestCaptureUCXLongLine(t *testing.T) {
 	require.Equal(t, len(long)+len(report), len(out), "what was written to stdout did not all arrive")
 	require.True(t, strings.HasSuffix(string(out), report))
 	require.Equal(t, int64(1), lines, "the report line after the long one")
+}
+
+// TestCaptureUCXSeesStdioWarnings: UCX writes its warnings, the teardown
+// report among them, through C's stdio, which holds them while stdout is
+// the capture's pipe; they used to reach neither the count nor the real
+// stdout unless there were more than a buffer's worth. stop flushes stdio
+// first. A child of the test binary, with warnings on and an unknown UCX
+// variable (UCX warns about it when the first agent starts), captures
+// stdout into a file while it starts an agent.
+func TestCaptureUCXSeesStdioWarnings(t *testing.T) {
+	if path := os.Getenv("ECXFER_SOAK_STDIO_CHILD"); path != "" {
+		f, err := os.Create(path)
+		if err != nil {
+			os.Exit(3)
+		}
+		if unix.Dup2(int(f.Fd()), 1) != nil {
+			os.Exit(4)
+		}
+		c, err := captureUCX()
+		if err != nil {
+			os.Exit(5)
+		}
+		a, err := ucx.New(ucx.Config{Name: "stdio-probe"})
+		if err != nil {
+			os.Exit(6)
+		}
+		c.stop()
+		_ = a.Close()
+		os.Exit(0)
+	}
+	path := filepath.Join(t.TempDir(), "stdout")
+	cmd := exec.Command(os.Args[0], "-test.run=^TestCaptureUCXSeesStdioWarnings$")
+	cmd.Env = append(os.Environ(), "ECXFER_SOAK_STDIO_CHILD="+path, "UCX_LOG_LEVEL=warn",
+		"UCX_ECXFER_SOAK_NO_SUCH_VARIABLE=1", "UCX_WARN_UNUSED_ENV_VARS=y")
+	out, err := cmd.CombinedOutput()
+	require.NoError(t, err, "child: %s", out)
+	b, err := os.ReadFile(path)
+	require.NoError(t, err)
+	require.Contains(t, string(b), "UCX_ECXFER_SOAK_NO_SUCH_VARIABLE", "UCX's warning never reached stdout")
 }

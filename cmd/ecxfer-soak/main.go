@@ -73,6 +73,7 @@ import (
 	"github.com/ecxfer/ecxfer/internal/pattern"
 	"github.com/ecxfer/ecxfer/internal/shmview"
 	"github.com/ecxfer/ecxfer/metrics"
+	"github.com/ecxfer/ecxfer/nixl/ucx"
 )
 
 var (
@@ -287,7 +288,7 @@ type totals struct {
 	accepted, done, failed, releasedInFlight atomic.Int64
 	verifiedBlocks, corrupt, stuck           atomic.Int64
 	disconnect, timeout, canceled, otherErr  atomic.Int64
-	rejected, badRelease, restarts           atomic.Int64
+	rejected, refused, badRelease, restarts  atomic.Int64
 	bytes                                    atomic.Int64
 }
 
@@ -306,7 +307,8 @@ func (t *totals) classify(err error) {
 }
 
 // sharedMaps counts the process's shared-memory mappings (UCX attaches a
-// peer's segments, the direct path maps a peer's region), and their size;
+// peer's segments, the direct path maps a peer's region and lifeword
+// page), and their size;
 // lines are the mappings themselves.
 func sharedMaps() (n int, size int64, lines []string) {
 	b, err := os.ReadFile("/proc/self/maps")
@@ -315,7 +317,9 @@ func sharedMaps() (n int, size int64, lines []string) {
 	}
 	for _, line := range strings.Split(string(b), "\n") {
 		f := strings.Fields(line)
-		if len(f) < 6 || !(strings.Contains(f[5], "SYSV") || strings.HasPrefix(f[5], "/dev/shm/")) {
+		// memfd: the producers' lifeword pages the direct path maps, and
+		// this process's own word.
+		if len(f) < 6 || !(strings.Contains(f[5], "SYSV") || strings.HasPrefix(f[5], "/dev/shm/") || strings.HasPrefix(f[5], "/memfd:")) {
 			continue
 		}
 		var lo, hi int64
@@ -429,6 +433,9 @@ func captureUCX() (*ucxReport, error) {
 // stop restores standard output and returns how many report lines UCX
 // printed.
 func (c *ucxReport) stop() int64 {
+	// UCX's report lines are warnings, which its stdio stream holds back
+	// while stdout is this pipe: out with them before the pipe goes.
+	ucx.FlushCStdio()
 	_ = unix.Dup2(c.orig, 1)
 	_ = c.w.Close()
 	<-c.done
@@ -769,6 +776,19 @@ func (s *soakRun) check(st ecxfer.Stats, smp samples, leakErr error) {
 	if n := tot.otherErr.Load(); n > 0 {
 		s.fail("%d READs failed with an unexpected error", n)
 	}
+	if n := tot.timeout.Load(); n > 0 {
+		// XferTimeout (20 s) ends a READ that hangs before the check
+		// for stuck READs (waitSlow) could see it: a READ of a killed
+		// producer must fail with ErrRemoteDisconnect, not hang.
+		s.fail("%d READs hung until XferTimeout", n)
+	}
+	if n := tot.refused.Load(); n > 0 {
+		s.fail("PostRead refused %d READs with an error other than ErrBusy", n)
+	}
+	if posted := int64(st.ReadsPosted); posted != acc || st.ReadsPosted != st.ReadsDone+st.ReadsFailed+st.ReadsCanceled {
+		s.fail("the reactor counts %d posted (%d done, %d failed, %d canceled), the workers %d accepted",
+			st.ReadsPosted, st.ReadsDone, st.ReadsFailed, st.ReadsCanceled, acc)
+	}
 	if n := tot.badRelease.Load(); n > 0 {
 		s.fail("%d releases failed", n)
 	}
@@ -834,6 +854,9 @@ func (s *soakRun) worker(w int) {
 		if err != nil {
 			s.tot.rejected.Add(1)
 			if !errors.Is(err, ecxfer.ErrBusy) {
+				// The peers are replaced in place and READs of dead ones
+				// are accepted (they fail later): nothing else may refuse.
+				s.tot.refused.Add(1)
 				fmt.Fprintf(os.Stderr, "ecxfer-soak: PostRead: %v\n", err)
 			}
 			time.Sleep(time.Millisecond)
