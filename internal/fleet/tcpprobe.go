@@ -68,7 +68,7 @@ func serveProbe(c net.Conn) {
 // probeSlack is how long past its own length a probe waits for a far end
 // that stops answering (one that accepted and then went silent held the
 // probe for as long as it kept the connection).
-const probeSlack = 10 * time.Second
+var probeSlack = 10 * time.Second // a variable for tests
 
 // TCPProbe streams to a TCPServe for d on one connection and then
 // ping-pongs single bytes for up to a second on another. It gives up
@@ -118,7 +118,11 @@ func tcpProbe(ctx context.Context, addr string, d time.Duration) (*TCPResult, er
 		return nil, fmt.Errorf("tcp probe: sent %d bytes, the far end got %d", r.Bytes, got)
 	}
 
-	p, err := dialer.DialContext(dctx, "tcp", addr)
+	// A dial context of its own: the first one's time ran on through the
+	// stream, which made any --duration of probeSlack or more fail here.
+	pctx, pcancel := context.WithTimeout(ctx, probeSlack)
+	defer pcancel()
+	p, err := dialer.DialContext(pctx, "tcp", addr)
 	if err != nil {
 		return nil, err
 	}
