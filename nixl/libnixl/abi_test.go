@@ -106,6 +106,7 @@ func TestABIRoundTrip(t *testing.T) {
 		pm.until(t, "its notification", func() bool { return len(pm.notifs[prod.a][cname]) > 0 })
 		require.Equal(t, [][]byte{msg}, pm.notifs[prod.a][cname], "notification %d, %d bytes", i, len(msg))
 		delete(pm.notifs[prod.a], cname)
+		require.Equal(t, firstBuf, prod.a.ncap, "notification %d: the buffer kept the size a long record needed", i)
 	}
 
 	// WRITE, from the side with the long name.

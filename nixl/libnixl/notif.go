@@ -48,6 +48,10 @@ func (a *Agent) GetNotifs(dst map[string][][]byte) int {
 	if a.closed {
 		return 0
 	}
+	// A buffer grown for one long record goes back to its first size once
+	// the record is out: a peer's single 100 MB notification would
+	// otherwise keep 100 MB of C memory for the agent's life.
+	defer a.shrinkNotifBuf()
 	total := 0
 	for range maxNotifPasses {
 		var used, count C.size_t
@@ -74,6 +78,17 @@ func (a *Agent) GetNotifs(dst map[string][][]byte) int {
 		total += n
 	}
 	return total
+}
+
+// shrinkNotifBuf puts a notification buffer larger than firstBuf back to
+// firstBuf (GetNotifs grows it again for a record that needs more).
+func (a *Agent) shrinkNotifBuf() {
+	if a.ncap <= firstBuf {
+		return
+	}
+	C.free(a.nbuf)
+	a.ncap = firstBuf
+	a.nbuf = C.malloc(C.size_t(a.ncap))
 }
 
 // DroppedNotifs implements nixl.NotifDropper: notifications the shim
