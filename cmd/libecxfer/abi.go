@@ -18,7 +18,7 @@ import (
 var _ [unsafe.Sizeof(int(0)) - 8]struct{}
 
 // abiVersion changes whenever a function's signature or meaning changes.
-const abiVersion = 4
+const abiVersion = 5
 
 // ecxNameCap is the name buffer ecx_add_peer needs: the longest agent name
 // (256 bytes) and its NUL.

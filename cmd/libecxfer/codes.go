@@ -28,8 +28,8 @@ const (
 	codeNoBackend        = -15
 	codeBadArg           = -16
 	codeUnknownTransport = -17
-	// codeUnpacked is ecx_post_read_py's "not lists of ints, use
-	// ecx_post_read" (pyidx.c); no error of the library's has it.
+	// codeUnpacked is the Python builtins' "arguments left to the
+	// general path" (pycalls.c); no error of the library's has it.
 	codeUnpacked = -18
 	codeOther    = -99
 )

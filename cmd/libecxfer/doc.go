@@ -28,23 +28,24 @@
 // kept: another thread may write it during the call without slipping an
 // unchecked index through.
 //
-// Python's lists and tuples of ints, what vLLM passes, have a C entry of
-// their own (pyidx.c, the package's only C file): ecx_post_read_py takes
-// the two sequences as PyObject pointers, reads their ints with the
-// interpreter's own functions (installed once with ecx_py_api; the
-// library does not link against Python) and posts them through
-// ecx_post_read. The Python package calls it through a ctypes.PyDLL, so
-// with the GIL held while it reads, and it releases the GIL for the post.
-// What it cannot read (not exactly a list or tuple of exact ints in
-// int64's range) it leaves alone and returns codeUnpacked, and the package
-// takes its general way.
+// The calls the Python package makes on every READ have a C entry of
+// their own (pycalls.c, the package's only C file): ecx_py_call makes
+// builtins of the interpreter's own (METH_FASTCALL functions, made with
+// the interpreter's functions, installed once with ecx_py_api; the library
+// does not link against Python) for post_read, check, release and wait,
+// which skip ctypes' per-call costs. post_read reads the two index lists
+// when they are Python lists or tuples of ints, what vLLM passes, with the
+// GIL held; every builtin releases the GIL around its call into the
+// library. What they cannot read (not exactly a list or tuple of exact
+// ints in int64's range, not an int where one is due) they leave alone and
+// return codeUnpacked, and the package takes its general way.
 //
 // ecx_wait and ecx_notifs block up to their timeout; ecx_new, ecx_add_peer,
 // ecx_remove_peer and ecx_deregister wait for the transport's reactor
 // thread to do their work; ecx_release of a READ the copy workers are
 // running waits for its copy to stop; ecx_post_read waits for room only with the
-// wait_when_busy option (so does ecx_post_read_py); the other calls never
-// block. The Python package calls the library through ctypes, which
-// releases the GIL for the duration of every call but ecx_post_read_py's,
-// which releases it itself once the lists are read.
+// wait_when_busy option (so does the post_read builtin); the other calls
+// never block. The Python package calls the library through ctypes, which
+// releases the GIL for the duration of every call, or through the
+// builtins, which release it themselves.
 package main

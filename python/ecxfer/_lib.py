@@ -2,8 +2,11 @@
 
 ctypes releases the GIL for the duration of every call into a CDLL, so a
 thread blocked in ecx_wait or ecx_notifs does not hold up the others. The
-one exception, ecx_post_read_py, is called through a PyDLL: it reads
-Python lists with the GIL held, then releases it for the post.
+calls made on every READ (post_read, check, release, wait) go another way
+where they can: as builtins the library makes with the interpreter's own
+functions (see calls() and cmd/libecxfer/pycalls.c), which skip ctypes'
+per-call costs, read Python lists in C with the GIL held and release it
+around every call into the library proper.
 
 The library is loaded on first use (get(), or the attribute lib), not on
 import: loading it starts Go's runtime and its threads, and a process that
@@ -19,7 +22,7 @@ import sys
 import threading
 from pathlib import Path
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 # Error codes, as cmd/libecxfer/codes.go numbers them.
 CONFIG = -1
@@ -39,7 +42,7 @@ ENGINE = -14
 NO_BACKEND = -15
 BAD_ARG = -16
 UNKNOWN_TRANSPORT = -17
-UNPACKED = -18  # ecx_post_read_py only: not lists of ints, use ecx_post_read
+UNPACKED = -18  # the builtins of calls() only: arguments they leave to the general path
 OTHER = -99
 
 BLOB_AGENT_METADATA = 1
@@ -71,8 +74,11 @@ _SIGNATURES = {
     "ecx_py_api": (_int, [_pvp, _i64]),
 }
 
+# The builtins ecx_py_call makes, by number.
+CALLS = ("post_read", "check", "release", "wait")
+
 # The interpreter's functions ecx_py_api installs, in its order (all of
-# the stable ABI), then the addresses of the types list, tuple and int.
+# the stable ABI), then the addresses of the objects _PY_OBJS lists.
 _PY_API = (
     "PyList_Size",
     "PyList_GetItem",
@@ -83,7 +89,17 @@ _PY_API = (
     "PyErr_Clear",
     "PyEval_SaveThread",
     "PyEval_RestoreThread",
+    "PyCFunction_NewEx",
+    "PyLong_AsUnsignedLongLong",
+    "PyLong_FromLongLong",
+    "Py_IncRef",
+    "PyBytes_AsString",
+    "PyBytes_Size",
 )
+# The states the check builtin returns: these objects, which live as long
+# as this module.
+STATES = ("PROC", "DONE", "ERR")
+_PY_OBJS = (list, tuple, int, bytes, None) + STATES
 
 
 def library_path() -> str:
@@ -115,19 +131,34 @@ def load() -> ctypes.CDLL:
             raise ImportError(f"ecxfer: {path} (ABI version {v}) lacks {name}: {e}") from None
         fn.restype = res
         fn.argtypes = args
-    lib.post_read_py = _post_read_py(lib, path)
+    lib.calls = calls(lib, path)
     return lib
 
 
-def _post_read_py(lib: ctypes.CDLL, path: str):
-    """ecx_post_read_py, called with the GIL held (through a PyDLL of the
-    same library), once the interpreter's functions are installed; None
-    where they cannot be: not CPython, or a CPython whose objects are laid
-    out otherwise (a free-threaded build, where also another thread could
-    change a list while C reads it; one with Py_TRACE_REFS), or
-    ECXFER_PY_LISTS=0. Called while the library is being loaded: it must
-    not call get()."""
-    if os.environ.get("ECXFER_PY_LISTS", "1") == "0":
+class Calls:
+    """The builtins the library makes (see cmd/libecxfer/pycalls.c):
+    post_read(t, local, peer, remote, notif) -> handle or code,
+    check(t, h) -> "PROC"/"DONE"/"ERR", release(t, h) -> code,
+    wait(t, h, timeout_ns) -> state or code. Each returns UNPACKED for
+    arguments it leaves to the general path (check: "ERR")."""
+
+    __slots__ = CALLS
+
+    def __init__(self, fns):
+        for name, fn in zip(CALLS, fns):
+            setattr(self, name, fn)
+
+
+def calls(lib: ctypes.CDLL, path: str):
+    """The library's builtins, once the interpreter's functions are
+    installed; None where they cannot be: not CPython, or a CPython whose
+    objects are laid out otherwise (a free-threaded build, where also
+    another thread could change a list while C reads it; one with
+    Py_TRACE_REFS), or ECXFER_PY_CALLS=0 (or its older name
+    ECXFER_PY_LISTS=0: then every call goes through ctypes, and lists
+    through struct.pack). Called while the library is being loaded: it
+    must not call get()."""
+    if "0" in (os.environ.get("ECXFER_PY_CALLS"), os.environ.get("ECXFER_PY_LISTS")):
         return None
     word = ctypes.sizeof(ctypes.c_void_p)
     # A plain object is two words, its reference count and its type,
@@ -139,18 +170,21 @@ def _post_read_py(lib: ctypes.CDLL, path: str):
         fns = [ctypes.cast(getattr(api, name), ctypes.c_void_p).value for name in _PY_API]
     except (AttributeError, ValueError):
         return None
-    fns += [id(list), id(tuple), id(int)]  # in CPython, an object's address
+    fns += [id(o) for o in _PY_OBJS]  # in CPython, an object's address
     # The C side finds an object's type in its second word: check it.
-    for obj, typ in (([], list), ((1,), tuple), (1 << 40, int), (True, bool)):
+    for obj, typ in (([], list), ((1,), tuple), (1 << 40, int), (True, bool), (b"", bytes)):
         if ctypes.c_void_p.from_address(id(obj) + word).value != id(typ):
             return None
     arr = (ctypes.c_void_p * len(fns))(*fns)
     if lib.ecx_py_api(arr, len(fns)) != 0:  # plain C: no error message to take
         return None
-    fn = ctypes.PyDLL(path, handle=lib._handle).ecx_post_read_py
-    fn.restype = _i64
-    fn.argtypes = [_u64, ctypes.py_object, _u64, ctypes.py_object, _vp, _i64]
-    return fn
+    make = ctypes.PyDLL(path, handle=lib._handle).ecx_py_call
+    make.restype = ctypes.py_object
+    make.argtypes = [_i64]
+    fns = [make(i) for i in range(len(CALLS))]
+    if None in fns:  # the interpreter could not make one
+        return None
+    return Calls(fns)
 
 
 _load_lock = threading.Lock()
@@ -196,6 +230,8 @@ class _Forked:
     """The library in a process forked after it was loaded: every function
     raises ForkedError. Go's runtime lost its threads in the fork; a call
     could wait forever on a lock one of them held."""
+
+    calls = None  # no builtins: every call takes the general path, and raises
 
     def __getattr__(self, name):
         def refuse(*args):

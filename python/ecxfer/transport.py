@@ -33,17 +33,28 @@ logger = logging.getLogger("ecxfer")
 # The library's functions, bound by _bind() when the first transport is
 # made (loading the library then, not at import; see _lib). In a process
 # forked after that they are the stand-in's, which raise ForkedError.
+# The builtins of _lib.calls() where the library could make them (None
+# where not: every call goes through ctypes then): _post_py reads lists and
+# tuples in C, _check_py, _release_py and _wait_py skip ctypes' costs.
 _lib_: Any = None
 _post: Any = None
-_post_py: Any = None  # lists and tuples read in C; None where it cannot (see _lib)
+_post_py: Any = None
 _check: Any = None
+_check_py: Any = None
+_release_py: Any = None
+_wait_py: Any = None
 
 
 def _bind() -> None:
-    global _lib_, _post, _post_py, _check
+    global _lib_, _post, _post_py, _check, _check_py, _release_py, _wait_py
     lib = _lib.get()
     if lib is not _lib_:
-        _lib_, _post, _post_py, _check = lib, lib.ecx_post_read, lib.post_read_py, lib.ecx_check
+        _lib_, _post, _check = lib, lib.ecx_post_read, lib.ecx_check
+        c = lib.calls  # None where the library could not make them, and in a forked child
+        if c is None:
+            _post_py = _check_py = _release_py = _wait_py = None
+        else:
+            _post_py, _check_py, _release_py, _wait_py = c.post_read, c.check, c.release, c.wait
 
 
 _lib._after_fork.append(_bind)
@@ -240,6 +251,9 @@ def _timeout_ns(timeout: Any, least: int) -> int:
     library, at least least; -1 is no limit."""
     if timeout is None:
         return -1
+    kind = type(timeout)
+    if (kind is float or kind is int) and 0 < timeout < 1e9:  # NaN fails both
+        return max(least, int(timeout * 1e9))
     if isinstance(timeout, (str, bytes, bytearray)):  # float() would parse one
         raise BadArgumentTypeError(f"ecxfer: timeout {timeout!r} is not a number of seconds")
     try:
@@ -455,7 +469,7 @@ class EcxferDataTransport(_Base):
             # is not a list or tuple of exact ints in int64's range comes
             # back UNPACKED, before anything is posted, and goes the
             # general way below, which says what is wrong with it.
-            h = _post_py(self._t, local_indices, pid, remote_indices, notif_msg, len(notif_msg))
+            h = _post_py(self._t, local_indices, pid, remote_indices, notif_msg)
             if h > 0:
                 return h
             if h != _UNPACKED:
@@ -481,6 +495,8 @@ class EcxferDataTransport(_Base):
         large same-host READ still on the copy workers it copies one chunk
         that no worker has taken (at most 256 KiB or an eighth of the
         READ, whichever is larger, with two workers) and returns."""
+        if _check_py is not None:
+            return _check_py(self._t, handle)
         if type(handle) is not int or handle <= 0 or handle >= 1 << 64:
             return "ERR"
         st = _check(self._t, handle)
@@ -496,9 +512,13 @@ class EcxferDataTransport(_Base):
         this returns. Never raises: a failure (a second release, a bad
         handle) is logged."""
         try:
-            if type(handle) is not int or handle <= 0 or handle >= 1 << 64:
-                raise BadHandleError(f"ecxfer: not a handle: {handle!r}")
-            rc = _lib_.ecx_release(self._t, handle)
+            rc = _UNPACKED if _release_py is None else _release_py(self._t, handle)
+            if rc == 0:
+                return
+            if rc == _UNPACKED:  # not taken: not a handle, or no builtin
+                if type(handle) is not int or handle <= 0 or handle >= 1 << 64:
+                    raise BadHandleError(f"ecxfer: not a handle: {handle!r}")
+                rc = _lib_.ecx_release(self._t, handle)
             if rc != 0:
                 raise from_code(rc)
         except Exception:
@@ -551,9 +571,14 @@ class EcxferDataTransport(_Base):
         if type(handle) is not int or handle <= 0 or handle >= 1 << 64:
             return "ERR"
         total = _timeout_ns(timeout, 0)
+        if _check_py is not None:
+            st = _check_py(self._t, handle)  # ended already (a small same-host READ is DONE when posted)
+            if st != "PROC":
+                return st
         end = None if total < 0 else time.monotonic_ns() + total
+        call = _lib_.ecx_wait if _wait_py is None else _wait_py
         while True:
-            st = _lib_.ecx_wait(self._t, handle, _slice_ns(end))
+            st = call(self._t, handle, _slice_ns(end))
             if st < 0:
                 _lib.last_error()
                 return "ERR"

@@ -250,31 +250,65 @@ def test_empty_lists_same_either_way(spied, monkeypatch):
 
 def test_c_entry_points_hostile(pair):
     """ecx_py_api with a wrong count or a NULL refuses and installs
-    nothing; ecx_post_read_py refuses what is not a list or tuple of ints
-    before it posts, and reports the library's own errors."""
+    nothing; the post_read builtin refuses what is not a list or tuple of
+    ints, or an int or bytes where one is due, before it posts, and
+    reports the library's own errors."""
     _, _, cons, _, peer, _ = pair
     lib = _lib.lib
-    assert lib.ecx_py_api(None, 12) == _lib.BAD_ARG
-    arr = (ctypes.c_void_p * 12)()
-    assert lib.ecx_py_api(arr, 12) == _lib.BAD_ARG  # all NULL
-    assert lib.ecx_py_api(arr, 11) == _lib.BAD_ARG
-    post = lib.post_read_py
+    n = len(_lib._PY_API) + len(_lib._PY_OBJS)
+    assert n == 23
+    assert lib.ecx_py_api(None, n) == _lib.BAD_ARG
+    arr = (ctypes.c_void_p * n)()
+    assert lib.ecx_py_api(arr, n) == _lib.BAD_ARG  # all NULL
+    assert lib.ecx_py_api(arr, n - 1) == _lib.BAD_ARG
+    assert lib.ecx_py_api(arr, 12) == _lib.BAD_ARG  # the table of ABI version 4
+    post = lib.calls.post_read
+    assert post is transport._post_py
     pid = cons._peers[peer]
-    for a, b in ((None, None), ({}, [1]), ([1], "ab"), (b"\x01", [1]), ([1], [[1]])):
-        assert post(cons._t, a, pid, b, None, 0) == _lib.UNPACKED
-    assert post(987654, [1], pid, [1], None, 0) == _lib.UNKNOWN_TRANSPORT
-    assert post(cons._t, [1], 99, [1], None, 0) == _lib.UNKNOWN_PEER
-    assert post(cons._t, [1], pid, [1], None, 9) == _lib.BAD_ARG  # NULL notif with a length
-    _lib.last_error()
+    t = cons._t
+    for a, b in ((None, None), ({}, [1]), ([1], "ab"), (b"\x01", [1]), ([1], [[1]]), ([1, 2], [1])):
+        assert post(t, a, pid, b, b"") == _lib.UNPACKED
+    for args in (
+        (t, [1], pid, [1]),  # too few
+        (t, [1], pid, [1], b"", 0),  # too many (ABI version 4's call)
+        (t, [1], pid, [1], bytearray(b"x")),  # notif not bytes
+        (t, [1], pid, [1], "x"),
+        (t, [1], pid, [1], None),
+        (True, [1], pid, [1], b""),  # ids not exact ints in uint64's range
+        (t, [1], True, [1], b""),
+        (-1, [1], pid, [1], b""),
+        (t, [1], 2**64, [1], b""),
+        (float(t), [1], pid, [1], b""),
+    ):
+        assert post(*args) == _lib.UNPACKED, args
+    with pytest.raises(TypeError):
+        post(t, [1], pid, [1], notif=b"")
+    assert post(987654, [1], pid, [1], b"") == _lib.UNKNOWN_TRANSPORT
+    assert post(t, [1], 99, [1], b"") == _lib.UNKNOWN_PEER
+    assert "peer id 99" in _lib.last_error()
+    assert cons.stats()["reads_posted"] == 0
     # Still installed: lists still go through it.
-    h = post(cons._t, [1], pid, [1], b"x", 1)
+    h = post(t, [1], pid, [1], b"x")
     assert h > 0 and cons.wait(h, 10) == "DONE"
     assert cons.stats()["reads_posted"] == 1
+    # Only four builtins; each call of ecx_py_call hands over a reference
+    # of its own (ctypes takes it over).
+    make = ctypes.PyDLL(_lib.library_path(), handle=lib._handle).ecx_py_call
+    make.restype, make.argtypes = ctypes.py_object, [ctypes.c_int64]
+    check = lib.calls.check
+    refs = sys.getrefcount(check)
+    same = all(make(1) is check for _ in range(1000))
+    assert same and sys.getrefcount(check) == refs
+    for i in (-1, 4, 2**40):
+        assert make(i) is None
 
 
 def test_switched_off_by_environment(monkeypatch):
-    monkeypatch.setenv("ECXFER_PY_LISTS", "0")
-    assert _lib._post_read_py(_lib.lib, _lib.library_path()) is None
+    for var in ("ECXFER_PY_CALLS", "ECXFER_PY_LISTS"):
+        monkeypatch.setenv(var, "0")
+        assert _lib.calls(_lib.lib, _lib.library_path()) is None
+        monkeypatch.delenv(var)
+    assert _lib.calls(_lib.lib, _lib.library_path()) is not None
 
 
 # The handle table full (256 handles, none released) and wait_when_busy:

@@ -42,14 +42,18 @@ else:
     out["state"] = t.wait(h, 10)
     out["copied"] = m[5 * 4096 : 6 * 4096] == b"z" * 4096
     out["notifs"] = {k: [x.decode() for x in v] for k, v in t.wait_notifs(10).items()}
-    # Lists of ints are read in C on a CPython with a GIL (pyidx.c), with
-    # this interpreter's own functions.
-    out["c_path"] = ecxfer.transport._post_py is not None
+    # On a CPython with a GIL the calls of every READ are builtins the
+    # library makes with this interpreter's own functions (pycalls.c), and
+    # lists of ints are read in C.
+    tr = ecxfer.transport
+    out["c_path"] = None not in (tr._post_py, tr._check_py, tr._release_py, tr._wait_py)
     for i in range(8):
         m[i * 4096 : i * 4096 + 8] = i.to_bytes(8, "little")
     h = t.post_read(list(range(8, 16)), peer, tuple(range(7, -1, -1)), b"")
-    out["scattered"] = t.wait(h, 10) == "DONE" and all(
+    out["scattered"] = t.wait(h, 10) == "DONE" and t.check_xfer_state(h) == "DONE" and all(
         m[(8 + k) * 4096 : (8 + k) * 4096 + 8] == (7 - k).to_bytes(8, "little") for k in range(8))
+    t.release_xfer_handle(h)
+    out["scattered"] = out["scattered"] and t.check_xfer_state(h) == "ERR" and t.stats()["live_handles"] == 1
     try:
         t.post_read([2**40], peer, [0], b"")
     except ecxfer.IndexRangeError:
