@@ -57,7 +57,7 @@ struct py_method_def {
 };
 #define PY_METH_FASTCALL 0x0080
 
-enum { PY_FNS = 15, PY_OBJS = 8, PY_API = PY_FNS + PY_OBJS };
+enum { PY_FNS = 16, PY_OBJS = 10, PY_API = PY_FNS + PY_OBJS };
 
 static struct {
 	py_ssize (*list_size)(void *);
@@ -75,7 +75,8 @@ static struct {
 	void (*incref)(void *);
 	char *(*bytes_data)(void *);
 	py_ssize (*bytes_size)(void *);
-	void *list_type, *tuple_type, *int_type, *bytes_type, *none;
+	void *(*dict_get)(void *, void *);
+	void *list_type, *tuple_type, *int_type, *bytes_type, *dict_type, *str_type, *none;
 	void *state[3]; // "PROC", "DONE", "ERR"
 } py;
 
@@ -85,11 +86,12 @@ static int py_ready;
 // PyTuple_Size, PyTuple_GetItem, PyLong_AsLongLong, PyErr_Occurred,
 // PyErr_Clear, PyEval_SaveThread, PyEval_RestoreThread,
 // PyCFunction_NewEx, PyLong_AsUnsignedLongLong, PyLong_FromLongLong,
-// Py_IncRef, PyBytes_AsString, PyBytes_Size; then the addresses of the
-// types list, tuple, int and bytes, of None, and of three str objects
-// "PROC", "DONE" and "ERR", which must live as long as the process (the
-// package's module constants). It returns 0, or -16 (bad argument: n is
-// not 23 or a pointer is NULL; nothing is installed then). Call it once,
+// Py_IncRef, PyBytes_AsString, PyBytes_Size, PyDict_GetItemWithError;
+// then the addresses of the types list, tuple, int, bytes, dict and str,
+// of None, and of three str objects "PROC", "DONE" and "ERR", which must
+// live as long as the process (the package's module constants). It
+// returns 0, or -16 (bad argument: n is not 26 or a pointer is NULL;
+// nothing is installed then). Call it once,
 // before the first ecx_py_call, from the interpreter whose functions
 // they are; later calls with a good table change nothing.
 int ecx_py_api(void *const *fns, int64_t n)
@@ -116,13 +118,16 @@ int ecx_py_api(void *const *fns, int64_t n)
 	py.incref = (void (*)(void *))fns[12];
 	py.bytes_data = (char *(*)(void *))fns[13];
 	py.bytes_size = (py_ssize (*)(void *))fns[14];
-	py.list_type = fns[15];
-	py.tuple_type = fns[16];
-	py.int_type = fns[17];
-	py.bytes_type = fns[18];
-	py.none = fns[19];
+	py.dict_get = (void *(*)(void *, void *))fns[15];
+	py.list_type = fns[16];
+	py.tuple_type = fns[17];
+	py.int_type = fns[18];
+	py.bytes_type = fns[19];
+	py.dict_type = fns[20];
+	py.str_type = fns[21];
+	py.none = fns[22];
 	for (int i = 0; i < 3; i++)
-		py.state[i] = fns[20 + i];
+		py.state[i] = fns[23 + i];
 	py_ready = 1;
 	return 0;
 }
@@ -252,16 +257,34 @@ static int arg_i64(void *o, int64_t *v)
 	return 1;
 }
 
-// post_read(t, local, peer, remote, notif) -> int: t and peer ints,
-// notif bytes; the handle (> 0), a negative code, or ECX_UNPACKED for
-// anything else (see post_lists) before anything is posted.
+// peer_id looks name up in peers, a dict of the package's (agent name ->
+// peer id): 1 and the id when name is a str there, with an int in uint64's
+// range; 0 otherwise (no Python error left set). Only an exact str is
+// looked up: the dict's keys are exact strs, so comparing them runs no
+// Python code.
+static int peer_id(void *peers, void *name, uint64_t *id)
+{
+	if (TYPE(peers) != py.dict_type || TYPE(name) != py.str_type)
+		return 0;
+	void *v = py.dict_get(peers, name); // borrowed
+	if (v == NULL) {
+		py.err_clear(); // none set when it is simply absent
+		return 0;
+	}
+	return arg_u64(v, id);
+}
+
+// post_read(t, local, peers, name, remote, notif) -> int: t an int, peers
+// the package's dict of peer ids, name a str, notif bytes; the handle
+// (> 0), a negative code, or ECX_UNPACKED for anything else (an agent
+// name peers lacks too; see post_lists) before anything is posted.
 static void *call_post(void *self, void *const *args, py_ssize nargs)
 {
 	(void)self;
 	uint64_t t, peer;
 	int64_t rc = ECX_UNPACKED;
-	if (nargs == 5 && arg_u64(args[0], &t) && arg_u64(args[2], &peer) && TYPE(args[4]) == py.bytes_type)
-		rc = post_lists(t, args[1], peer, args[3], py.bytes_data(args[4]), py.bytes_size(args[4]));
+	if (nargs == 6 && arg_u64(args[0], &t) && peer_id(args[2], args[3], &peer) && TYPE(args[5]) == py.bytes_type)
+		rc = post_lists(t, args[1], peer, args[4], py.bytes_data(args[5]), py.bytes_size(args[5]));
 	return py.from_i64(rc);
 }
 
@@ -320,7 +343,7 @@ static void *call_wait(void *self, void *const *args, py_ssize nargs)
 }
 
 static struct py_method_def calls[] = {
-	{"post_read", (void *)call_post, PY_METH_FASTCALL, "ecxfer's post_read(t, local, peer, remote, notif)"},
+	{"post_read", (void *)call_post, PY_METH_FASTCALL, "ecxfer's post_read(t, local, peers, name, remote, notif)"},
 	{"check", (void *)call_check, PY_METH_FASTCALL, "ecxfer's check(t, h)"},
 	{"release", (void *)call_release, PY_METH_FASTCALL, "ecxfer's release(t, h)"},
 	{"wait", (void *)call_wait, PY_METH_FASTCALL, "ecxfer's wait(t, h, timeout_ns)"},

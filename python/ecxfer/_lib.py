@@ -95,11 +95,12 @@ _PY_API = (
     "Py_IncRef",
     "PyBytes_AsString",
     "PyBytes_Size",
+    "PyDict_GetItemWithError",
 )
 # The states the check builtin returns: these objects, which live as long
 # as this module.
 STATES = ("PROC", "DONE", "ERR")
-_PY_OBJS = (list, tuple, int, bytes, None) + STATES
+_PY_OBJS = (list, tuple, int, bytes, dict, str, None) + STATES
 
 
 def library_path() -> str:
@@ -137,7 +138,7 @@ def load() -> ctypes.CDLL:
 
 class Calls:
     """The builtins the library makes (see cmd/libecxfer/pycalls.c):
-    post_read(t, local, peer, remote, notif) -> handle or code,
+    post_read(t, local, peers, name, remote, notif) -> handle or code,
     check(t, h) -> "PROC"/"DONE"/"ERR", release(t, h) -> code,
     wait(t, h, timeout_ns) -> state or code. Each returns UNPACKED for
     arguments it leaves to the general path (check: "ERR")."""
@@ -172,7 +173,7 @@ def calls(lib: ctypes.CDLL, path: str):
         return None
     fns += [id(o) for o in _PY_OBJS]  # in CPython, an object's address
     # The C side finds an object's type in its second word: check it.
-    for obj, typ in (([], list), ((1,), tuple), (1 << 40, int), (True, bool), (b"", bytes)):
+    for obj, typ in (([], list), ((1,), tuple), (1 << 40, int), (True, bool), (b"", bytes), ({}, dict), ("", str)):
         if ctypes.c_void_p.from_address(id(obj) + word).value != id(typ):
             return None
     arr = (ctypes.c_void_p * len(fns))(*fns)

@@ -447,6 +447,17 @@ class EcxferDataTransport(_Base):
         (UnknownPeerError) for an unknown agent, IndexError
         (IndexRangeError) for an index out of range, ClosedError after
         deregister()."""
+        if _post_py is not None:
+            # Lists as vLLM passes them, a known agent, bytes: all read in
+            # C, the lists' ints each once, with the GIL held (see
+            # cmd/libecxfer/pycalls.c). Anything else comes back UNPACKED,
+            # before anything is posted, and goes the general way below,
+            # which says what is wrong with it.
+            h = _post_py(self._t, local_indices, self._peers, agent_name, remote_indices, notif_msg)
+            if h > 0:
+                return h
+            if h != _UNPACKED:
+                raise from_code(h)
         try:
             n, m = len(local_indices), len(remote_indices)
         except TypeError as e:
@@ -463,17 +474,14 @@ class EcxferDataTransport(_Base):
             raise UnknownPeerError(f"ecxfer: unknown agent {agent_name!r} (add_remote_peer() it first)")
         if type(notif_msg) is not bytes:
             notif_msg = _notif_bytes(notif_msg)
-        if _post_py is not None and type(local_indices) in _SEQS and type(remote_indices) in _SEQS:
-            # Lists as vLLM passes them: read in C, each int object once,
-            # with the GIL held (see cmd/libecxfer/pyidx.c). Anything that
-            # is not a list or tuple of exact ints in int64's range comes
-            # back UNPACKED, before anything is posted, and goes the
-            # general way below, which says what is wrong with it.
-            h = _post_py(self._t, local_indices, pid, remote_indices, notif_msg)
-            if h > 0:
-                return h
-            if h != _UNPACKED:
-                raise from_code(h)
+            if _post_py is not None and type(local_indices) in _SEQS and type(remote_indices) in _SEQS:
+                # Again with the notification made bytes: the lists may
+                # be fine (if not, UNPACKED again, and the general way).
+                h = _post_py(self._t, local_indices, self._peers, agent_name, remote_indices, notif_msg)
+                if h > 0:
+                    return h
+                if h != _UNPACKED:
+                    raise from_code(h)
         keep_l, la, ln = _indices(local_indices)
         keep_r, ra, rn = _indices(remote_indices)
         if ln != rn:  # a 2-D array has a len() other than its count

@@ -138,14 +138,13 @@ def test_builtins_keep_reference_counts(pair, calls):
         calls.check(t, 0)
     assert [sys.getrefcount(s) for s in states] == before
     cons.release_xfer_handle(h)
-    pid = cons._peers[peer]
     for _ in range(100):  # warm: free lists, the library's handle slots
-        calls.release(t, calls.post_read(t, [1], pid, [2], b""))
+        assert calls.release(t, calls.post_read(t, [1], cons._peers, peer, [2], b"")) == 0
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
         for _ in range(20000):
-            hh = calls.post_read(t, [1], pid, [2], b"")
+            hh = calls.post_read(t, [1], cons._peers, peer, [2], b"")
             assert hh > 2**32  # a handle Python allocates an int for
             assert calls.wait(t, hh, 10**9) == 1
             assert calls.release(t, hh) == 0

@@ -68,6 +68,22 @@ def test_lists_and_tuples_take_the_c_path(spied):
     assert sorted(notifs) == [b"s:%d" % k for k in range(6)]
 
 
+def test_notification_not_bytes_still_takes_the_c_path(spied):
+    """A notification given as a bytearray or memoryview: the first try
+    leaves it (UNPACKED), the second, with it made bytes, reads the lists
+    in C; what arrives is the same bytes."""
+    (prod, preg, cons, creg, peer, _), got = spied
+    bs = prod.block_size_bytes
+    _mark(preg, bs, 8)
+    for k, msg in enumerate((bytearray(b"ba:1"), memoryview(b"mv:2"))):
+        h = cons.post_read([k], peer, [k + 3], msg)
+        assert got[-2:] == [_lib.UNPACKED, h] and h > 0
+        assert cons.wait(h, 10) == "DONE"
+        cons.release_xfer_handle(h)
+        assert _landed(creg, bs, [k], [k + 3])
+    assert prod.wait_notifs(10)[cons.agent_name] == [b"ba:1", b"mv:2"]
+
+
 def test_random_lists_same_as_general_path(spied, monkeypatch):
     """Seeded random index lists of mixed items: the C reader and the
     general path give the same outcome, a READ of the same blocks or the
@@ -214,11 +230,16 @@ def test_lists_changed_after_the_length_check(spied):
 
     with pytest.raises(ValueError, match="mismatch"):
         cons.post_read(local, peer, [4, 5], Msg("s:h"))
-    assert got == [_lib.UNPACKED]
+    # The first try leaves the str notification; the second, with it made
+    # bytes (and the list grown), refuses the lengths.
+    assert got == [_lib.UNPACKED, _lib.UNPACKED]
     assert cons.stats()["reads_posted"] == 0
 
 
-def test_other_sequences_skip_the_c_path(spied):
+def test_other_sequences_refused_by_the_c_path(spied):
+    """A list subclass, an array, a range, lists of other lengths: the
+    builtin refuses them before it reads an item, and the general path
+    posts them (or raises vLLM's mismatch)."""
     (prod, preg, cons, creg, peer, _), got = spied
 
     class L(list):
@@ -234,7 +255,8 @@ def test_other_sequences_skip_the_c_path(spied):
         cons.release_xfer_handle(h)
     with pytest.raises(ValueError, match="mismatch"):
         cons.post_read([1, 2], peer, [3], b"")
-    assert got == []
+    assert got == [_lib.UNPACKED] * 4
+    assert cons.stats()["reads_posted"] == 3
 
 
 def test_empty_lists_same_either_way(spied, monkeypatch):
@@ -256,7 +278,7 @@ def test_c_entry_points_hostile(pair):
     _, _, cons, _, peer, _ = pair
     lib = _lib.lib
     n = len(_lib._PY_API) + len(_lib._PY_OBJS)
-    assert n == 23
+    assert n == 26
     assert lib.ecx_py_api(None, n) == _lib.BAD_ARG
     arr = (ctypes.c_void_p * n)()
     assert lib.ecx_py_api(arr, n) == _lib.BAD_ARG  # all NULL
@@ -264,31 +286,44 @@ def test_c_entry_points_hostile(pair):
     assert lib.ecx_py_api(arr, 12) == _lib.BAD_ARG  # the table of ABI version 4
     post = lib.calls.post_read
     assert post is transport._post_py
-    pid = cons._peers[peer]
+    peers = cons._peers
     t = cons._t
+
+    class Name(str):
+        def __hash__(self):
+            raise AssertionError("the builtin ran Python code")
+
     for a, b in ((None, None), ({}, [1]), ([1], "ab"), (b"\x01", [1]), ([1], [[1]]), ([1, 2], [1])):
-        assert post(t, a, pid, b, b"") == _lib.UNPACKED
+        assert post(t, a, peers, peer, b, b"") == _lib.UNPACKED
     for args in (
-        (t, [1], pid, [1]),  # too few
-        (t, [1], pid, [1], b"", 0),  # too many (ABI version 4's call)
-        (t, [1], pid, [1], bytearray(b"x")),  # notif not bytes
-        (t, [1], pid, [1], "x"),
-        (t, [1], pid, [1], None),
-        (True, [1], pid, [1], b""),  # ids not exact ints in uint64's range
-        (t, [1], True, [1], b""),
-        (-1, [1], pid, [1], b""),
-        (t, [1], 2**64, [1], b""),
-        (float(t), [1], pid, [1], b""),
+        (t, [1], peers, peer, [1]),  # too few
+        (t, [1], peers, peer, [1], b"", 0),  # too many
+        (t, [1], peers[peer], [1], b""),  # ABI version 4's call
+        (t, [1], peers, peer, [1], bytearray(b"x")),  # notif not bytes
+        (t, [1], peers, peer, [1], "x"),
+        (t, [1], peers, peer, [1], None),
+        (True, [1], peers, peer, [1], b""),  # t not an exact int in uint64's range
+        (-1, [1], peers, peer, [1], b""),
+        (float(t), [1], peers, peer, [1], b""),
+        (t, [1], peers, "nobody", [1], b""),  # an agent peers lacks
+        (t, [1], peers, Name(peer), [1], b""),  # a name that is not an exact str
+        (t, [1], peers, [peer], [1], b""),  # unhashable
+        (t, [1], dict(peers), peer.encode(), [1], b""),
+        (t, [1], list(peers.items()), peer, [1], b""),  # peers not a dict
+        (t, [1], {peer: True}, peer, [1], b""),  # ids not exact ints in uint64's range
+        (t, [1], {peer: -1}, peer, [1], b""),
+        (t, [1], {peer: 2**64}, peer, [1], b""),
+        (t, [1], {peer: str(peers[peer])}, peer, [1], b""),
     ):
         assert post(*args) == _lib.UNPACKED, args
     with pytest.raises(TypeError):
-        post(t, [1], pid, [1], notif=b"")
-    assert post(987654, [1], pid, [1], b"") == _lib.UNKNOWN_TRANSPORT
-    assert post(t, [1], 99, [1], b"") == _lib.UNKNOWN_PEER
+        post(t, [1], peers, peer, [1], notif=b"")
+    assert post(987654, [1], peers, peer, [1], b"") == _lib.UNKNOWN_TRANSPORT
+    assert post(t, [1], {peer: 99}, peer, [1], b"") == _lib.UNKNOWN_PEER
     assert "peer id 99" in _lib.last_error()
     assert cons.stats()["reads_posted"] == 0
     # Still installed: lists still go through it.
-    h = post(t, [1], pid, [1], b"x")
+    h = post(t, [1], peers, peer, [1], b"x")
     assert h > 0 and cons.wait(h, 10) == "DONE"
     assert cons.stats()["reads_posted"] == 1
     # Only four builtins; each call of ecx_py_call hands over a reference
