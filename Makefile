@@ -250,7 +250,7 @@ bench-python: python
 
 # ecxfer inside released vLLM (requirements-vllm.txt, pinned by
 # requirements-vllm.lock) in its own environment, .venv-vllm: about 9.5 GB
-# and 9-15 minutes to install, so not part of `make test`. The ecxfer wheel
+# and 4-15 minutes to install, so not part of `make test`. The ecxfer wheel
 # is built by pip through its Go hook and installed there; the tests drive
 # vLLM's own plugin loader, shared region and session code.
 VLLM_VENV  := .venv-vllm
