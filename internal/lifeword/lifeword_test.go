@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -169,8 +170,10 @@ func TestExecingHolderMarked(t *testing.T) {
 	ws := p.watch(t)
 	requireStates(t, ws, Alive)
 	_, _ = p.stdin.WriteString("go\n")
+	// Each word is marked as its own thread goes, and exec takes the
+	// threads one after the other: wait for every word, not the first.
 	deadline := time.Now().Add(10 * time.Second)
-	for ws[0].State() == Alive && time.Now().Before(deadline) {
+	for slices.ContainsFunc(ws, func(w *Watcher) bool { return w.State() == Alive }) && time.Now().Before(deadline) {
 		time.Sleep(time.Millisecond)
 	}
 	requireStates(t, ws, Died)
