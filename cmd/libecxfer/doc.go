@@ -13,7 +13,8 @@
 // Byte strings cross as pointer plus length. Inputs are borrowed for the
 // duration of the call only: nothing keeps a pointer the caller passed in,
 // except the region given to ecx_new, which must stay mapped until
-// ecx_deregister returns. Outputs that the library allocates (ecx_blob,
+// ecx_deregister returns, and the interpreter's functions and objects
+// given to ecx_py_api, kept for the life of the process. Outputs that the library allocates (ecx_blob,
 // ecx_notifs, ecx_stats, ecx_runtime) are malloc'd, owned by the caller
 // from then on, and freed with ecx_free.
 //
@@ -37,8 +38,11 @@
 // when they are Python lists or tuples of ints, what vLLM passes, with the
 // GIL held; every builtin releases the GIL around its call into the
 // library. What they cannot read (not exactly a list or tuple of exact
-// ints in int64's range, not an int where one is due) they leave alone and
-// return codeUnpacked, and the package takes its general way.
+// ints in int64's range, not an int where one is due, lists of lengths
+// that differ, an agent the package's dict lacks, a notification that is
+// not bytes) they leave alone and return codeUnpacked, "ERR" from check,
+// and the package takes its general way. ecx_py_api and ecx_py_call are
+// called with the GIL held (through a ctypes.PyDLL).
 //
 // ecx_wait and ecx_notifs block up to their timeout; ecx_new, ecx_add_peer,
 // ecx_remove_peer and ecx_deregister wait for the transport's reactor

@@ -89,12 +89,12 @@ static int py_ready;
 // PyCFunction_NewEx, PyLong_AsUnsignedLongLong, PyLong_FromLongLong,
 // Py_IncRef, PyBytes_AsString, PyBytes_Size, PyDict_GetItemWithError;
 // then the addresses of the types list, tuple, int, bytes, dict and str,
-// of None, and of three str objects "PROC", "DONE" and "ERR", which must
-// live as long as the process (the package's module constants). It
-// returns 0, or -16 (bad argument: n is not 26 or a pointer is NULL;
-// nothing is installed then). Call it once,
-// before the first ecx_py_call, from the interpreter whose functions
-// they are; later calls with a good table change nothing.
+// of None, and of three str objects "PROC", "DONE" and "ERR", of which it
+// takes a reference each. It returns 0, or -16 (bad argument: n is not
+// 26 or a pointer is NULL; nothing is installed then). Call it once,
+// before the first ecx_py_call, with the GIL held (a ctypes.PyDLL), from
+// the interpreter whose functions they are; later calls with a good table
+// change nothing.
 int ecx_py_api(void *const *fns, int64_t n)
 {
 	if (fns == NULL || n != PY_API)
@@ -127,8 +127,10 @@ int ecx_py_api(void *const *fns, int64_t n)
 	py.dict_type = fns[20];
 	py.str_type = fns[21];
 	py.none = fns[22];
-	for (int i = 0; i < 3; i++)
+	for (int i = 0; i < 3; i++) {
 		py.state[i] = fns[23 + i];
+		py.incref(py.state[i]); // check hands them out for good
+	}
 	py_ready = 1;
 	return 0;
 }

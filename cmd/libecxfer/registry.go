@@ -260,12 +260,6 @@ func wait(id, h uint64, timeout time.Duration) (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	// A READ that has ended (a small same-host one is DONE when posted)
-	// needs no context: making one with a timeout costs more than the
-	// rest of the call.
-	if st, err := checkState(id, h); err != nil || st != stateProc {
-		return st, err
-	}
 	ctx := context.Background()
 	if timeout >= 0 {
 		var cancel context.CancelFunc

@@ -24,7 +24,7 @@ post_read does); the cost of ecxfer's post_read given one array('q')
 instead, which it reads in place, and given lists built long before,
 whose ints are out of the cache, and given fresh lists through its
 general path (struct.pack in Python, what lists cost before the C reader
-of cmd/libecxfer/pyidx.c), is reported too.
+of cmd/libecxfer/pycalls.c), is reported too.
 
 Runs in the project's .venv (NIXL's wheel comes from requirements-nixl.txt);
 without NIXL its rows say they were skipped and why.

@@ -177,11 +177,14 @@ def calls(lib: ctypes.CDLL, path: str):
         if ctypes.c_void_p.from_address(id(obj) + word).value != id(typ):
             return None
     arr = (ctypes.c_void_p * len(fns))(*fns)
-    if lib.ecx_py_api(arr, len(fns)) != 0:  # plain C: no error message to take
+    # Both with the GIL held (a PyDLL of the same library): ecx_py_api takes
+    # references to the states, ecx_py_call makes the builtins.
+    held = ctypes.PyDLL(path, handle=lib._handle)
+    install, make = held.ecx_py_api, held.ecx_py_call
+    install.restype, install.argtypes = _int, [_pvp, _i64]
+    make.restype, make.argtypes = ctypes.py_object, [_i64]
+    if install(arr, len(fns)) != 0:  # plain C: no error message to take
         return None
-    make = ctypes.PyDLL(path, handle=lib._handle).ecx_py_call
-    make.restype = ctypes.py_object
-    make.argtypes = [_i64]
     fns = [make(i) for i in range(len(CALLS))]
     if None in fns:  # the interpreter could not make one
         return None

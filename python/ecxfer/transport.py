@@ -575,7 +575,10 @@ class EcxferDataTransport(_Base):
 
     def wait(self, handle: int, timeout: float | None = None) -> str:
         """Block (without the GIL) until the READ leaves PROC or timeout
-        seconds pass; return its state as check_xfer_state does."""
+        seconds pass; return its state as check_xfer_state does. For a
+        large same-host READ still on the copy workers it copies chunks
+        meanwhile, as check_xfer_state does, so it may return up to two
+        chunks' copying after timeout."""
         if type(handle) is not int or handle <= 0 or handle >= 1 << 64:
             return "ERR"
         total = _timeout_ns(timeout, 0)
@@ -584,9 +587,13 @@ class EcxferDataTransport(_Base):
             if st != "PROC":
                 return st
         end = None if total < 0 else time.monotonic_ns() + total
-        call = _lib_.ecx_wait if _wait_py is None else _wait_py
         while True:
-            st = call(self._t, handle, _slice_ns(end))
+            # Looked up each time: a child forked meanwhile (from a signal
+            # handler) must get the stand-in's ForkedError, not Go.
+            if _wait_py is not None:
+                st = _wait_py(self._t, handle, _slice_ns(end))
+            else:
+                st = _lib_.ecx_wait(self._t, handle, _slice_ns(end))
             if st < 0:
                 _lib.last_error()
                 return "ERR"

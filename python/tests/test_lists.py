@@ -1,4 +1,4 @@
-"""post_read's C path for index lists (cmd/libecxfer/pyidx.c): lists and
+"""post_read's C path for index lists (cmd/libecxfer/pycalls.c): lists and
 tuples of ints, as vLLM passes them, are read in C with the GIL held, each
 int object once. It is the path such lists take; it reads the same blocks
 as the general path; whatever it does not take (bools, int subclasses,
