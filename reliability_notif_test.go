@@ -192,7 +192,7 @@ func TestTimedOutReadsDoNotNotify(t *testing.T) {
 	leakcheck.Check(t)
 	prod := uniqueName("prod")
 	pp := startTestProducer(t, nil, prod, relBS, relNB, 51, "mmap")
-	cons := ucxEnv(t).transport(uniqueName("cons"), relBS, relNB, sharedQueue, func(c *Config) { c.XferTimeout = 300 * time.Millisecond })
+	cons := ucxEnv(t).transport(uniqueName("cons"), relBS, relNB, sharedQueue)
 	_, err := cons.AddRemotePeer(pp.hello.Metadata, pp.hello.MemDesc)
 	require.NoError(t, err)
 	readVerify(t, cons, prod, 16, 51, rand.New(rand.NewSource(1)))
@@ -200,12 +200,17 @@ func TestTimedOutReadsDoNotNotify(t *testing.T) {
 	pp.signal(syscall.SIGSTOP)
 	pp.waitStopped()
 	hs := postStalled(t, cons, prod, 4) // each carries the notification "stalled"
+	// A short timeout only now, for the stalled READs (counted from their
+	// post): on a loaded machine the READs above, and the posting and
+	// checks of postStalled, can take longer than it.
+	cons.r.SetTimeout(300 * time.Millisecond)
 	for _, h := range hs {
 		st, err := wait(t, cons, h)
 		require.Equal(t, StateErr, st)
 		require.ErrorIs(t, err, ErrTimeout)
 		require.NoError(t, cons.ReleaseXferHandle(h))
 	}
+	cons.r.SetTimeout(DefaultXferTimeout)
 	pp.signal(syscall.SIGCONT)
 	// The gets the frozen producer owed may still be answered now; give it
 	// time to send whatever it would.

@@ -2,6 +2,7 @@ package metrics_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -9,6 +10,7 @@ import (
 	"runtime"
 	"strings"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -511,5 +513,10 @@ func TestExporterCloseWithIdleClient(t *testing.T) {
 	require.NoError(t, ex.Close(), "Close gave up on the idle client")
 	require.NoError(t, c.SetReadDeadline(time.Now().Add(5*time.Second)))
 	_, err = c.Read(make([]byte, 1))
-	require.ErrorIs(t, err, io.EOF, "the server side of the connection is still open")
+	// EOF once the server had accepted it; a reset when the listener
+	// closed with the connection still in its accept queue (the sleep
+	// above is no guarantee on a loaded machine).
+	if !errors.Is(err, syscall.ECONNRESET) {
+		require.ErrorIs(t, err, io.EOF, "the server side of the connection is still open")
+	}
 }

@@ -128,20 +128,26 @@ func TestNotificationAfterData(t *testing.T) {
 			stop := make(chan struct{})
 			go func() { // the producer's driver
 				m := map[string][][]byte{}
-				for {
-					if p.a.GetNotifs(m) > 0 {
-						// Read the landed bytes before anything else.
-						dst := c.buf
-						if op == nixl.Write {
-							dst = p.buf
-						}
-						if !bytes.Equal(dst, want) {
-							m["data missing"] = nil
-						}
-						break
+				take := func() bool {
+					if p.a.GetNotifs(m) == 0 {
+						return false
 					}
+					// Read the landed bytes before anything else.
+					dst := c.buf
+					if op == nixl.Write {
+						dst = p.buf
+					}
+					if !bytes.Equal(dst, want) {
+						m["data missing"] = nil
+					}
+					return true
+				}
+				for !take() {
 					select {
 					case <-stop:
+						// Once more: the notification may have come
+						// between the last look and stop.
+						take()
 						got <- m
 						return
 					default:

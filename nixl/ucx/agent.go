@@ -383,8 +383,9 @@ func (a *Agent) Arm() (bool, error) {
 // --------------------------------------------------------------- teardown
 
 // closeWait bounds how long Close waits for the flush of its endpoints and
-// for their closes to complete, together.
-const closeWait = 250 * time.Millisecond
+// for their closes to complete, together. (A variable only so that a test
+// can wait longer for a flush on a loaded machine.)
+var closeWait = 250 * time.Millisecond
 
 // closingEndpoints counts the endpoint closes not completed yet, those
 // waiting for notifications to go first included.
