@@ -188,6 +188,7 @@ type busyArmAgent struct {
 	armed      atomic.Bool // a refusal happened; the next Progress records
 	parksAt    [2]atomic.Uint64
 	progressed atomic.Bool
+	armedOK    atomic.Bool // the engine armed (which clears the loop's armBusy)
 }
 
 func (a *busyArmAgent) Arm() (bool, error) {
@@ -199,7 +200,11 @@ func (a *busyArmAgent) Arm() (bool, error) {
 		a.armed.Store(true)
 		return false, nil
 	}
-	return a.Agent.Arm()
+	ok, err := a.Agent.Arm()
+	if ok {
+		a.armedOK.Store(true)
+	}
+	return ok, err
 }
 
 func (a *busyArmAgent) Progress() (bool, error) {
@@ -226,12 +231,17 @@ func TestBusyArmTakesAnotherTurn(t *testing.T) {
 		eng.r = r
 		for range 5 {
 			time.Sleep(5 * time.Millisecond) // idle for longer than YieldFor, parked
+			// Parked with the engine armed since the last round's refusal:
+			// a loop still busy from it (a thread delayed on a loaded
+			// machine) would take the next refusal for a busy engine.
+			require.Eventually(t, eng.armedOK.Load, 5*time.Second, 100*time.Microsecond, "%v: the loop never armed", idle)
 			eng.progressed.Store(false)
 			eng.busyOnce.Store(true)
 			r.wake()
 			require.Eventually(t, eng.progressed.Load, 5*time.Second, 100*time.Microsecond, "%v: the loop never took a turn after the engine refused to arm", idle)
 			require.Equal(t, eng.parksAt[0].Load(), eng.parksAt[1].Load(),
 				"%v: the loop napped between the engine's refusal to arm and its next turn", idle)
+			eng.armedOK.Store(false)
 		}
 		eng.busyAlways.Store(true)
 		r.wake() // out of its sleep, into the busy engine
