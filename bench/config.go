@@ -264,6 +264,7 @@ func ParseRunFlags(args []string, stderr io.Writer) (Config, error) {
 	fs.IntVar(&c.CopyWorkers, "copy-workers", 0, fmt.Sprintf("direct mode: copy threads for READs above --inline-bytes (0: %d)", ecxfer.DefaultCopyWorkers))
 	fs.IntVar(&c.InlineBytes, "inline-bytes", 0, fmt.Sprintf("direct mode: largest READ copied inside PostRead (0: %d, -1: none)", ecxfer.DefaultInlineBytes))
 	fs.StringVar(&c.Wait, "wait", c.Wait, "how reactor-mode callers wait: poll (CheckXferState loop) or block (Transport.Wait)")
+	fs.BoolVar(&c.Reactor.ReactorOnly, "reactor-only", false, "the consumer's engine is driven by its reactor thread alone: polling callers never step in for it")
 	fs.DurationVar(&c.Reactor.WaitSpin, "wait-spin", 0, "with --wait block: how long Transport.Wait checks the READ before it sleeps (0: the reactor's default, 50µs)")
 	noRefs := fs.Bool("no-refs", false, "skip the memcpy and ucx_perftest references")
 	fs.StringVar(&c.JSONFile, "json", "", "write results as JSON to this file")

@@ -53,6 +53,9 @@
 //	                                                rate / ecxfer_copy_workers is their busy fraction
 //	ecxfer_reactor_loop_turns_total     [counter]   event loop turns
 //	ecxfer_reactor_parks_total          [counter]   times the reactor slept
+//	ecxfer_reactor_caller_steps_total   [counter]   steps of the engine's work callers polling a
+//	                                                READ took for the reactor thread
+//	ecxfer_reactor_naps_total           [counter]   times the reactor thread stood aside for them
 //	ecxfer_reactor_busy_seconds_total   [counter]   reactor time in turns that found work;
 //	                                                its rate is the busy fraction
 //	ecxfer_reactor_cpu_seconds_total    [counter]   the reactor thread's CPU time
@@ -114,6 +117,7 @@ type collector struct {
 	readBytes, inFlight, handles, busyRefusals         *prometheus.Desc
 	notifsSent, notifsReceived, engineErrors           *prometheus.Desc
 	peersDesc, loopTurns, parks, busySeconds, cpu      *prometheus.Desc
+	callerSteps, naps                                  *prometheus.Desc
 	waitBlocks, duration                               *prometheus.Desc
 	notifsDropped, readsDirect, readsInline            *prometheus.Desc
 	copyWorkers, copyBusy                              *prometheus.Desc
@@ -150,6 +154,8 @@ func NewCollector(t *ecxfer.Transport, opts ...Option) prometheus.Collector {
 	c.peersDesc = d("ecxfer_peers", "Known peers by path and state.", "path", "state")
 	c.loopTurns = d("ecxfer_reactor_loop_turns_total", "Event loop turns.")
 	c.parks = d("ecxfer_reactor_parks_total", "Times the reactor slept.")
+	c.callerSteps = d("ecxfer_reactor_caller_steps_total", "Steps of the engine's work that callers polling a READ took for the reactor thread.")
+	c.naps = d("ecxfer_reactor_naps_total", "Times the reactor thread stood aside for callers taking steps.")
 	c.busySeconds = d("ecxfer_reactor_busy_seconds_total", "Reactor time spent in loop turns that found work; its rate is the busy fraction.")
 	c.cpu = d("ecxfer_reactor_cpu_seconds_total", "CPU time used by the reactor thread.")
 	c.waitBlocks = d("ecxfer_wait_blocks_total", "Wait calls that stopped spinning and slept.")
@@ -167,7 +173,7 @@ func (c *collector) Describe(ch chan<- *prometheus.Desc) {
 		c.readsPosted, c.readsDone, c.readsFailed, c.readsCanceled,
 		c.readBytes, c.inFlight, c.handles, c.busyRefusals,
 		c.notifsSent, c.notifsReceived, c.engineErrors,
-		c.peersDesc, c.loopTurns, c.parks, c.busySeconds, c.cpu,
+		c.peersDesc, c.loopTurns, c.parks, c.callerSteps, c.naps, c.busySeconds, c.cpu,
 		c.waitBlocks, c.duration, c.notifsDropped, c.readsDirect, c.readsInline,
 		c.copyWorkers, c.copyBusy,
 	} {
@@ -217,6 +223,8 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	}
 	counter(c.loopTurns, float64(s.LoopTurns))
 	counter(c.parks, float64(s.Parks))
+	counter(c.callerSteps, float64(s.CallerSteps))
+	counter(c.naps, float64(s.Naps))
 	counter(c.busySeconds, s.BusyTime.Seconds())
 	if cpu, err := c.t.ReactorCPU(); err == nil {
 		counter(c.cpu, cpu.Seconds())

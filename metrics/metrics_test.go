@@ -111,6 +111,8 @@ func TestScrapeOverHTTP(t *testing.T) {
 		"ecxfer_peers":                        "gauge",
 		"ecxfer_reactor_loop_turns_total":     "counter",
 		"ecxfer_reactor_parks_total":          "counter",
+		"ecxfer_reactor_caller_steps_total":   "counter",
+		"ecxfer_reactor_naps_total":           "counter",
 		"ecxfer_reactor_busy_seconds_total":   "counter",
 		"ecxfer_reactor_cpu_seconds_total":    "counter",
 		"ecxfer_wait_blocks_total":            "counter",

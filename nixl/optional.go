@@ -102,3 +102,13 @@ type StagedPeer interface {
 	// on the new peer become unusable and are still to be released.
 	Abort()
 }
+
+// AnyThread is implemented by engines that may be driven by different
+// threads at different times, one at a time (the Agent contract's "one
+// goroutine" relaxed to "one goroutine at a time", with the hand-over
+// ordered by the caller's synchronisation). AnyThread reports whether
+// this agent allows it. The reactor then lets a caller polling a READ
+// advance the engine itself while the reactor thread stands aside.
+type AnyThread interface {
+	AnyThread() bool
+}

@@ -1,11 +1,13 @@
 // Package reactor is ecxfer's event loop: one goroutine, locked to one OS
 // thread and optionally pinned to a CPU, that owns a nixl.Agent and does
-// all of its work.
+// all of its work (or lets a polling caller do a step of it, one at a
+// time: see below).
 //
 // Why one thread: a transfer engine such as UCX is fastest when a single
 // thread drives its worker without locks, and the data owner's engine must
 // keep progressing for reads of its memory and for its notifications to
-// move. So nobody but the reactor touches the agent. Submitters claim a slot
+// move. So nobody but the reactor touches the agent (or a caller holding
+// the reactor's token in its place). Submitters claim a slot
 // in a fixed handle table, copy their request into it and push the handle
 // onto a lock-free MPSC ring; the reactor drains the ring in batches, makes
 // and posts the engine requests, progresses the engine, polls completions
@@ -14,6 +16,19 @@
 // transfer is then one atomic load: no lock, no cgo call, no trip through
 // the loop. Control operations (peers, teardown) travel the same loop and
 // are answered synchronously.
+//
+// Callers stepping in (help.go): with an engine that allows being driven
+// by any thread one at a time (nixl.AnyThread), "the reactor" is a token
+// rather than a thread. The reactor thread holds it except while idle; a
+// caller that checks an engine READ in flight takes it if it is free,
+// with one compare-and-swap, and runs the engine part of a turn (post
+// what is queued, progress, publish what ended) on its own thread. While
+// callers want to, the reactor thread naps after a turn that found no
+// work instead of spinning, so a caller polling its READ and the engine
+// share one core, as with raw engine calls: on a 2-core machine the
+// second core stays for the peer's engine. Everything else (cancels,
+// control operations, timeouts, the direct path) stays with the reactor
+// thread. Options.ReactorOnly turns it off.
 //
 // Idle: spinning costs a core and on a 2-core machine starves everything
 // else; sleeping costs wake-up latency. The default hybrid strategy spins

@@ -21,6 +21,10 @@ import (
 func (r *Reactor) run(ready chan<- error, setup Setup) {
 	runtime.LockOSThread()
 	defer close(r.done)
+	// The engine token (help.go), held from here on except while the
+	// loop is idle: parked, napping. Never given back once the loop has
+	// stopped (the engine is closed then).
+	r.lockEngine()
 	r.tid.Store(int32(unix.Gettid()))
 	if err := r.pin(); err != nil {
 		ready <- err
@@ -51,6 +55,13 @@ func (r *Reactor) run(ready chan<- error, setup Setup) {
 		if r.turn() {
 			last = r.lastTime
 			r.armBusy = false
+			continue
+		}
+		if r.opts.Idle != IdleSpin && r.helpWanted() {
+			// Callers are stepping in (help.go): stand aside. Once they
+			// stop, the idle strategy starts over.
+			r.nap()
+			last = r.now()
 			continue
 		}
 		idle := time.Duration(r.lastTime - last)
@@ -123,14 +134,22 @@ func (r *Reactor) park(events []unix.EpollEvent, idle time.Duration) {
 		// The engine's fd stays readable: wait on the wake-up fd alone.
 		r.st.parks.Add(1)
 		fds := [1]unix.PollFd{{Fd: int32(r.wakeFD), Events: unix.POLLIN}}
+		r.unlockEngine()
 		_, _ = unix.Poll(fds[:], 1)
+		r.lockEngine()
 		var buf [8]byte
 		_, _ = unix.Read(r.wakeFD, buf[:])
 		return
 	}
 	r.armBusy = false
 	r.st.parks.Add(1)
-	_, _ = unix.EpollWait(r.epollFD, events, r.parkMillis())
+	ms := r.parkMillis()
+	// Callers may step in while the thread sleeps (help.go); their
+	// progress may leave the engine's fd readable with nothing to do,
+	// which costs one empty turn.
+	r.unlockEngine()
+	_, _ = unix.EpollWait(r.epollFD, events, ms)
+	r.lockEngine()
 	var buf [8]byte
 	_, _ = unix.Read(r.wakeFD, buf[:])
 }
@@ -181,6 +200,7 @@ func (r *Reactor) turn() bool {
 		r.st.busyNs.Add(uint64(now - r.lastTime))
 	}
 	r.lastTime = now
+	r.postClock = now
 	r.st.loops.Add(1)
 	work := false
 
@@ -223,17 +243,7 @@ func (r *Reactor) turn() bool {
 	} else if err != nil {
 		r.engineError("progress", err)
 	}
-	completed := 0
-	for {
-		n := r.agent.PollCompletions(r.comps)
-		for _, c := range r.comps[:n] {
-			r.complete(c)
-		}
-		completed += n
-		if n < len(r.comps) {
-			break
-		}
-	}
+	completed := r.pollCompletions()
 	if r.pLen > 0 {
 		completed += r.expire()
 	}
@@ -257,6 +267,22 @@ func (r *Reactor) turn() bool {
 	}
 	r.lastWork = work
 	return work
+}
+
+// pollCompletions publishes the transfers the engine reports finished and
+// returns how many.
+func (r *Reactor) pollCompletions() int {
+	completed := 0
+	for {
+		n := r.agent.PollCompletions(r.comps)
+		for _, c := range r.comps[:n] {
+			r.complete(c)
+		}
+		completed += n
+		if n < len(r.comps) {
+			return completed
+		}
+	}
 }
 
 // engineNotifCounts copies the engine's counts of notifications it lost
@@ -401,7 +427,7 @@ func (r *Reactor) submit(h uint64) {
 	if r.pLen == len(r.postings) {
 		r.compactPostings()
 	}
-	r.postings[(r.pHead+r.pLen)%len(r.postings)] = posting{h: h, posted: r.lastTime}
+	r.postings[(r.pHead+r.pLen)%len(r.postings)] = posting{h: h, posted: r.postClock}
 	r.pLen++
 }
 

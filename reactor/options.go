@@ -78,6 +78,18 @@ type Options struct {
 	// is seen without that cost.
 	WaitSpin time.Duration
 
+	// ReactorOnly keeps the engine on the reactor thread. Without it, and
+	// with an engine that allows it (nixl.AnyThread: the ucx and loopback
+	// engines do), a caller that finds an engine READ in flight (State,
+	// Wait's spin) takes one step of the loop's engine work itself when
+	// the reactor thread is not in a turn: it posts what is queued,
+	// progresses the engine and publishes what ended. While callers do
+	// that, the reactor thread stops spinning after a turn that found no
+	// work and naps instead (up to helpNap at a time, unless the Idle
+	// strategy is IdleSpin), so a polling caller and the engine share one
+	// core rather than two, as a caller of raw engine calls does.
+	ReactorOnly bool
+
 	// BatchSize is the most submissions one loop turn takes (default 64).
 	BatchSize int
 	// SubmitRing is the submission ring's capacity (default 4096, at most

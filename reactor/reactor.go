@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -123,6 +124,15 @@ type Reactor struct {
 	wakeFD   int
 	epollFD  int
 	sleeping atomic.Bool
+	// The engine token (help.go): held by the reactor thread whenever it
+	// is not idle, and by a caller taking a step of its work. napping:
+	// the reactor thread stands aside for helping callers; helpWant: when
+	// a caller last wanted to help (r.now()); helpable: the engine allows
+	// callers to drive it and ReactorOnly is off.
+	engine   atomic.Bool
+	napping  atomic.Bool
+	helpWant atomic.Int64
+	helpable bool
 	// fdsClosed and fdUsers keep callers from writing wakeFD once
 	// closeFDs closes it (see writeWake).
 	fdsClosed atomic.Bool
@@ -167,7 +177,10 @@ type Reactor struct {
 	ctrlBuf  []*ctrlOp
 	notifTmp map[string][][]byte
 	lastTime int64
-	lastWork bool // the last turn found work (its time counts as busy)
+	// postClock is the time postings are stamped with: the current turn's
+	// or caller step's start.
+	postClock int64
+	lastWork  bool // the last turn found work (its time counts as busy)
 }
 
 // Setup prepares the agent's local memory: it registers the block memory
@@ -178,8 +191,9 @@ type Reactor struct {
 type Setup func(a nixl.Agent) (descriptors.List, nixl.DlistID, error)
 
 // Start checks opts, launches the reactor on agent and runs setup on the
-// reactor's thread. From then on the agent is driven only by that thread,
-// and Close closes it. When Start fails the reactor thread has exited and
+// reactor's thread. From then on the agent is driven by that thread, or,
+// one at a time, by callers stepping in for it (Options.ReactorOnly), and
+// Close closes it. When Start fails the reactor thread has exited and
 // the agent has not been closed: the caller still owns it.
 func Start(agent nixl.Agent, opts Options, setup Setup) (*Reactor, error) {
 	o, err := opts.withDefaults()
@@ -224,6 +238,10 @@ func Start(agent nixl.Agent, opts Options, setup Setup) (*Reactor, error) {
 		r.closeFDs()
 		return nil, err
 	}
+	if a, ok := agent.(nixl.AnyThread); ok && a.AnyThread() && !o.ReactorOnly {
+		r.helpable = true
+	}
+	r.helpWant.Store(math.MinInt64 / 2)
 	ready := make(chan error, 1)
 	go r.run(ready, setup)
 	if err := <-ready; err != nil {
@@ -281,9 +299,10 @@ func (r *Reactor) closeFDs() {
 // now is monotonic nanoseconds since Start.
 func (r *Reactor) now() int64 { return int64(time.Since(r.epoch)) }
 
-// wake makes a parked reactor return from epoll_wait.
+// wake makes a parked reactor return from epoll_wait, or a napping one
+// from its nap.
 func (r *Reactor) wake() {
-	if r.sleeping.Load() {
+	if r.sleeping.Load() || r.napping.Load() {
 		r.writeWake()
 	}
 }
@@ -415,7 +434,11 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 			return 0, err
 		}
 	}
-	r.wake()
+	if !r.napping.Load() || !r.help() || r.sub.Len() > 0 {
+		// (A reactor thread napping for callers that step in: this one
+		// posts what is queued itself, unless another holds the engine.)
+		r.wake()
+	}
 	if r.closing.Load() {
 		// Close has begun, and its teardown may have drained the ring
 		// before this push. Once the loop is gone, either teardown ended
@@ -535,14 +558,19 @@ func (r *Reactor) waitForRoom(tries int) error {
 // READ still on the copy pool it first copies one chunk that no worker has
 // taken (copypool.Job.HelpOne), so polling callers copy instead of
 // starving the workers, and a call copies at most one chunk (a READ is
-// cut into at most 4 per copy worker).
+// cut into at most 4 per copy worker). For an engine READ in flight it
+// first takes a step of the engine's work if the reactor thread is not in
+// a turn and the engine allows it (Options.ReactorOnly), so polling
+// callers progress the engine instead of spinning beside the reactor.
 func (r *Reactor) State(h uint64) (State, error) {
-	st, _, err := r.state(h)
+	st, _, err := r.state(h, true)
 	return st, err
 }
 
-// state is State; helped reports whether it copied a chunk.
-func (r *Reactor) state(h uint64) (st State, helped bool, err error) {
+// state is State; helped reports whether it copied a chunk. A caller
+// about to block passes mayStep false: it takes no step of the engine's
+// work, which would make the reactor thread nap for it (help.go).
+func (r *Reactor) state(h uint64, mayStep bool) (State, bool, error) {
 	if r.closing.Load() {
 		return StateErr, false, ErrClosed
 	}
@@ -550,15 +578,25 @@ func (r *Reactor) state(h uint64) (st State, helped bool, err error) {
 	if s == nil {
 		return StateErr, false, r.badHandle()
 	}
-	switch wordState(w) {
-	case stProc:
+	if wordState(w) == stProc {
 		if j := s.run.Load(); j != nil {
 			// A direct READ on the copy pool: copy what no worker has
 			// started yet rather than spend this caller's turn in the
 			// scheduler while the workers wait for a CPU.
-			helped = j.HelpOne()
+			return StateProc, j.HelpOne(), nil
 		}
-		return StateProc, helped, nil
+		if !mayStep || s.pooled.Load() || !r.help() {
+			return StateProc, false, nil
+		}
+		// An engine READ, and this caller took a step of the engine's
+		// work for the reactor (help.go): it may have ended.
+		if s, w = r.tab.lookup(h); s == nil {
+			return StateErr, false, r.badHandle()
+		}
+	}
+	switch wordState(w) {
+	case stProc:
+		return StateProc, false, nil
 	case stDone:
 		return StateDone, false, nil
 	case stErr:
@@ -650,11 +688,12 @@ func (r *Reactor) awaitStopped(h uint64) {
 // processor; after that it sleeps until the reactor reports a transfer
 // ended. Each check may copy a chunk of a direct READ (see State); Wait
 // then checks again at once, and returns ctx's error if ctx ended
-// meanwhile.
+// meanwhile. While it spins, a check of an engine READ may take a step of
+// the engine's work (see State); once it sleeps, none does.
 func (r *Reactor) Wait(ctx context.Context, h uint64) error {
 	var start time.Time
 	for i := 0; ; i++ {
-		st, helped, err := r.state(h)
+		st, helped, err := r.state(h, true)
 		if st != StateProc {
 			return err
 		}
@@ -684,10 +723,13 @@ func (r *Reactor) Wait(ctx context.Context, h uint64) error {
 		runtime.Gosched()
 	}
 	r.st.waitBlocks.Add(1)
+	// This caller stops stepping in: a reactor thread napping for it
+	// takes over now.
+	r.unhelp()
 	w := r.addWaiter()
 	defer r.dropWaiter(w)
 	for {
-		st, helped, err := r.state(h)
+		st, helped, err := r.state(h, false)
 		if st != StateProc {
 			return err
 		}

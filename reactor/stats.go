@@ -17,6 +17,7 @@ type counters struct {
 	notifsOversized                atomic.Uint64
 	engineErrors                   atomic.Uint64
 	loops, parks                   atomic.Uint64
+	callerSteps, naps              atomic.Uint64
 	latency                        Histogram
 
 	failedBy     [numCodes]atomic.Uint64
@@ -48,11 +49,16 @@ type Stats struct {
 	// between chunks first, and with the ucx engine the release waits
 	// for the loop; see Reactor.Release).
 	LiveHandles int64
-	InFlight    int64        // reads the engine or the copy workers are working on, or held (behind a fence)
-	Peers       int          // peers currently known (after Close: those it had then)
-	LoopTurns   uint64       // event loop turns
-	Parks       uint64       // times the reactor slept
-	WaitBlocks  uint64       // times Wait spun for WaitSpin and then blocked
+	InFlight    int64  // reads the engine or the copy workers are working on, or held (behind a fence)
+	Peers       int    // peers currently known (after Close: those it had then)
+	LoopTurns   uint64 // event loop turns
+	Parks       uint64 // times the reactor slept
+	WaitBlocks  uint64 // times Wait spun for WaitSpin and then blocked
+	// CallerSteps counts steps of the engine work that callers polling a
+	// READ took for the reactor (Options.ReactorOnly); Naps the times the
+	// reactor thread stood aside for them.
+	CallerSteps uint64
+	Naps        uint64
 	Latency     HistSnapshot // post → DONE
 
 	// For operators (the metrics package).
@@ -127,6 +133,8 @@ func (r *Reactor) Stats() Stats {
 		LoopTurns:      r.st.loops.Load(),
 		Parks:          r.st.parks.Load(),
 		WaitBlocks:     r.st.waitBlocks.Load(),
+		CallerSteps:    r.st.callerSteps.Load(),
+		Naps:           r.st.naps.Load(),
 		Latency:        lat,
 		FailedBy:       failedBy,
 		BusyRefusals:   r.st.busyRefusals.Load(),

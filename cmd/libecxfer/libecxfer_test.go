@@ -21,7 +21,8 @@ func TestParseOptions(t *testing.T) {
 	cfg, err := parseOptions([]byte(`{"agent_name":"a","backend":"loopback","block_size":64,"num_blocks":8,
 		"xfer_timeout_s":1.5,"pin_cpu":0,"numa_node":0,"idle":"park","spin_for_us":10,"yield_for_us":20,
 		"park_timeout_us":30,"wait_spin_us":40,"batch_size":16,"submit_ring":128,"handles":256,
-		"wait_when_busy":true,"max_notif":99,"direct":"on","inline_bytes":-1,"copy_workers":3}`))
+		"wait_when_busy":true,"max_notif":99,"direct":"on","inline_bytes":-1,"copy_workers":3,
+		"reactor_only":true}`))
 	require.NoError(t, err)
 	r := cfg.Reactor
 	require.Equal(t, "a", cfg.AgentName)
@@ -41,6 +42,7 @@ func TestParseOptions(t *testing.T) {
 	require.Equal(t, 128, r.SubmitRing)
 	require.Equal(t, 256, r.Handles)
 	require.True(t, r.WaitWhenBusy)
+	require.True(t, r.ReactorOnly)
 	require.Equal(t, 99, r.MaxNotif)
 	require.Equal(t, ecxfer.DirectOn, cfg.Direct)
 	require.Equal(t, -1, cfg.InlineBytes)

@@ -40,6 +40,9 @@ type options struct {
 	Handles       int     `json:"handles"`
 	WaitWhenBusy  bool    `json:"wait_when_busy"`
 	MaxNotif      int     `json:"max_notif"`
+	// ReactorOnly: callers never step in for the reactor thread
+	// (reactor.Options.ReactorOnly).
+	ReactorOnly bool `json:"reactor_only"`
 	// Direct is "auto" (default), "on" or "off": whether READs of peers
 	// on this host bypass the engine (Config.Direct). InlineBytes and
 	// CopyWorkers tune that path (0: the defaults; inline_bytes negative:
@@ -165,7 +168,7 @@ func parseOptions(data []byte) (ecxfer.Config, error) {
 		}
 	}
 	r.BatchSize, r.SubmitRing, r.Handles, r.MaxNotif = o.BatchSize, o.SubmitRing, o.Handles, o.MaxNotif
-	r.WaitWhenBusy = o.WaitWhenBusy
+	r.WaitWhenBusy, r.ReactorOnly = o.WaitWhenBusy, o.ReactorOnly
 	d, ok := directModes[o.Direct]
 	if !ok {
 		return ecxfer.Config{}, fmt.Errorf("%w: direct %q (want auto, on or off)", ecxfer.ErrConfig, o.Direct)

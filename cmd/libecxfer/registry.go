@@ -363,6 +363,8 @@ func stats(id uint64) ([]byte, error) {
 		"loop_turns":      s.LoopTurns,
 		"parks":           s.Parks,
 		"wait_blocks":     s.WaitBlocks,
+		"caller_steps":    s.CallerSteps,
+		"naps":            s.Naps,
 		"direct_peers":    s.DirectPeers,
 		"direct_reads":    s.DirectReads,
 		"inline_reads":    s.InlineReads,

@@ -130,7 +130,14 @@ type dlist struct {
 	inflight int       // posted requests using it
 }
 
-var _ nixl.Agent = (*Agent)(nil)
+var (
+	_ nixl.Agent     = (*Agent)(nil)
+	_ nixl.AnyThread = (*Agent)(nil)
+)
+
+// AnyThread reports true: the owner state is plain Go data, so any
+// goroutine may drive the agent as long as one does at a time.
+func (a *Agent) AnyThread() bool { return true }
 
 // New creates an agent named name and registers it in the process. A name
 // already in use by a live agent fails with nixl.ErrNotAllowed.

@@ -218,10 +218,17 @@ type Agent struct {
 	lastPoll    time.Time
 }
 
-var _ nixl.Agent = (*Agent)(nil)
+var (
+	_ nixl.Agent     = (*Agent)(nil)
+	_ nixl.AnyThread = (*Agent)(nil)
+)
+
+// AnyThread reports true: the worker is serialized, not bound to a
+// thread, so the agent may be driven by any goroutine, one at a time.
+func (a *Agent) AnyThread() bool { return true }
 
 // New creates an agent: one UCP context (RMA, AM, WAKEUP), one worker in
-// single-thread mode and an epoll set for EventFD.
+// serialized mode and an epoll set for EventFD.
 func New(cfg Config) (*Agent, error) {
 	if err := kit.CheckConfig(cfg.Name, maxNameLen, &cfg.MaxNotif, nixl.DefaultMaxNotif); err != nil {
 		return nil, err

@@ -5,8 +5,10 @@
 //
 // # Shape
 //
-// One UCP context (RMA, AM, WAKEUP), one worker in single-thread mode: the
-// Agent is driven by one goroutine. UCX is tuned through its own
+// One UCP context (RMA, AM, WAKEUP), one worker in serialized mode: the
+// Agent is driven by one goroutine at a time, not always on the same
+// thread (it is a nixl.AnyThread: the reactor lets a caller polling a READ
+// progress it while the reactor thread stands aside). UCX is tuned through its own
 // environment variables (UCX_TLS, UCX_NET_DEVICES, ...), which this package
 // never sets, with one default of its own in the context's configuration:
 // the tcp transport's send segment is 64 KiB (UCX's is 8 KiB), unless

@@ -1,7 +1,8 @@
 /*
- * See ecx.h. Single-threaded: the worker is created in UCS_THREAD_MODE_SINGLE
- * and every function here runs on the goroutine that drives the Agent, so
- * no locking. UCX callbacks run inside ucp_worker_progress (or inside a
+ * See ecx.h. Serialized: the worker is created in UCS_THREAD_MODE_SERIALIZED
+ * and every function here runs on the goroutine that drives the Agent at
+ * the time (the reactor thread, or a caller the reactor handed the engine
+ * to), one at a time, so no locking. UCX callbacks run inside ucp_worker_progress (or inside a
  * forced endpoint close) and only update C state.
  */
 #include "ecx.h"
@@ -568,7 +569,7 @@ int ecx_create(const char *name, uint32_t name_len, ecx_ctx_t **out)
 
     memset(&wp, 0, sizeof(wp));
     wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-    wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+    wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;
     st = ucp_worker_create(c->context, &wp, &c->worker);
     if (st != UCS_OK) {
         goto err_ctx;

@@ -309,7 +309,8 @@ class EcxferDataTransport(_Base):
     "loopback", in-process and for tests only),
     xfer_timeout_s, pin_cpu, numa_node, idle ("hybrid", "spin", "yield",
     "park"), spin_for_us, yield_for_us, park_timeout_us, wait_spin_us,
-    batch_size, submit_ring, handles, wait_when_busy, max_notif, direct
+    batch_size, submit_ring, handles, wait_when_busy, max_notif,
+    reactor_only (callers never step in for the reactor thread), direct
     ("auto", "on", "off": same-host READs bypass the engine and copy from
     the peer's mapped region), inline_bytes, copy_workers. The JSON
     object in $ECXFER_OPTIONS supplies defaults for them (that is how

@@ -1,0 +1,190 @@
+package reactor
+
+import (
+	"context"
+	"runtime"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/ecxfer/ecxfer/internal/leakcheck"
+)
+
+// pollDone polls h with State until it leaves PROC, yielding between
+// checks as a polling caller does, and returns its end.
+func pollDone(t *testing.T, r *Reactor, h uint64) (State, error) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		st, err := r.State(h)
+		if st != StateProc {
+			return st, err
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("READ %x still in flight after 10s", h)
+		}
+		runtime.Gosched()
+	}
+}
+
+// A caller polling an engine READ takes steps of the engine's work, and
+// the reactor thread naps meanwhile; with ReactorOnly neither happens.
+// Either way the READ lands and its notification reaches the producer.
+func TestCallersStepIn(t *testing.T) {
+	leakcheck.Check(t)
+	for _, only := range []bool{false, true} {
+		p := newPair(t, 16, Options{ReactorOnly: only})
+		// Long enough for the reactor thread to find idle turns while the
+		// caller polls, however slowly the machine schedules it.
+		p.consEng.SetDelay(50 * time.Millisecond)
+		before := p.cons.Stats()
+		h, err := p.cons.Post(p.pname, []int{3}, []int{5}, []byte("stepped"))
+		require.NoError(t, err)
+		st, err := pollDone(t, p.cons, h)
+		require.NoError(t, err)
+		require.Equal(t, StateDone, st)
+		require.NoError(t, p.cons.Release(h))
+		after := p.cons.Stats()
+		if only {
+			require.Zero(t, after.CallerSteps-before.CallerSteps, "ReactorOnly: a caller stepped in")
+			require.Zero(t, after.Naps-before.Naps, "ReactorOnly: the reactor napped")
+		} else {
+			require.NotZero(t, after.CallerSteps-before.CallerSteps, "no caller step while a caller polled for 50ms")
+			require.NotZero(t, after.Naps-before.Naps, "the reactor thread never stood aside")
+		}
+		require.Equal(t, before.ReadsDone+1, after.ReadsDone)
+		var got [][]byte
+		require.Eventually(t, func() bool {
+			got = append(got, p.prod.Notifs()[p.cons.agent.Name()]...)
+			return len(got) > 0
+		}, 5*time.Second, time.Millisecond)
+		require.Equal(t, [][]byte{[]byte("stepped")}, got)
+	}
+}
+
+// While the reactor thread naps for a polling caller, everything a step
+// leaves to it still happens: READs posted by other callers (Post steps
+// in, or wakes the nap), releases of READs in flight, control operations,
+// and callers blocked in Wait, which stop stepping in and wake the nap.
+// Nothing is lost and nothing is counted twice.
+func TestNapLosesNothing(t *testing.T) {
+	leakcheck.Check(t)
+	p := newPair(t, 64, Options{WaitSpin: time.Microsecond})
+	p.consEng.SetDelay(2 * time.Millisecond)
+	ctx := context.Background()
+
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	var polled int
+	// One caller polls READs back to back: the reactor thread naps.
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for i := 0; ; i++ {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			h, err := p.cons.Post(p.pname, []int{i % 8}, []int{i % 8}, nil)
+			if !assertNoErr(t, err) {
+				return
+			}
+			if st, err := pollDone(t, p.cons, h); !assertNoErr(t, err) || st != StateDone {
+				t.Errorf("polled READ ended %v", st)
+				return
+			}
+			assertNoErr(t, p.cons.Release(h))
+			polled++
+		}
+	}()
+	// Others wait in Wait, release READs in flight and add a peer.
+	const waiters, rounds = 3, 40
+	for g := 0; g < waiters; g++ {
+		wg.Add(1)
+		go func(g int) {
+			defer wg.Done()
+			for i := 0; i < rounds; i++ {
+				blk := 8 + g*8 + i%8
+				h, err := p.cons.Post(p.pname, []int{blk}, []int{blk}, []byte{byte(g), byte(i)})
+				if !assertNoErr(t, err) {
+					return
+				}
+				if i%4 == 3 {
+					// Released in flight: the reactor thread cancels it.
+					assertNoErr(t, p.cons.Release(h))
+					continue
+				}
+				if !assertNoErr(t, p.cons.Wait(ctx, h)) {
+					return
+				}
+				if st, err := p.cons.State(h); st != StateDone || err != nil {
+					t.Errorf("waited READ: %v, %v", st, err)
+				}
+				assertNoErr(t, p.cons.Release(h))
+			}
+		}(g)
+	}
+	// A control operation while the caller polls.
+	_, err := p.cons.AddPeer(nil, nil)
+	require.Error(t, err)
+
+	time.Sleep(20 * time.Millisecond)
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	// The waiters finish; then the poller is told to stop.
+	deadline := time.After(30 * time.Second)
+	for p.cons.Stats().ReadsDone+p.cons.Stats().ReadsCanceled < waiters*rounds {
+		select {
+		case <-deadline:
+			t.Fatal("READs of the waiters did not end")
+		case <-time.After(time.Millisecond):
+		}
+	}
+	close(stop)
+	<-done
+
+	// A release in flight returns before the reactor thread has ended
+	// the READ: wait for it.
+	var st Stats
+	require.Eventually(t, func() bool {
+		st = p.cons.Stats()
+		return st.LiveHandles == 0 && st.ReadsPosted == st.ReadsDone+st.ReadsCanceled
+	}, 5*time.Second, time.Millisecond)
+	require.Zero(t, st.ReadsFailed)
+	require.EqualValues(t, waiters*rounds+polled, st.ReadsPosted)
+	require.NotZero(t, st.CallerSteps)
+	// Every notification of a READ that ended DONE arrives, once (the
+	// polled READs carry none; a READ released in flight may have ended
+	// DONE before its release, or been canceled).
+	want := int(st.ReadsDone) - polled
+	got := map[[2]byte]int{}
+	n := 0
+	require.Eventually(t, func() bool {
+		for _, m := range p.prod.Notifs()[p.cons.agent.Name()] {
+			got[[2]byte{m[0], m[1]}]++
+			n++
+		}
+		return n >= want
+	}, 5*time.Second, time.Millisecond)
+	time.Sleep(10 * time.Millisecond)
+	for _, m := range p.prod.Notifs()[p.cons.agent.Name()] {
+		got[[2]byte{m[0], m[1]}]++
+		n++
+	}
+	require.Equal(t, want, n)
+	for k, c := range got {
+		require.Equal(t, 1, c, "notification %v delivered %d times", k, c)
+	}
+}
+
+func assertNoErr(t *testing.T, err error) bool {
+	t.Helper()
+	if err != nil {
+		t.Error(err)
+		return false
+	}
+	return true
+}
