@@ -493,7 +493,13 @@ func (t *Transport) WaitNotifs(ctx context.Context) (map[string][][]byte, error)
 // copies one untaken chunk itself (at most 256 KiB or the READ divided by
 // four times the number of copy workers, whichever is larger: an eighth
 // with the default two), so a caller that polls lends
-// its CPU to the copy (see the reactor package).
+// its CPU to the copy (see the reactor package). Likewise, for a READ on
+// the engine path with few READs in flight (at most one per two Ps), the
+// call first takes a step of the engine's work when the reactor thread is
+// not in a turn (microseconds: a progress of the engine, as a raw engine
+// call would make), so a caller polling in a loop drives the engine and
+// the reactor thread stands aside; Config.Reactor.ReactorOnly keeps the
+// call a load.
 func (t *Transport) CheckXferState(h Handle) (State, error) {
 	st, err := t.r.State(uint64(h))
 	switch st {

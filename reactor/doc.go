@@ -23,12 +23,14 @@
 // caller that checks an engine READ in flight takes it if it is free,
 // with one compare-and-swap, and runs the engine part of a turn (post
 // what is queued, progress, publish what ended) on its own thread. While
-// callers want to, the reactor thread naps after a turn that found no
-// work instead of spinning, so a caller polling its READ and the engine
-// share one core, as with raw engine calls: on a 2-core machine the
-// second core stays for the peer's engine. Everything else (cancels,
-// control operations, timeouts, the direct path) stays with the reactor
-// thread. Options.ReactorOnly turns it off.
+// callers poll that way (a few checks in a row, with at most one READ in
+// flight per two Ps), the reactor thread stands aside: its turns leave
+// the engine's progress to them and it naps between turns instead of
+// spinning, so a caller polling its READ and the engine share one core,
+// as with raw engine calls: on a 2-core machine the second core stays
+// for the peer's engine. Everything else (cancels, control operations,
+// timeouts, the direct path) stays with the reactor thread.
+// Options.ReactorOnly turns it off.
 //
 // Idle: spinning costs a core and on a 2-core machine starves everything
 // else; sleeping costs wake-up latency. The default hybrid strategy spins

@@ -2,6 +2,7 @@ package reactor
 
 import (
 	"math"
+	"runtime"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -15,28 +16,52 @@ import (
 // every get) waits for a core. A caller of raw engine calls uses one. So
 // when the engine allows it (nixl.AnyThread), a caller that finds an
 // engine READ in flight takes one step of the loop's engine work itself
-// (step), and the reactor thread, seeing callers want to, naps after a
-// turn that found no work instead of spinning. One token (r.engine) says
-// who drives the engine and owns the loop's state: the reactor thread
-// holds it whenever it is not idle; a caller takes it only with a
-// compare-and-swap and never waits for it.
+// (step), and while callers do that in a loop, the reactor thread stands
+// aside: its turns leave the engine's progress to them, and between
+// turns it naps on its wake-up fd instead of spinning. One token
+// (r.engine) says who drives the engine and owns the loop's state: the
+// reactor thread holds it whenever it is not sleeping; a caller takes it
+// only with a compare-and-swap and never waits for it, and does not try
+// while the reactor thread waits for it.
 
-// helpNap is the longest nap while callers step in, and how recent a
-// caller's wish to step in must be for the reactor thread to nap. What a
-// step leaves to the loop (cancels, control operations, timeouts, held
-// and direct READs) waits at most about this long, plus the kernel's
-// timer slack; all but timeouts also wake the nap at once.
-const helpNap = 100 * time.Microsecond
+// A caller's wish to step in counts (helpWanted) once callers have
+// wished helpStreak times in a row, each within helpGap of the one
+// before, and the last within helpGap: a caller polling in a loop, not
+// one that checks once in a while (as vLLM's scheduler does once a step),
+// whose READ would otherwise wait for the nap's end.
+const (
+	helpGap    = 200 * time.Microsecond
+	helpStreak = 8
+)
+
+// napTurn is the longest the reactor thread stands aside without a turn
+// of its own while callers step in.
+const napTurn = time.Millisecond
 
 // lockEngine takes the token for the reactor thread. A caller's step
 // holds it for microseconds; should its thread lose the CPU meanwhile,
-// the reactor thread yields rather than spin against it.
+// the reactor thread yields rather than spin against it, and then gives
+// up its P: a goroutine whose engine call outlasted sysmon's patience
+// comes back without a P and queues for one behind every runnable
+// goroutine.
 func (r *Reactor) lockEngine() {
-	for i := 0; !r.engine.CompareAndSwap(false, true); i++ {
-		if i < 64 {
-			continue
+	if !r.engine.CompareAndSwap(false, true) {
+		// Callers stop stepping in until the reactor thread has the
+		// token: it waits for one step at most.
+		r.wantEngine.Store(true)
+		for i := 0; !r.engine.CompareAndSwap(false, true); i++ {
+			switch {
+			case i < 64:
+			case i < 4096:
+				schedYield()
+			default:
+				// The holder may be a goroutine that lost its P in a
+				// long engine call and waits for one: give this
+				// thread's up.
+				runtime.Gosched()
+			}
 		}
-		schedYield()
+		r.wantEngine.Store(false)
 	}
 }
 
@@ -44,19 +69,34 @@ func (r *Reactor) unlockEngine() { r.engine.Store(false) }
 
 // help is a caller's turn at the engine: if the reactor thread is not in
 // a turn and no other caller is stepping in, it takes a step of the
-// loop's engine work on the calling goroutine. Either way it records the
-// wish, which makes an idle reactor thread nap. It reports whether it
-// took a step.
+// loop's engine work on the calling goroutine, and reports whether it
+// did. Either way it records the wish (helpWanted). Only while at most
+// helpMax READs are in flight or queued: with many callers polling at
+// once, a step's goroutine that lost its P in a long engine call queues
+// behind all of them for another while the reactor thread waits for the
+// token (measured before this bound: waits of up to 124 ms with 64
+// polling callers on 2 cores), and the reactor thread serves many
+// callers better anyway.
 func (r *Reactor) help() bool {
-	if !r.helpable {
+	if !r.helpable || r.inflight.Load()+int64(r.sub.Len()) > r.helpMax {
 		return false
 	}
-	r.helpWant.Store(r.now())
-	if r.closing.Load() || !r.engine.CompareAndSwap(false, true) {
+	now := r.now()
+	if now-r.helpWant.Swap(now) < int64(helpGap) {
+		if r.streak.Load() < helpStreak {
+			r.streak.Add(1)
+		}
+	} else {
+		r.streak.Store(0)
+	}
+	if r.closing.Load() || r.wantEngine.Load() || !r.engine.CompareAndSwap(false, true) {
 		return false
 	}
 	if !r.stop {
 		r.step()
+		// The next wish is measured from here: a step can take longer
+		// than helpGap (an image's gets posted and their data taken in).
+		r.helpWant.Store(r.now())
 	}
 	r.engine.Store(false)
 	return true
@@ -70,15 +110,16 @@ func (r *Reactor) unhelp() {
 		return
 	}
 	r.helpWant.Store(math.MinInt64 / 2)
+	r.streak.Store(0)
 	if r.napping.Load() {
 		r.writeWake()
 	}
 }
 
-// helpWanted reports whether a caller wanted to step in within the last
-// helpNap.
+// helpWanted reports whether callers poll in a loop and want to step in
+// (see helpStreak).
 func (r *Reactor) helpWanted() bool {
-	return r.helpable && r.now()-r.helpWant.Load() < int64(helpNap)
+	return r.helpable && r.streak.Load() >= helpStreak && r.now()-r.helpWant.Load() < int64(helpGap)
 }
 
 // step is the engine part of a loop turn, run by a caller holding the
@@ -110,8 +151,14 @@ func (r *Reactor) step() {
 }
 
 // nap is the reactor thread standing aside while callers step in: it
-// gives up the token and sleeps on the wake-up fd for at most helpNap.
-// The napping flag is raised before the last look at the rings, as park
+// gives up the token and sleeps on the wake-up fd for up to napTurn. It
+// does not wake to see whether callers still step in (on a small machine
+// every such wake-up takes the core from the caller or the peer): what a
+// step leaves to it (cancels, control operations, direct READs, a READ
+// posted while the token was taken, a caller that stops to block in
+// Wait) wakes it; anything else (timeouts, a READ whose caller stopped
+// polling it) waits for the loop's next turn, at most napTurn away. The
+// napping flag is raised before the last look at the rings, as park
 // raises sleeping: a submitter that pushed before it is seen here, one
 // that pushes after it sees the flag (and steps in, or wakes the nap).
 func (r *Reactor) nap() {
@@ -126,13 +173,12 @@ func (r *Reactor) nap() {
 	}
 	r.st.naps.Add(1)
 	r.unlockEngine()
-	ts := unix.NsecToTimespec(int64(helpNap))
+	ts := unix.NsecToTimespec(int64(napTurn))
 	fds := [1]unix.PollFd{{Fd: int32(r.wakeFD), Events: unix.POLLIN}}
-	n, _ := unix.Ppoll(fds[:], &ts, nil)
-	r.napping.Store(false)
-	if n > 0 {
+	if n, _ := unix.Ppoll(fds[:], &ts, nil); n > 0 {
 		var buf [8]byte
 		_, _ = unix.Read(r.wakeFD, buf[:])
 	}
+	r.napping.Store(false)
 	r.lockEngine()
 }

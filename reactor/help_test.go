@@ -188,3 +188,53 @@ func assertNoErr(t *testing.T, err error) bool {
 	}
 	return true
 }
+
+// A caller that checks its READ once in a while (as vLLM's scheduler does
+// once a step) takes a step each time but does not make the reactor
+// thread stand aside: its READ's data is taken in when it arrives, not
+// at the next check. Nor do callers step in while more READs are in
+// flight than helpMax: many polling goroutines would starve the one
+// holding the token.
+func TestStepInOnlyWhenPollingAlone(t *testing.T) {
+	leakcheck.Check(t)
+	p := newPair(t, 64, Options{})
+	p.consEng.SetDelay(30 * time.Millisecond)
+	before := p.cons.Stats()
+	h, err := p.cons.Post(p.pname, []int{1}, []int{2}, nil)
+	require.NoError(t, err)
+	for {
+		st, err := p.cons.State(h)
+		require.NoError(t, err)
+		if st != StateProc {
+			break
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	require.NoError(t, p.cons.Release(h))
+	mid := p.cons.Stats()
+	require.NotZero(t, mid.CallerSteps-before.CallerSteps, "a check took no step")
+	require.Zero(t, mid.Naps-before.Naps, "the reactor napped for a caller checking every 2ms")
+
+	// helpMax+1 READs that never end on their own: polling one of them
+	// for a while takes no step.
+	p.consEng.SetDelay(time.Hour)
+	hs := make([]uint64, p.cons.helpMax+1)
+	for i := range hs {
+		hs[i], err = p.cons.Post(p.pname, []int{10 + i}, []int{10 + i}, nil)
+		require.NoError(t, err)
+	}
+	require.Eventually(t, func() bool { return p.cons.Stats().InFlight == int64(len(hs)) }, 5*time.Second, time.Millisecond)
+	mid = p.cons.Stats()
+	for end := time.Now().Add(20 * time.Millisecond); time.Now().Before(end); {
+		st, err := p.cons.State(hs[0])
+		require.NoError(t, err)
+		require.Equal(t, StateProc, st)
+		runtime.Gosched()
+	}
+	after := p.cons.Stats()
+	require.Equal(t, mid.CallerSteps, after.CallerSteps, "a caller stepped in with %d READs in flight", len(hs))
+	require.Equal(t, mid.Naps, after.Naps)
+	for _, h := range hs {
+		require.NoError(t, p.cons.Release(h))
+	}
+}

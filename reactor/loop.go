@@ -52,16 +52,25 @@ func (r *Reactor) run(ready chan<- error, setup Setup) {
 	events := make([]unix.EpollEvent, 4)
 	last := r.now()
 	for !r.stop {
-		if r.turn() {
+		// While callers step in (help.go), the thread's turns leave the
+		// engine's progress to them: a turn of its own would take the
+		// token, and a core, from the caller that is taking the READ's
+		// data in.
+		helped := r.opts.Idle != IdleSpin && r.helpWanted()
+		worked := r.turn(!helped)
+		if worked {
 			last = r.lastTime
 			r.armBusy = false
-			continue
 		}
-		if r.opts.Idle != IdleSpin && r.helpWanted() {
-			// Callers are stepping in (help.go): stand aside. Once they
-			// stop, the idle strategy starts over.
+		if helped && !r.stop && r.helpWanted() {
+			// Callers are stepping in (help.go): stand aside, even while
+			// there is work (a READ's data arriving): they do it. Once
+			// they stop, the idle strategy starts over.
 			r.nap()
 			last = r.now()
+			continue
+		}
+		if worked {
 			continue
 		}
 		idle := time.Duration(r.lastTime - last)
@@ -194,7 +203,9 @@ func (r *Reactor) parkMillis() int {
 }
 
 // turn does one bounded round of work and reports whether it found any.
-func (r *Reactor) turn() bool {
+// Without progress it does not progress the engine (callers step in for
+// it).
+func (r *Reactor) turn(progress bool) bool {
 	now := r.now()
 	if r.lastWork {
 		r.st.busyNs.Add(uint64(now - r.lastTime))
@@ -238,10 +249,12 @@ func (r *Reactor) turn() bool {
 	if r.dir != nil && r.drainDirect() {
 		work = true
 	}
-	if did, err := r.agent.Progress(); did {
-		work = true
-	} else if err != nil {
-		r.engineError("progress", err)
+	if progress {
+		if did, err := r.agent.Progress(); did {
+			work = true
+		} else if err != nil {
+			r.engineError("progress", err)
+		}
 	}
 	completed := r.pollCompletions()
 	if r.pLen > 0 {

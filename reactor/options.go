@@ -83,11 +83,16 @@ type Options struct {
 	// engines do), a caller that finds an engine READ in flight (State,
 	// Wait's spin) takes one step of the loop's engine work itself when
 	// the reactor thread is not in a turn: it posts what is queued,
-	// progresses the engine and publishes what ended. While callers do
-	// that, the reactor thread stops spinning after a turn that found no
-	// work and naps instead (up to helpNap at a time, unless the Idle
-	// strategy is IdleSpin), so a polling caller and the engine share one
-	// core rather than two, as a caller of raw engine calls does.
+	// progresses the engine and publishes what ended. Only while at most
+	// one READ per two Ps (GOMAXPROCS) is in flight or queued. While
+	// callers do that in a loop (a few checks in a row, each within
+	// 200µs of the last), the reactor thread, unless its Idle strategy is
+	// IdleSpin, leaves the engine's progress to them and naps between its
+	// turns, up to 1ms at a time, so a polling caller and the engine
+	// share one core rather than two, as a caller of raw engine calls
+	// does. A READ whose caller stops polling it is taken over at the
+	// reactor thread's next turn; a Wait that stops spinning to sleep
+	// wakes it at once.
 	ReactorOnly bool
 
 	// BatchSize is the most submissions one loop turn takes (default 64).

@@ -129,10 +129,15 @@ type Reactor struct {
 	// the reactor thread stands aside for helping callers; helpWant: when
 	// a caller last wanted to help (r.now()); helpable: the engine allows
 	// callers to drive it and ReactorOnly is off.
-	engine   atomic.Bool
-	napping  atomic.Bool
-	helpWant atomic.Int64
-	helpable bool
+	engine atomic.Bool
+	// wantEngine: the reactor thread waits for the token; callers do not
+	// step in meanwhile.
+	wantEngine atomic.Bool
+	napping    atomic.Bool
+	helpWant   atomic.Int64
+	streak     atomic.Int32 // wishes in a row, each within helpGap of the last (up to helpStreak)
+	helpable   bool
+	helpMax    int64 // callers step in while at most this many READs are in flight or queued
 	// fdsClosed and fdUsers keep callers from writing wakeFD once
 	// closeFDs closes it (see writeWake).
 	fdsClosed atomic.Bool
@@ -240,6 +245,7 @@ func Start(agent nixl.Agent, opts Options, setup Setup) (*Reactor, error) {
 	}
 	if a, ok := agent.(nixl.AnyThread); ok && a.AnyThread() && !o.ReactorOnly {
 		r.helpable = true
+		r.helpMax = int64(max(1, runtime.GOMAXPROCS(0)/2))
 	}
 	r.helpWant.Store(math.MinInt64 / 2)
 	ready := make(chan error, 1)
