@@ -494,9 +494,9 @@ func (t *Transport) WaitNotifs(ctx context.Context) (map[string][][]byte, error)
 // four times the number of copy workers, whichever is larger: an eighth
 // with the default two), so a caller that polls lends
 // its CPU to the copy (see the reactor package). Likewise, for a READ on
-// the engine path with few READs in flight (at most one per two Ps), the
-// call first takes a step of the engine's work when the reactor thread is
-// not in a turn (microseconds: a progress of the engine, as a raw engine
+// the engine path polled alone (one caller polling one READ, with at most
+// one READ per two Ps in flight), the call first takes a step of the
+// engine's work when the reactor thread is not in a turn (microseconds: a progress of the engine, as a raw engine
 // call would make), so a caller polling in a loop drives the engine and
 // the reactor thread stands aside; Config.Reactor.ReactorOnly keeps the
 // call a load.

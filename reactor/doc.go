@@ -22,9 +22,11 @@
 // rather than a thread. The reactor thread holds it except while idle; a
 // caller that checks an engine READ in flight takes it if it is free,
 // with one compare-and-swap, and runs the engine part of a turn (post
-// what is queued, progress, publish what ended) on its own thread. While
-// callers poll that way (a few checks in a row, with at most one READ in
-// flight per two Ps), the reactor thread stands aside: its turns leave
+// what is queued, progress, publish what ended) on its own thread: only
+// one caller polling one READ (see Options.ReactorOnly for the bounds;
+// with many callers a step's thread that lost its CPU would hold up the
+// rest). While a caller polls that way in a loop, the reactor thread
+// stands aside: its turns leave
 // the engine's progress to them and it naps between turns instead of
 // spinning, so a caller polling its READ and the engine share one core,
 // as with raw engine calls: on a 2-core machine the second core stays

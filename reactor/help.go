@@ -2,7 +2,6 @@ package reactor
 
 import (
 	"math"
-	"runtime"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -34,62 +33,99 @@ const (
 	helpStreak = 8
 )
 
+// crowdHold is how long callers do not step in after two READs were seen
+// polled or posted at once.
+const crowdHold = 10 * time.Millisecond
+
 // napTurn is the longest the reactor thread stands aside without a turn
 // of its own while callers step in.
 const napTurn = time.Millisecond
 
 // lockEngine takes the token for the reactor thread. A caller's step
-// holds it for microseconds; should its thread lose the CPU meanwhile,
-// the reactor thread yields rather than spin against it, and then gives
-// up its P: a goroutine whose engine call outlasted sysmon's patience
-// comes back without a P and queues for one behind every runnable
-// goroutine.
+// holds it for microseconds, but on a small machine its thread may lose
+// the CPU meanwhile (to this one, spinning, among others): after a short
+// spin the reactor thread sleeps on its wake-up fd, which the caller
+// writes as it hands the token back (help), or for at most
+// lockSleep (the caller's goroutine may also wait for a P, which the
+// sleep frees). Callers do not take the token while the reactor thread
+// wants it.
 func (r *Reactor) lockEngine() {
-	if !r.engine.CompareAndSwap(false, true) {
-		// Callers stop stepping in until the reactor thread has the
-		// token: it waits for one step at most.
-		r.wantEngine.Store(true)
-		for i := 0; !r.engine.CompareAndSwap(false, true); i++ {
-			switch {
-			case i < 64:
-			case i < 4096:
-				schedYield()
-			default:
-				// The holder may be a goroutine that lost its P in a
-				// long engine call and waits for one: give this
-				// thread's up.
-				runtime.Gosched()
-			}
-		}
-		r.wantEngine.Store(false)
+	if r.engine.CompareAndSwap(false, true) {
+		return
 	}
+	r.wantEngine.Store(true)
+	ts := unix.NsecToTimespec(int64(lockSleep))
+	fds := [1]unix.PollFd{{Fd: int32(r.wakeFD), Events: unix.POLLIN}}
+	for i := 0; !r.engine.CompareAndSwap(false, true); i++ {
+		if i < 128 {
+			continue
+		}
+		// The wake-up may have been meant for the loop: the turn that
+		// follows looks at everything anyway.
+		if n, _ := unix.Ppoll(fds[:], &ts, nil); n > 0 {
+			var buf [8]byte
+			_, _ = unix.Read(r.wakeFD, buf[:])
+		}
+	}
+	r.wantEngine.Store(false)
 }
+
+// lockSleep is the longest lockEngine sleeps before it looks again.
+const lockSleep = 50 * time.Microsecond
 
 func (r *Reactor) unlockEngine() { r.engine.Store(false) }
 
 // help is a caller's turn at the engine: if the reactor thread is not in
 // a turn and no other caller is stepping in, it takes a step of the
 // loop's engine work on the calling goroutine, and reports whether it
-// did. Either way it records the wish (helpWanted). Only while at most
-// helpMax READs are in flight or queued: with many callers polling at
-// once, a step's goroutine that lost its P in a long engine call queues
-// behind all of them for another while the reactor thread waits for the
-// token (measured before this bound: waits of up to 124 ms with 64
-// polling callers on 2 cores), and the reactor thread serves many
-// callers better anyway.
-func (r *Reactor) help() bool {
-	if !r.helpable || r.inflight.Load()+int64(r.sub.Len()) > r.helpMax {
+// did. h is the READ the caller polls (posting, from Post). A caller
+// steps in only for the READ polled last (or one it just posted): callers
+// polling different READs in turn leave the engine to the reactor
+// thread, as do callers while more than helpMax READs are in flight or
+// queued. With many callers at once, a step's goroutine that lost its
+// CPU or its P would hold up the rest while they spin (measured before
+// these bounds: the reactor thread waited up to 124 ms for the token
+// with 64 polling callers on 2 cores, and READs of 4 callers on one host
+// had p99 of 2-3 ms against 0.2-0.3 with the reactor thread alone), and
+// the reactor thread serves many callers better anyway. A wish that
+// follows the one before within helpGap, for the same READ or for one
+// just posted, extends the streak (helpWanted).
+func (r *Reactor) help(h uint64, posting bool) bool {
+	if !r.helpable {
+		return false
+	}
+	if !r.fewInFlight() {
+		// The streak ends: the reactor thread must not stand aside for
+		// callers that cannot step in.
+		if r.streak.Load() != 0 {
+			r.streak.Store(0)
+		}
 		return false
 	}
 	now := r.now()
-	if now-r.helpWant.Swap(now) < int64(helpGap) {
+	prev := r.helpHandle.Swap(h)
+	if prev != h && prev != 0 {
+		if s, w := r.tab.lookup(prev); s != nil && wordState(w) == stProc {
+			// Another READ is polled or posted while this one is in
+			// flight: more than one caller, or one with several READs.
+			r.crowdAt.Store(now)
+		}
+	}
+	if now-r.crowdAt.Load() < int64(crowdHold) {
+		if r.streak.Load() != 0 {
+			r.streak.Store(0)
+		}
+		return false
+	}
+	same := prev == h || posting
+	if now-r.helpWant.Swap(now) < int64(helpGap) && same {
 		if r.streak.Load() < helpStreak {
 			r.streak.Add(1)
 		}
-	} else {
+	} else if r.streak.Load() != 0 {
 		r.streak.Store(0)
 	}
-	if r.closing.Load() || r.wantEngine.Load() || !r.engine.CompareAndSwap(false, true) {
+	if !same || r.closing.Load() || r.wantEngine.Load() || !r.engine.CompareAndSwap(false, true) {
 		return false
 	}
 	if !r.stop {
@@ -99,6 +135,9 @@ func (r *Reactor) help() bool {
 		r.helpWant.Store(r.now())
 	}
 	r.engine.Store(false)
+	if r.wantEngine.Load() {
+		r.writeWake() // the reactor thread sleeps in lockEngine
+	}
 	return true
 }
 
@@ -116,10 +155,16 @@ func (r *Reactor) unhelp() {
 	}
 }
 
-// helpWanted reports whether callers poll in a loop and want to step in
-// (see helpStreak).
+// fewInFlight reports whether callers may step in: at most helpMax READs
+// in flight or queued.
+func (r *Reactor) fewInFlight() bool {
+	return r.inflight.Load()+int64(r.sub.Len()) <= r.helpMax
+}
+
+// helpWanted reports whether callers poll in a loop, want to step in
+// (see helpStreak) and may.
 func (r *Reactor) helpWanted() bool {
-	return r.helpable && r.streak.Load() >= helpStreak && r.now()-r.helpWant.Load() < int64(helpGap)
+	return r.helpable && r.streak.Load() >= helpStreak && r.now()-r.helpWant.Load() < int64(helpGap) && r.fewInFlight()
 }
 
 // step is the engine part of a loop turn, run by a caller holding the

@@ -143,6 +143,8 @@ func TestNapLosesNothing(t *testing.T) {
 		case <-time.After(time.Millisecond):
 		}
 	}
+	// The poller alone for a while (longer than crowdHold): it steps in.
+	time.Sleep(3 * crowdHold)
 	close(stop)
 	<-done
 
@@ -237,4 +239,50 @@ func TestStepInOnlyWhenPollingAlone(t *testing.T) {
 	for _, h := range hs {
 		require.NoError(t, p.cons.Release(h))
 	}
+}
+
+// Two READs polled in turn, in runs (two callers, or one with two READs),
+// take no step even where helpMax would allow two in flight; a READ polled alone
+// steps again once crowdHold has passed.
+func TestCrowdTakesNoStep(t *testing.T) {
+	leakcheck.Check(t)
+	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(8))
+	p := newPair(t, 16, Options{})
+	require.EqualValues(t, 4, p.cons.helpMax)
+	p.consEng.SetDelay(time.Hour)
+	a, err := p.cons.Post(p.pname, []int{1}, []int{1}, nil)
+	require.NoError(t, err)
+	b, err := p.cons.Post(p.pname, []int{2}, []int{2}, nil)
+	require.NoError(t, err)
+	// The crowd is seen at the first switch from one READ to the other.
+	for _, h := range []uint64{a, b} {
+		_, err := p.cons.State(h)
+		require.NoError(t, err)
+	}
+	before := p.cons.Stats()
+	for end := time.Now().Add(20 * time.Millisecond); time.Now().Before(end); {
+		// In runs, as callers sharing a P poll (each for its time slice).
+		for _, h := range []uint64{a, b} {
+			for range 300 {
+				st, err := p.cons.State(h)
+				require.NoError(t, err)
+				require.Equal(t, StateProc, st)
+			}
+		}
+		runtime.Gosched()
+	}
+	mid := p.cons.Stats()
+	require.Equal(t, before.CallerSteps, mid.CallerSteps, "callers stepped in while two READs were polled in turn")
+	require.Equal(t, before.Naps, mid.Naps)
+	require.NoError(t, p.cons.Release(a))
+	require.NoError(t, p.cons.Release(b))
+
+	p.consEng.SetDelay(3 * crowdHold)
+	c, err := p.cons.Post(p.pname, []int{3}, []int{3}, nil)
+	require.NoError(t, err)
+	st, err := pollDone(t, p.cons, c)
+	require.NoError(t, err)
+	require.Equal(t, StateDone, st)
+	require.NoError(t, p.cons.Release(c))
+	require.Greater(t, p.cons.Stats().CallerSteps, mid.CallerSteps, "a READ polled alone took no step after crowdHold")
 }

@@ -83,11 +83,13 @@ type Options struct {
 	// engines do), a caller that finds an engine READ in flight (State,
 	// Wait's spin) takes one step of the loop's engine work itself when
 	// the reactor thread is not in a turn: it posts what is queued,
-	// progresses the engine and publishes what ended. Only while at most
-	// one READ per two Ps (GOMAXPROCS) is in flight or queued. While
-	// callers do that in a loop (a few checks in a row, each within
-	// 200µs of the last), the reactor thread, unless its Idle strategy is
-	// IdleSpin, leaves the engine's progress to them and naps between its
+	// progresses the engine and publishes what ended. Only for one READ
+	// polled at a time: the READ checked last (or just posted), while at
+	// most one READ per two Ps (GOMAXPROCS) is in flight or queued, and
+	// not within 10ms of seeing two READs polled in turn. While a caller
+	// does that in a loop (a few checks in a row, each within 200µs of
+	// the last), the reactor thread, unless its Idle strategy is
+	// IdleSpin, leaves the engine's progress to it and naps between its
 	// turns, up to 1ms at a time, so a polling caller and the engine
 	// share one core rather than two, as a caller of raw engine calls
 	// does. A READ whose caller stops polling it is taken over at the

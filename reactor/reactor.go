@@ -135,7 +135,9 @@ type Reactor struct {
 	wantEngine atomic.Bool
 	napping    atomic.Bool
 	helpWant   atomic.Int64
-	streak     atomic.Int32 // wishes in a row, each within helpGap of the last (up to helpStreak)
+	helpHandle atomic.Uint64 // the READ of the last wish
+	crowdAt    atomic.Int64  // when two READs were last seen polled or posted at once
+	streak     atomic.Int32  // wishes in a row, each within helpGap of the last (up to helpStreak)
 	helpable   bool
 	helpMax    int64 // callers step in while at most this many READs are in flight or queued
 	// fdsClosed and fdUsers keep callers from writing wakeFD once
@@ -248,6 +250,7 @@ func Start(agent nixl.Agent, opts Options, setup Setup) (*Reactor, error) {
 		r.helpMax = int64(max(1, runtime.GOMAXPROCS(0)/2))
 	}
 	r.helpWant.Store(math.MinInt64 / 2)
+	r.crowdAt.Store(math.MinInt64 / 2)
 	ready := make(chan error, 1)
 	go r.run(ready, setup)
 	if err := <-ready; err != nil {
@@ -440,7 +443,7 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 			return 0, err
 		}
 	}
-	if !r.napping.Load() || !r.help() || r.sub.Len() > 0 {
+	if !r.napping.Load() || !r.help(h, true) || r.sub.Len() > 0 {
 		// (A reactor thread napping for callers that step in: this one
 		// posts what is queued itself, unless another holds the engine.)
 		r.wake()
@@ -591,7 +594,7 @@ func (r *Reactor) state(h uint64, mayStep bool) (State, bool, error) {
 			// scheduler while the workers wait for a CPU.
 			return StateProc, j.HelpOne(), nil
 		}
-		if !mayStep || s.pooled.Load() || !r.help() {
+		if !mayStep || s.pooled.Load() || !r.help(h, false) {
 			return StateProc, false, nil
 		}
 		// An engine READ, and this caller took a step of the engine's
