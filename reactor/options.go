@@ -90,11 +90,12 @@ type Options struct {
 	// does that in a loop (a few checks in a row, each within 200µs of
 	// the last), the reactor thread, unless its Idle strategy is
 	// IdleSpin, leaves the engine's progress to it and naps between its
-	// turns, up to 1ms at a time, so a polling caller and the engine
-	// share one core rather than two, as a caller of raw engine calls
-	// does. A READ whose caller stops polling it is taken over at the
-	// reactor thread's next turn; a Wait that stops spinning to sleep
-	// wakes it at once.
+	// turns, up to 10ms at a time (less when a READ's timeout is due),
+	// so a polling caller and the engine share one core rather than two,
+	// as a caller of raw engine calls does. A READ whose caller stops
+	// polling it is taken over at the reactor thread's next turn, within
+	// those 10ms; a Wait that stops spinning to sleep, a new READ, a
+	// release and a control operation wake it at once.
 	ReactorOnly bool
 
 	// BatchSize is the most submissions one loop turn takes (default 64).
