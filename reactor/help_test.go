@@ -286,3 +286,42 @@ func TestCrowdTakesNoStep(t *testing.T) {
 	require.NoError(t, p.cons.Release(c))
 	require.Greater(t, p.cons.Stats().CallerSteps, mid.CallerSteps, "a READ polled alone took no step after crowdHold")
 }
+
+// A reactor thread napping for a lone poller wakes when callers may no
+// longer step in (a second READ in flight polled: the crowd), instead of
+// sleeping out its nap while nobody progresses the engine. With napTurn
+// at an hour, only that wake-up can end the nap.
+func TestCrowdWakesTheNap(t *testing.T) {
+	leakcheck.Check(t)
+	procs := runtime.GOMAXPROCS(8)
+	turn := napTurn
+	napTurn = time.Hour
+	t.Cleanup(func() { runtime.GOMAXPROCS(procs); napTurn = turn })
+	p := newPair(t, 16, Options{ParkTimeout: time.Hour})
+	p.consEng.SetDelay(time.Hour)
+	a, err := p.cons.Post(p.pname, []int{1}, []int{1}, nil)
+	require.NoError(t, err)
+	b, err := p.cons.Post(p.pname, []int{2}, []int{2}, nil)
+	require.NoError(t, err)
+	// a polled alone until the reactor thread naps: no turn for 20ms
+	// (a nap can end at once on a wake-up left over from a hand-over of
+	// the token).
+	deadline := time.Now().Add(5 * time.Second)
+	turns, since := p.cons.Stats().LoopTurns, time.Now()
+	for time.Since(since) < 20*time.Millisecond {
+		require.True(t, time.Now().Before(deadline), "the reactor thread never napped for a lone poller")
+		st, err := p.cons.State(a)
+		require.NoError(t, err)
+		require.Equal(t, StateProc, st)
+		if n := p.cons.Stats().LoopTurns; n != turns {
+			turns, since = n, time.Now()
+		}
+	}
+	st, err := p.cons.State(b)
+	require.NoError(t, err)
+	require.Equal(t, StateProc, st)
+	require.Eventually(t, func() bool { return p.cons.Stats().LoopTurns > turns }, 5*time.Second, time.Millisecond,
+		"the reactor thread slept on after the crowd")
+	require.NoError(t, p.cons.Release(a))
+	require.NoError(t, p.cons.Release(b))
+}

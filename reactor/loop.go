@@ -65,7 +65,9 @@ func (r *Reactor) run(ready chan<- error, setup Setup) {
 		if helped && !r.stop && r.helpWanted() {
 			// Callers are stepping in (help.go): stand aside, even while
 			// there is work (a READ's data arriving): they do it. Once
-			// they stop, the idle strategy starts over.
+			// they stop, the idle strategy starts over. The nap is not
+			// busy time, whatever the turn before it found.
+			r.lastWork = false
 			r.nap()
 			last = r.now()
 			continue

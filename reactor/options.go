@@ -93,9 +93,11 @@ type Options struct {
 	// turns, up to 10ms at a time (less when a READ's timeout is due),
 	// so a polling caller and the engine share one core rather than two,
 	// as a caller of raw engine calls does. A READ whose caller stops
-	// polling it is taken over at the reactor thread's next turn, within
-	// those 10ms; a Wait that stops spinning to sleep, a new READ, a
-	// release and a control operation wake it at once.
+	// polling it, and whatever else arrives for the engine after that
+	// (notifications, a peer's error), is taken over at the reactor
+	// thread's next turn, within those 10ms; a Wait that stops spinning
+	// to sleep, a new READ, a release, a control operation and a second
+	// READ polled wake it at once.
 	ReactorOnly bool
 
 	// BatchSize is the most submissions one loop turn takes (default 64).
