@@ -193,6 +193,13 @@ func (s *session) addNotes() {
 		callers+"; p50/p99/p99.9 are post→DONE (notif: post → producer sees the notification), from at least 100 and 1,000 samples (else -)",
 		fmt.Sprintf("verified: READ 0 and every %dth of each submitter, all blocks (their CPU time excluded from seconds)", VerifyEvery),
 		"notif allocs/read include decoding the control message that brings the producer's timestamp")
+	if slices.Contains(cfg.Modes, "reactor") {
+		if cfg.Reactor.ReactorOnly {
+			s.rep.Notes = append(s.rep.Notes, "reactor: -reactor-only: the reactor thread alone drives the engine; callers never step in")
+		} else {
+			s.rep.Notes = append(s.rep.Notes, "reactor: a caller polling one READ alone takes the engine's steps itself while the reactor thread stands aside (-reactor-only turns it off)")
+		}
+	}
 	if cfg.Rounds > 1 {
 		s.rep.Notes = append(s.rep.Notes, fmt.Sprintf(
 			"each row: %d rounds of %v after a %v warm-up each, the modes in turn, in reverse order every other round", cfg.Rounds, cfg.Duration/time.Duration(cfg.Rounds), cfg.Warmup))
