@@ -63,12 +63,17 @@ func (r *Reactor) lockEngine() {
 		return
 	}
 	r.wantEngine.Store(true)
-	ts := unix.NsecToTimespec(int64(lockSleep))
 	fds := [1]unix.PollFd{{Fd: int32(r.wakeFD), Events: unix.POLLIN}}
 	for i := 0; !r.engine.CompareAndSwap(false, true); i++ {
 		if i < 128 {
 			continue
 		}
+		// A fresh timeout each time: ppoll writes back what was left of
+		// it, zero after a sleep that timed out, and a zero timeout does
+		// not sleep (reused, it turned this wait into a loop of system
+		// calls that took a core from the caller holding the token).
+		ts := unix.NsecToTimespec(int64(lockSleep))
+		r.lockSleeps.Add(1)
 		// The wake-up may have been meant for the loop: the turn that
 		// follows looks at everything anyway.
 		if n, _ := unix.Ppoll(fds[:], &ts, nil); n > 0 {

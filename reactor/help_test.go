@@ -325,3 +325,39 @@ func TestCrowdWakesTheNap(t *testing.T) {
 	require.NoError(t, p.cons.Release(a))
 	require.NoError(t, p.cons.Release(b))
 }
+
+// The reactor thread that waits for the token a caller holds sleeps
+// between looks: ppoll writes back the unslept part of its timeout, and
+// a reused timeout of zero made the wait a loop of system calls that
+// took a core from the caller holding the token.
+func TestTokenWaitSleeps(t *testing.T) {
+	leakcheck.Check(t)
+	p := newPair(t, 16, Options{Idle: IdlePark})
+	r := p.cons
+	// Take the token while the reactor thread parks without it, then wake
+	// it: its next turn waits for the token.
+	require.Eventually(t, func() bool {
+		return r.sleeping.Load() && r.engine.CompareAndSwap(false, true)
+	}, 5*time.Second, 100*time.Microsecond)
+	r.writeWake()
+	require.Eventually(t, r.wantEngine.Load, 5*time.Second, 100*time.Microsecond)
+	const hold = 100 * time.Millisecond
+	before := r.lockSleeps.Load()
+	time.Sleep(hold)
+	slept := r.lockSleeps.Load() - before
+	r.engine.Store(false)
+	r.writeWake()
+	// At most one sleep per lockSleep, twice over for wake-ups and
+	// interrupted sleeps; looping without sleeping makes tens of
+	// thousands.
+	require.NotZero(t, slept, "the reactor thread never slept while it waited for the token")
+	require.LessOrEqual(t, slept, int64(2*hold/lockSleep)+100, "the reactor thread did not sleep between its looks at the token")
+
+	// And the loop goes on once it has the token.
+	h, err := r.Post(p.pname, []int{1}, []int{2}, nil)
+	require.NoError(t, err)
+	st, err := pollDone(t, r, h)
+	require.NoError(t, err)
+	require.Equal(t, StateDone, st)
+	require.NoError(t, r.Release(h))
+}

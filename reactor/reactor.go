@@ -133,6 +133,8 @@ type Reactor struct {
 	// wantEngine: the reactor thread waits for the token; callers do not
 	// step in meanwhile.
 	wantEngine atomic.Bool
+	// lockSleeps counts lockEngine's sleeps (for tests).
+	lockSleeps atomic.Int64
 	napping    atomic.Bool
 	helpWant   atomic.Int64
 	helpHandle atomic.Uint64 // the READ of the last wish
