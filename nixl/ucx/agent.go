@@ -208,7 +208,8 @@ type Agent struct {
 	rangeBuf  []descriptors.Range
 	pollfds   []unix.PollFd
 	calls     uint32
-	// pidPolled: the pidfds were polled since the last Progress.
+	// pidPolled: the pidfds were polled since the last Progress,
+	// PollCompletions, XferStatus or GetNotifs (PostXfer).
 	pidPolled bool
 	dropped   uint64 // notif_dropped, kept when the C context goes at Close
 	// undelivered is notif_undelivered and the notifications still

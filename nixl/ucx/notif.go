@@ -46,6 +46,7 @@ func (a *Agent) SendNotif(peerName string, msg []byte) error {
 
 // GetNotifs implements nixl.Agent.
 func (a *Agent) GetNotifs(dst map[string][][]byte) int {
+	a.pidPolled = false // a new round (PostXfer)
 	if a.closed || a.c.notif_head == nil {
 		return 0
 	}

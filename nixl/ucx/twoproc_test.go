@@ -296,3 +296,44 @@ func TestMultiRoundReadAfterDeath(t *testing.T) {
 		require.NoError(t, c.a.ReleaseXfer(id))
 	}
 }
+
+// A reactor's turn may post READs and take completions and notifications
+// without progressing the engine (callers step in for it). The pidfd
+// poll that PostXfer makes once per round must not carry over such a
+// turn: a same-host producer reaped after one READ was posted would serve
+// the next READ from the segment it left behind, and that READ ended
+// DONE (the pidfd was polled only once per Progress).
+func TestReadAfterDeathWithoutProgress(t *testing.T) {
+	leakcheck.Check(t)
+	ch := startChild(t, childOpts{name: "prod", seed: 5, blocks: 16, alloc: true})
+	c := newConsumer(t, Config{Name: "cons"}, 16, testBlock)
+	c.connect(t, ch)
+	var comp [4]nixl.Completion
+	first, err := c.a.MakeXfer(nixl.Read, c.local, []int{0}, c.remote, []int{1}, nil)
+	require.NoError(t, err)
+	second, err := c.a.MakeXfer(nixl.Read, c.local, []int{2}, c.remote, []int{3}, nil)
+	require.NoError(t, err)
+	_, _ = c.a.Progress()
+	require.NoError(t, c.a.PostXfer(first)) // polls the pidfd: alive
+	ch.kill()                               // SIGKILL and reaped
+	// A turn without progress: completions and notifications taken.
+	c.a.PollCompletions(comp[:])
+	c.a.GetNotifs(map[string][][]byte{})
+	if err := c.a.PostXfer(second); err != nil {
+		require.ErrorIs(t, err, nixl.ErrRemoteDisconnect)
+	} else {
+		var got *nixl.Completion
+		for calls := 0; got == nil && calls < 100000; calls++ {
+			_, _ = c.a.Progress()
+			for _, cp := range comp[:c.a.PollCompletions(comp[:])] {
+				if cp.ID == second {
+					got = &cp
+				}
+			}
+		}
+		require.NotNil(t, got, "the READ never ended")
+		require.ErrorIs(t, got.Err, nixl.ErrRemoteDisconnect, "a READ posted after the producer was reaped")
+	}
+	require.NoError(t, c.a.ReleaseXfer(first))
+	require.NoError(t, c.a.ReleaseXfer(second))
+}

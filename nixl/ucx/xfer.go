@@ -177,7 +177,11 @@ func (a *Agent) PostXfer(id nixl.XferID) error {
 	if p.pidfd >= 0 && !a.pidPolled {
 		// A same-host peer that died would still "serve" gets from the
 		// segment it left behind: its pidfd is polled before the first
-		// post of each Progress round (one poll for all peers).
+		// post of each round (one poll for all peers). A round is a run
+		// of posts: Progress, PollCompletions, XferStatus and GetNotifs
+		// end it, so a loop's turn that posts without progressing the
+		// engine (callers step in for it) does not carry a poll made
+		// before a death over to READs posted after it.
 		a.pidPolled = true
 		a.checkPids()
 	}
@@ -275,6 +279,7 @@ func (a *Agent) live(id nixl.XferID, gen uint64) bool {
 // XferStatus implements nixl.Agent. A request that was never posted reports
 // (false, ErrNotPosted).
 func (a *Agent) XferStatus(id nixl.XferID) (bool, error) {
+	a.pidPolled = false // a new round (PostXfer)
 	if a.closed {
 		return true, errClosed
 	}
@@ -367,6 +372,7 @@ func (a *Agent) freeXfer(x *xfer) {
 
 // PollCompletions implements nixl.Agent.
 func (a *Agent) PollCompletions(dst []nixl.Completion) int {
+	a.pidPolled = false // a new round (PostXfer)
 	if a.closed {
 		return 0
 	}
