@@ -77,8 +77,7 @@ func (r *Reactor) lockEngine() {
 		// The wake-up may have been meant for the loop: the turn that
 		// follows looks at everything anyway.
 		if n, _ := unix.Ppoll(fds[:], &ts, nil); n > 0 {
-			var buf [8]byte
-			_, _ = unix.Read(r.wakeFD, buf[:])
+			r.drainWake()
 		}
 	}
 	r.wantEngine.Store(false)
@@ -254,8 +253,7 @@ func (r *Reactor) nap() {
 	ts := unix.NsecToTimespec(int64(d))
 	fds := [1]unix.PollFd{{Fd: int32(r.wakeFD), Events: unix.POLLIN}}
 	if n, _ := unix.Ppoll(fds[:], &ts, nil); n > 0 {
-		var buf [8]byte
-		_, _ = unix.Read(r.wakeFD, buf[:])
+		r.drainWake()
 	}
 	r.napping.Store(false)
 	r.lockEngine()

@@ -146,10 +146,11 @@ func (r *Reactor) park(events []unix.EpollEvent, idle time.Duration) {
 		r.st.parks.Add(1)
 		fds := [1]unix.PollFd{{Fd: int32(r.wakeFD), Events: unix.POLLIN}}
 		r.unlockEngine()
-		_, _ = unix.Poll(fds[:], 1)
+		n, _ := unix.Poll(fds[:], 1)
 		r.lockEngine()
-		var buf [8]byte
-		_, _ = unix.Read(r.wakeFD, buf[:])
+		if n > 0 {
+			r.drainWake()
+		}
 		return
 	}
 	r.armBusy = false
@@ -159,8 +160,21 @@ func (r *Reactor) park(events []unix.EpollEvent, idle time.Duration) {
 	// progress may leave the engine's fd readable with nothing to do,
 	// which costs one empty turn.
 	r.unlockEngine()
-	_, _ = unix.EpollWait(r.epollFD, events, ms)
+	n, _ := unix.EpollWait(r.epollFD, events, ms)
 	r.lockEngine()
+	// The wake-up fd is read only when it woke us: a producer's reactor
+	// wakes for every burst of gets it serves, and an empty read is one
+	// more system call each time. Left unread, it would wake the next
+	// park at once, which reads it then.
+	for _, ev := range events[:max(n, 0)] {
+		if ev.Fd == int32(r.wakeFD) {
+			r.drainWake()
+		}
+	}
+}
+
+// drainWake resets the wake-up eventfd.
+func (r *Reactor) drainWake() {
 	var buf [8]byte
 	_, _ = unix.Read(r.wakeFD, buf[:])
 }
