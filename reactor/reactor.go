@@ -483,6 +483,11 @@ func (r *Reactor) checkPost(peer string, localIdx, remoteIdx []int, notif []byte
 	}
 	p := (*r.peers.Load())[peer]
 	if p == nil {
+		if r.closing.Load() {
+			// Close began after the look above, and its teardown has
+			// dropped the peers: the transport is what is gone.
+			return nil, nil, ErrClosed
+		}
 		return nil, nil, wrapf(ErrUnknownPeer, "%s (not added with AddRemotePeer, or removed since)", quoteName(peer))
 	}
 	loc := r.loc.Load()
