@@ -33,7 +33,7 @@ func blockSetup(bs, nb int) Setup {
 
 // startLoopback starts a reactor on a fresh loopback agent; the test's
 // cleanup closes it.
-func startLoopback(t *testing.T, prefix string, nb int, opts Options) (*Reactor, *loopback.Agent) {
+func startLoopback(t testing.TB, prefix string, nb int, opts Options) (*Reactor, *loopback.Agent) {
 	t.Helper()
 	a, err := loopback.New(uniqueName(prefix))
 	require.NoError(t, err)
@@ -56,7 +56,7 @@ type testPair struct {
 	remoteBlocks int
 }
 
-func newPair(t *testing.T, nb int, consOpts Options) *testPair {
+func newPair(t testing.TB, nb int, consOpts Options) *testPair {
 	t.Helper()
 	p := &testPair{prodBlocks: nb, remoteBlocks: nb}
 	p.prod, p.prodEng = startLoopback(t, "prod", nb, Options{})

@@ -137,10 +137,11 @@ func (r *Reactor) help(h uint64, posting bool) bool {
 	if !same || r.closing.Load() || r.wantEngine.Load() || !r.engine.CompareAndSwap(false, true) {
 		return false
 	}
-	if !r.stop {
-		r.step()
-		// The next wish is measured from here: a step can take longer
-		// than helpGap (an image's gets posted and their data taken in).
+	if !r.stop && r.step(now) {
+		// The next wish is measured from here: a step that found work
+		// can take longer than helpGap (an image's gets posted and their
+		// data taken in). One that found none took microseconds, and
+		// the wish's own time stands (a clock read less per check).
 		r.helpWant.Store(r.now())
 	}
 	r.engine.Store(false)
@@ -190,30 +191,39 @@ func (r *Reactor) helpWanted() bool {
 
 // step is the engine part of a loop turn, run by a caller holding the
 // token: post the queued READs, progress the engine, publish what ended,
-// take the notifications that arrived, wake the blocked callers.
-// Cancels, control operations, timeouts and the direct path stay with the
-// reactor thread.
-func (r *Reactor) step() {
-	r.postClock = r.now()
+// take the notifications that arrived, wake the blocked callers. now is
+// the caller's clock reading, the post time of what it submits. It
+// reports whether it found work. Cancels, control operations, timeouts
+// and the direct path stay with the reactor thread.
+func (r *Reactor) step(now int64) bool {
+	r.postClock = now
+	work := false
 	for {
 		n := r.sub.Drain(r.batch)
 		for _, h := range r.batch[:n] {
 			r.submit(h)
 		}
+		work = work || n > 0
 		if n < len(r.batch) {
 			break
 		}
 	}
-	if did, err := r.agent.Progress(); !did && err != nil {
+	did, err := r.agent.Progress()
+	if !did && err != nil {
 		r.engineError("progress", err)
 	}
-	r.pollCompletions()
-	r.takeNotifs()
+	if r.pollCompletions() > 0 {
+		work = true
+	}
+	if r.takeNotifs() {
+		work = true
+	}
 	if r.ended {
 		r.ended = false
 		r.broadcast()
 	}
 	r.st.callerSteps.Add(1)
+	return work || did
 }
 
 // nap is the reactor thread standing aside while callers step in: it

@@ -361,3 +361,27 @@ func TestTokenWaitSleeps(t *testing.T) {
 	require.Equal(t, StateDone, st)
 	require.NoError(t, r.Release(h))
 }
+
+// BenchmarkCheckSteppingIn is one CheckXferState of an engine READ in
+// flight, by a caller that steps in each time (the engine's part is the
+// loopback engine's, which has nothing to do): the reactor's own cost of
+// the polling path.
+func BenchmarkCheckSteppingIn(b *testing.B) {
+	p := newPair(b, 16, Options{})
+	p.consEng.SetDelay(time.Hour)
+	h, err := p.cons.Post(p.pname, []int{3}, []int{5}, nil)
+	require.NoError(b, err)
+	for range 100 {
+		_, _ = p.cons.State(h) // the streak, and the reactor thread's nap
+	}
+	before := p.cons.Stats().CallerSteps
+	b.ResetTimer()
+	for range b.N {
+		if st, err := p.cons.State(h); st != StateProc || err != nil {
+			b.Fatalf("state %v, %v", st, err)
+		}
+	}
+	b.StopTimer()
+	b.ReportMetric(float64(p.cons.Stats().CallerSteps-before)/float64(b.N), "steps/op")
+	require.NoError(b, p.cons.Release(h))
+}
