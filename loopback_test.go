@@ -5,6 +5,7 @@ import (
 	"errors"
 	"math/rand"
 	"runtime"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -108,14 +109,19 @@ func TestTimeout(t *testing.T) {
 	require.Equal(t, uint64(1), cons.Stats().ReadsFailed)
 }
 
+// A READ the engine fails is counted failed under its reason, the engine's
+// own cancel of a READ nobody released included (not as a cancel: the
+// caller asked for nothing), and an engine error unless its peer is gone.
 func TestEngineFailures(t *testing.T) {
 	cases := []struct {
-		status nixl.Status
-		want   error
+		status    nixl.Status
+		want      error
+		reason    string
+		engineErr uint64
 	}{
-		{nixl.ErrBackend, ErrEngine},
-		{nixl.ErrRemoteDisconnect, ErrRemoteDisconnect},
-		{nixl.ErrCanceled, ErrCanceled},
+		{nixl.ErrBackend, ErrEngine, "engine", 1},
+		{nixl.ErrRemoteDisconnect, ErrRemoteDisconnect, "remote_disconnect", 0},
+		{nixl.ErrCanceled, ErrCanceled, "canceled", 1},
 	}
 	for _, c := range cases {
 		t.Run(c.status.String(), func(t *testing.T) {
@@ -127,6 +133,13 @@ func TestEngineFailures(t *testing.T) {
 			require.Equal(t, StateErr, st)
 			require.ErrorIs(t, err, c.want)
 			require.NoError(t, cons.ReleaseXferHandle(h))
+			s := cons.Stats()
+			require.Equal(t, uint64(1), s.ReadsFailed)
+			require.Equal(t, uint64(0), s.ReadsCanceled, "the caller canceled nothing")
+			i := slices.Index(reactor.FailReasons[:], c.reason)
+			require.GreaterOrEqual(t, i, 0)
+			require.Equal(t, uint64(1), s.FailedBy[i], "counted under %q", c.reason)
+			require.Equal(t, c.engineErr, s.EngineErrors)
 			h, err = cons.PostRead([]int{0}, pname, []int{0}, nil)
 			require.NoError(t, err)
 			_, err = wait(t, cons, h)

@@ -544,11 +544,18 @@ func (r *Reactor) complete(c nixl.Completion) {
 	s := &r.tab.slots[h&r.tab.mask]
 	if c.Err != nil {
 		code := codeOf(c.Err)
-		r.countEnd(s, code)
+		if wordState(s.word.Load()) == stCanceling {
+			r.st.canceled.Add(1)
+		} else {
+			// Canceled by the engine (a READ nobody released: the
+			// reactor's own cancels and aborts never come back here) is
+			// a failure: counted as such, and an engine error.
+			r.countFailed(s.peer, code)
+		}
 		switch code {
 		case codeRemoteDisconnect:
 			r.peerDead(s.peer, c.Err.Error())
-		case codeEngine:
+		case codeEngine, codeCanceled:
 			r.engineError("xfer", c.Err)
 		}
 		r.finish(h, s, code)

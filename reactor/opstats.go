@@ -12,8 +12,9 @@ import (
 // FailReasons names the ways a READ ends in ERR, indexed like
 // Stats.FailedBy: the label values of ecxfer_reads_failed_total. READs
 // released in flight or dropped with their removed peer end in
-// ErrCanceled but count in Stats.ReadsCanceled, not here: "canceled"
-// stays in the label set, at 0.
+// ErrCanceled but count in Stats.ReadsCanceled, not here; "canceled"
+// counts the READs the engine itself canceled while nobody had released
+// them (0 unless the engine does).
 var FailReasons = [numCodes]string{
 	codeNone:             "other",
 	codeRemoteDisconnect: "remote_disconnect",
