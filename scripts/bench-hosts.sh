@@ -7,6 +7,11 @@
 # after, as the limit; then one producer against 1, 4 and 16 consumer
 # processes across the same link (ecxfer-fleet consumers).
 #
+# Each cell of the harness runs in 6 rounds of 0.5 s (make run's: 2), the
+# modes in turn: across the link the rows' ratios move by 10-20% from
+# one 2-round run to the next, and more rounds keep a run's ratios from
+# being decided by which mode the machine's slow spells hit.
+#
 # The harness's consumer reactor runs with ecxfer's default idle strategy
 # (CONSUMER_IDLE, hybrid), as a consumer does unless it is tuned; the
 # producer's reactor, and every reactor of the fleet run, park
@@ -97,7 +102,7 @@ PIDS="$PIDS $!"
 sleep 0.5
 # shellcheck disable=SC2086
 ip netns exec "$NSB" env UCX_TLS=tcp UCX_NET_DEVICES="$DEVB" "$TMP/ecxfer-bench" run --connect "$IPA:7100" --no-refs \
-	--idle "$CONSUMER_IDLE" --producer-idle "$HOSTS_IDLE" ${BENCH_FLAGS:-}
+	--idle "$CONSUMER_IDLE" --producer-idle "$HOSTS_IDLE" --duration 3s --rounds 6 ${BENCH_FLAGS:-}
 
 echo "bench-hosts: one producer in $NSA, consumer processes in $NSB"
 # shellcheck disable=SC2086
