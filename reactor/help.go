@@ -17,7 +17,7 @@ import (
 // engine READ in flight takes one step of the loop's engine work itself
 // (step), and while callers do that in a loop, the reactor thread stands
 // aside: its turns leave the engine's progress to them, and between
-// turns it naps on its wake-up fd instead of spinning. One token
+// turns it naps instead of spinning. One token
 // (r.engine) says who drives the engine and owns the loop's state: the
 // reactor thread holds it whenever it is not sleeping; a caller takes it
 // only with a compare-and-swap and never waits for it, and does not try
@@ -227,8 +227,9 @@ func (r *Reactor) step(now int64) bool {
 }
 
 // nap is the reactor thread standing aside while callers step in: it
-// gives up the token and sleeps on the wake-up fd for up to napTurn (or
-// until a READ's timeout is due). What a step leaves to it (cancels,
+// gives up the token and sleeps for up to napTurn (or until a READ's
+// timeout is due), its goroutine blocked on napWake and its P free for
+// others. What a step leaves to it (cancels,
 // control operations, direct READs, a READ posted while the token was
 // taken, a caller that stops to block in Wait, callers that may no
 // longer step in) wakes it. It does not wake to look whether the caller
@@ -245,6 +246,13 @@ func (r *Reactor) step(now int64) bool {
 // or wakes the nap).
 func (r *Reactor) nap() {
 	r.napping.Store(true)
+	// A wake-up meant for an earlier nap (sent as it ended) must not end
+	// this one: drop it. One sent from here on is this nap's; what a
+	// waker sent it for before the drop is seen below.
+	select {
+	case <-r.napWake:
+	default:
+	}
 	// A caller that ended the streak (unhelp, endStreak) before the flag
 	// was up did not wake us: look again.
 	if !r.helpWanted() || r.sub.Len() > 0 || r.cancel.Len() > 0 || r.ctrl.Len() > 0 {
@@ -260,10 +268,19 @@ func (r *Reactor) nap() {
 	d := min(time.Duration(r.parkMillis())*time.Millisecond, napTurn)
 	r.st.naps.Add(1)
 	r.unlockEngine()
-	ts := unix.NsecToTimespec(int64(d))
-	fds := [1]unix.PollFd{{Fd: int32(r.wakeFD), Events: unix.POLLIN}}
-	if n, _ := unix.Ppoll(fds[:], &ts, nil); n > 0 {
-		r.drainWake()
+	// The goroutine blocks, not the thread in a system call: a thread
+	// asleep in a system call keeps its P, and Go's sysmon takes it back
+	// only by looking every 20 µs or so, which it then keeps doing (on a
+	// 2-core machine, beside the caller and the peer that serves it).
+	if r.napTimer == nil {
+		r.napTimer = time.NewTimer(d)
+	} else {
+		r.napTimer.Reset(d)
+	}
+	select {
+	case <-r.napWake:
+		r.napTimer.Stop()
+	case <-r.napTimer.C:
 	}
 	r.napping.Store(false)
 	r.lockEngine()

@@ -3,6 +3,7 @@ package reactor
 import (
 	"context"
 	"runtime"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -324,6 +325,43 @@ func TestCrowdWakesTheNap(t *testing.T) {
 		"the reactor thread slept on after the crowd")
 	require.NoError(t, p.cons.Release(a))
 	require.NoError(t, p.cons.Release(b))
+}
+
+// A reactor thread napping for a lone poller blocks its goroutine and
+// frees its P: asleep in a system call, it kept the P until Go's sysmon
+// took it back, which sysmon looks for every 20 µs or so while it finds
+// some (the caller and the producer felt it on a 2-core machine).
+func TestNapFreesItsP(t *testing.T) {
+	leakcheck.Check(t)
+	turn := napTurn
+	napTurn = time.Hour
+	t.Cleanup(func() { napTurn = turn })
+	p := newPair(t, 16, Options{ParkTimeout: time.Hour})
+	p.consEng.SetDelay(time.Hour)
+	h, err := p.cons.Post(p.pname, []int{1}, []int{1}, nil)
+	require.NoError(t, err)
+	deadline := time.Now().Add(5 * time.Second)
+	var napper string
+	for napper == "" {
+		require.True(t, time.Now().Before(deadline), "the reactor thread never napped for a lone poller")
+		st, err := p.cons.State(h)
+		require.NoError(t, err)
+		require.Equal(t, StateProc, st)
+		if !p.cons.napping.Load() {
+			continue
+		}
+		buf := make([]byte, 1<<20)
+		for _, g := range strings.Split(string(buf[:runtime.Stack(buf, true)]), "\n\n") {
+			if strings.Contains(g, "reactor.(*Reactor).nap(") {
+				napper = g
+			}
+		}
+	}
+	header, _, _ := strings.Cut(napper, "\n")
+	require.Contains(t, header, "[select", "the napping reactor thread's goroutine:\n%s", napper)
+	// Release wakes the nap (an hour long otherwise), and the READ goes.
+	require.NoError(t, p.cons.Release(h))
+	require.Eventually(t, func() bool { return p.cons.Stats().LiveHandles == 0 }, 5*time.Second, time.Millisecond)
 }
 
 // The reactor thread that waits for the token a caller holds sleeps

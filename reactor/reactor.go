@@ -136,6 +136,10 @@ type Reactor struct {
 	// lockSleeps counts lockEngine's sleeps (for tests).
 	lockSleeps atomic.Int64
 	napping    atomic.Bool
+	// napWake wakes a napping reactor thread (nap); napTimer ends its nap
+	// (the loop thread's).
+	napWake    chan struct{}
+	napTimer   *time.Timer
 	helpWant   atomic.Int64
 	helpHandle atomic.Uint64 // the READ of the last wish
 	crowdAt    atomic.Int64  // when two READs were last seen polled or posted at once
@@ -210,6 +214,7 @@ func Start(agent nixl.Agent, opts Options, setup Setup) (*Reactor, error) {
 		return nil, err
 	}
 	r := &Reactor{
+		napWake: make(chan struct{}, 1),
 		agent:   agent,
 		opts:    o,
 		tab:     newTable(o.Handles),
@@ -318,11 +323,20 @@ func (r *Reactor) wake() {
 	}
 }
 
-// writeWake writes the wake-up eventfd unless closeFDs has begun. Users
-// announce themselves before they look at fdsClosed, and closeFDs sets it
-// before it counts users: with sequentially consistent atomics at least
-// one of the two sees the other.
+// writeWake wakes a napping reactor thread (napWake) and writes the
+// wake-up eventfd unless closeFDs has begun. The fd is written even for a
+// napping thread: its nap may be ending, with a park or a wait for the
+// token next (which a nap's wake-up left on the fd ends early, once).
+// Users announce themselves before they look at fdsClosed, and closeFDs
+// sets it before it counts users: with sequentially consistent atomics at
+// least one of the two sees the other.
 func (r *Reactor) writeWake() {
+	if r.napping.Load() {
+		select {
+		case r.napWake <- struct{}{}:
+		default: // one is pending already
+		}
+	}
 	r.fdUsers.Add(1)
 	if !r.fdsClosed.Load() {
 		var one = [8]byte{1}
