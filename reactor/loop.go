@@ -12,6 +12,7 @@ import (
 
 	"github.com/ecxfer/ecxfer/descriptors"
 	"github.com/ecxfer/ecxfer/internal/affinity"
+	"github.com/ecxfer/ecxfer/internal/testhook"
 	"github.com/ecxfer/ecxfer/nixl"
 )
 
@@ -1025,11 +1026,21 @@ func (r *Reactor) teardown() error {
 	// drain above); that Post sees closing, waits for the loop to end and
 	// frees it, so no other Post can claim the slot while the first still
 	// fills it in.
+	testhook.Run(&testhook.BeforeSweep)
 	for i := range r.tab.slots {
 		s := &r.tab.slots[i]
-		if w := s.word.Load(); w != 0 && wordState(w) != stProc && wordState(w) != stClaimed {
-			r.tab.free(s, w)
+		w := s.word.Load()
+		if w == 0 || wordState(w) == stProc || wordState(w) == stClaimed {
+			continue
 		}
+		if wordState(w) == stCanceling && s.queued {
+			// Released before the loop took it, with its cancel entry
+			// (and its submission, if any) pushed after the drains
+			// above: canceled, as onCancel counts it.
+			s.queued = false
+			r.st.canceled.Add(1)
+		}
+		r.tab.free(s, w)
 	}
 	r.stop = true
 	r.broadcast()

@@ -13,6 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ecxfer/ecxfer/descriptors"
+	"github.com/ecxfer/ecxfer/internal/testhook"
 	"github.com/ecxfer/ecxfer/nixl"
 	"github.com/ecxfer/ecxfer/ring"
 )
@@ -446,6 +447,7 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 			err = r.busy("submission ring full (%d)", r.sub.Cap())
 		}
 		if err != nil {
+			testhook.Run(&testhook.PushRefused)
 			if s.word.CompareAndSwap(queued, claimed) {
 				s.job = nil
 				r.tab.free(s, claimed)
@@ -455,6 +457,12 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 				// cancel entry is queued, and the reactor frees the slot
 				// and counts it canceled, so it counts as posted too.
 				r.st.posted.Add(1)
+				if r.closing.Load() {
+					// Unless the entry came after Close's teardown had
+					// taken the last ones (see endClosed).
+					<-r.done
+					r.endClosed(s, queued)
+				}
 			}
 			return 0, err
 		}
@@ -471,15 +479,13 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 		// nobody drains and the slot still holds the queued word: ours
 		// to free.
 		<-r.done
-		if s.word.Load() == queued {
-			s.job = nil
-		} else {
-			// Teardown ended it (and counted it failed or canceled):
-			// posted too, so that every READ counted ended was counted
-			// posted.
+		if !r.endClosed(s, queued) {
+			// Teardown ended it (and counted it failed or canceled), or
+			// a caller who guessed the handle released it after
+			// teardown and endClosed counted it canceled: posted too,
+			// so that every READ counted ended was counted posted.
 			r.st.posted.Add(1)
 		}
-		r.tab.free(s, queued)
 		return 0, ErrClosed
 	}
 	// Counted once the handle is the caller's: every READ counted here
@@ -487,6 +493,37 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 	// moment before this line: the loop may have taken it already).
 	r.st.posted.Add(1)
 	return h, nil
+}
+
+// endClosed is a Post's last look at its slot once the loop is gone,
+// with queued the word it stored: it frees the slot if it still holds
+// that word (nobody saw the READ: Post reports false and counts nothing)
+// or that word released (a caller who guessed the handle released it
+// after Close's teardown had taken the last cancel entries and freed the
+// last slots: nobody else will count or free it, so endClosed counts it
+// canceled). Any other word is not Post's to touch: teardown ended the
+// READ and counted it, or freed it (and counted it) and another Post has
+// claimed the slot since.
+func (r *Reactor) endClosed(s *slot, queued uint64) (unseen bool) {
+	released := queued&^stateMask | stCanceling
+	for {
+		switch w := s.word.Load(); w {
+		case queued:
+			s.job = nil
+			if r.tab.free(s, queued) {
+				return true
+			}
+			// Released meanwhile: look again.
+		case released:
+			s.job = nil
+			if r.tab.free(s, released) {
+				r.st.canceled.Add(1)
+			}
+			return false
+		default:
+			return false
+		}
+	}
 }
 
 // checkPost validates a Post's request and returns the peer and the local
@@ -575,12 +612,14 @@ func (r *Reactor) waitForRoom(tries int) error {
 	}
 	if tries < roomYields {
 		runtime.Gosched()
+		testhook.Run(&testhook.RoomWait)
 		return nil
 	}
 	time.Sleep(min(roomMinSleep<<min(tries-roomYields, 20), roomMaxSleep))
 	if r.closing.Load() {
 		return ErrClosed
 	}
+	testhook.Run(&testhook.RoomWait)
 	return nil
 }
 

@@ -23,6 +23,18 @@ var PidfdPoll atomic.Pointer[func()]
 // the engine's fences: tests count the looks.
 var HeldLook atomic.Pointer[func()]
 
+// RoomWait runs when a Post waiting for room (Options.WaitWhenBusy) has
+// found the reactor not closing and is about to try again.
+var RoomWait atomic.Pointer[func()]
+
+// PushRefused runs when a Post could not queue its READ and is about to
+// take its handle back.
+var PushRefused atomic.Pointer[func()]
+
+// BeforeSweep runs on the reactor's loop as Close's teardown is about to
+// free the slots of the transfers it ended.
+var BeforeSweep atomic.Pointer[func()]
+
 // Count makes hook h count its runs until stop is called.
 func Count(h *atomic.Pointer[func()]) (n *atomic.Int64, stop func()) {
 	n = new(atomic.Int64)
