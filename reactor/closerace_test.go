@@ -1,11 +1,13 @@
 package reactor
 
 import (
+	"errors"
 	"fmt"
 	"runtime"
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -162,5 +164,49 @@ func TestGuessedReleaseAfterTeardown(t *testing.T) {
 			require.ErrorIs(t, <-posted, tc.want)
 			checkOneCanceled(t, c.cons)
 		})
+	}
+}
+
+// Posts, releases of guessed handles and Close, at random moments: after
+// Close every READ counted posted is counted ended once, and no handle is
+// left live. (The orders above, at whatever moment the scheduler makes.)
+func TestGuessedReleasesRacingClose(t *testing.T) {
+	leakcheck.Check(t)
+	for round := range 40 {
+		p := newPair(t, 16, Options{SubmitRing: 2, BatchSize: 1, Handles: 256, WaitWhenBusy: round%2 == 0})
+		r := p.cons
+		var wg sync.WaitGroup
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for !r.closing.Load() {
+				for _, h := range guessHandles(r.tab, 4) {
+					_ = r.Release(h)
+				}
+			}
+		}()
+		for g := range 4 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				idx := []int{g}
+				for i := 0; ; i++ {
+					h, err := r.Post(p.pname, idx, idx, []byte("n"))
+					switch {
+					case errors.Is(err, ErrClosed):
+						return
+					case err == nil && i%2 == 0:
+						_ = r.Release(h)
+					}
+				}
+			}()
+		}
+		time.Sleep(time.Duration(100+round*37) * time.Microsecond)
+		require.NoError(t, r.Close())
+		wg.Wait()
+		st := r.Stats()
+		require.Equal(t, st.ReadsPosted, st.ReadsDone+st.ReadsFailed+st.ReadsCanceled,
+			"round %d: posted %d, done %d, failed %d, canceled %d", round, st.ReadsPosted, st.ReadsDone, st.ReadsFailed, st.ReadsCanceled)
+		require.Zero(t, r.tab.live.Load(), "round %d: handles left live after Close", round)
 	}
 }
