@@ -1217,9 +1217,13 @@ func TestDirectInlineNotifToClosedProducerCounted(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, StateDone, st, "the region is still mapped and its process alive")
 	require.NoError(t, cons.ReleaseXferHandle(h))
+	// The reactor counts the notification undelivered, then the engine
+	// error; Stats loads the first before the second (parts before
+	// wholes), so one snapshot can show the error and not yet the
+	// notification: wait for both.
 	var s Stats
 	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
-		if s = cons.Stats(); s.EngineErrors > before.EngineErrors {
+		if s = cons.Stats(); s.EngineErrors > before.EngineErrors && s.NotifsUndelivered > before.NotifsUndelivered {
 			break
 		}
 	}
