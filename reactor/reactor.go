@@ -497,8 +497,8 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 
 // endClosed is a Post's last look at its slot once the loop is gone,
 // with queued the word it stored: it frees the slot if it still holds
-// that word (nobody saw the READ: Post reports false and counts nothing)
-// or that word released (a caller who guessed the handle released it
+// that word (nobody saw the READ: it reports true, and nothing is
+// counted) or that word released (a caller who guessed the handle released it
 // after Close's teardown had taken the last cancel entries and freed the
 // last slots: nobody else will count or free it, so endClosed counts it
 // canceled). Any other word is not Post's to touch: teardown ended the
