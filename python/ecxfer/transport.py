@@ -580,13 +580,17 @@ class EcxferDataTransport(_Base):
         large same-host READ still on the copy workers it copies chunks
         meanwhile, as check_xfer_state does, so it may return up to two
         chunks' copying after timeout."""
+        if _check_py is not None and (timeout is None or (type(timeout) in (int, float) and timeout == timeout)):
+            # A READ that ended already (a small same-host READ is DONE
+            # when posted) costs one check, with a timeout that cannot be
+            # refused (NaN and other types are, below, even then). The
+            # builtin takes any handle ("ERR" for one that is none).
+            st = _check_py(self._t, handle)
+            if st != "PROC":
+                return st
         if type(handle) is not int or handle <= 0 or handle >= 1 << 64:
             return "ERR"
         total = _timeout_ns(timeout, 0)
-        if _check_py is not None:
-            st = _check_py(self._t, handle)  # ended already (a small same-host READ is DONE when posted)
-            if st != "PROC":
-                return st
         end = None if total < 0 else time.monotonic_ns() + total
         while True:
             # Looked up each time: a child forked meanwhile (from a signal
