@@ -534,3 +534,52 @@ func sharedMaps(t *testing.T) int {
 	}
 	return n
 }
+
+// Over tcp between two processes on one host (error mode NONE, where
+// notifications go on the short path only), the short path takes about
+// 64 KiB, so only notifications near MaxNotif go in fragments: those,
+// short ones between them and ones sent with READs each arrive once,
+// intact and in order, also at a producer that sleeps whenever it has
+// nothing to do.
+func TestFragmentedNotifsOverTCP(t *testing.T) {
+	leakcheck.Check(t)
+	t.Setenv("UCX_TLS", "tcp")
+	ch := startChild(t, childOpts{name: "prod", seed: 5, blocks: 64, alloc: true, tls: "tcp", park: true})
+	name := strings.Repeat("c", 40) // a longer name: more lengths go in fragments
+	c := newConsumer(t, Config{Name: name}, 64, testBlock)
+	c.connect(t, ch)
+	to := c.a.peers[c.peer]
+	require.False(t, to.peerMode, "same host: mode NONE")
+	require.Equal(t, 1, int(to.notifTo.frag), "the producer does not take fragments")
+	shortMax := int(to.notifTo.short_max)
+	require.Positive(t, shortMax, "the endpoint's short path was not found")
+	const lengths = 48
+	long := nixl.DefaultMaxNotif - lengths + 1 // the longest 48 lengths up to MaxNotif
+	require.Greater(t, len(name)+long, shortMax, "these notifications would go whole: this tests nothing")
+	rng := rand.New(rand.NewSource(5))
+	var want [][]byte
+	for i := range 300 {
+		var msg []byte
+		if i%3 == 0 {
+			msg = []byte(fmt.Sprintf("short %d", i))
+		} else {
+			msg = make([]byte, long+i%lengths)
+			rng.Read(msg)
+		}
+		if i%10 == 1 {
+			idx := []int{i % 64}
+			require.NoError(t, c.read(t, idx, idx, msg))
+			c.verify(t, 5, idx, idx)
+		} else {
+			require.NoError(t, c.a.SendNotif(c.peer, msg))
+			_, _ = c.a.Progress()
+		}
+		want = append(want, msg)
+	}
+	for i := range want {
+		from, got := ch.nextNotif(c.a, 10*time.Second)
+		require.Equal(t, name, from)
+		require.True(t, bytes.Equal(want[i], got), "notification %d: %d bytes, want %d", i, len(got), len(want[i]))
+	}
+	require.Nil(t, c.a.c.sending, "notifications still waiting to go")
+}
