@@ -64,6 +64,9 @@ func (e *Exporter) Addr() string { return e.ln.Addr().String() }
 // Add registers a collector of t's metrics. Transports with the same
 // AgentName cannot be added at once: their series would clash.
 func (e *Exporter) Add(t *ecxfer.Transport, opts ...Option) error {
+	if t == nil {
+		return errNilTransport
+	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if _, ok := e.added[t]; ok {

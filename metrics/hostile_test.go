@@ -72,6 +72,22 @@ func TestExporterHostile(t *testing.T) {
 	require.NoError(t, ln.Close())
 }
 
+// A nil transport: NewCollector panics saying so, Add returns an error,
+// Remove reports it was never added; a nil Option is skipped.
+func TestNilTransportAndOption(t *testing.T) {
+	leakcheck.Check(t)
+	require.PanicsWithError(t, "metrics: a nil *ecxfer.Transport", func() { metrics.NewCollector(nil) })
+	ex, err := metrics.Listen("127.0.0.1:0")
+	require.NoError(t, err)
+	defer func() { require.NoError(t, ex.Close()) }()
+	require.EqualError(t, ex.Add(nil), "metrics: a nil *ecxfer.Transport")
+	require.False(t, ex.Remove(nil))
+	tr := newTransport(t, "loopback", name("nil-opt"))
+	require.NoError(t, ex.Add(tr, nil, metrics.WithPeers(2), nil))
+	require.NotNil(t, get(t, "http://"+ex.Addr()+"/metrics")["ecxfer_reads_done_total"])
+	require.True(t, ex.Remove(tr))
+}
+
 // A collector registered twice on one registry, and collectors of two
 // transports of one name, are refused by the registry, not served as
 // clashing series.

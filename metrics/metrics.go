@@ -69,6 +69,7 @@
 package metrics
 
 import (
+	"errors"
 	"sort"
 	"sync"
 	"time"
@@ -93,6 +94,8 @@ var DurationBuckets = func() []time.Duration {
 
 // Option configures a collector.
 type Option func(*collector)
+
+var errNilTransport = errors.New("metrics: a nil *ecxfer.Transport")
 
 // WithPeers exports per-peer series for at most n peers (the first n by
 // name). Zero, the default, exports none; the bound keeps a consumer with
@@ -125,11 +128,18 @@ type collector struct {
 }
 
 // NewCollector returns a collector of t's metrics. Register it with a
-// prometheus.Registerer; it is safe for concurrent scrapes.
+// prometheus.Registerer; it is safe for concurrent scrapes. A nil t is a
+// programming error: it panics, saying so (Exporter.Add returns an error
+// instead). Nil options are skipped.
 func NewCollector(t *ecxfer.Transport, opts ...Option) prometheus.Collector {
+	if t == nil {
+		panic(errNilTransport)
+	}
 	c := &collector{t: t, agent: t.AgentName()}
 	for _, o := range opts {
-		o(c)
+		if o != nil {
+			o(c)
+		}
 	}
 	cl := prometheus.Labels{"agent": c.agent}
 	d := func(name, help string, labels ...string) *prometheus.Desc {
