@@ -482,6 +482,7 @@ func (t *Transport) NewNotifs() map[string][][]byte {
 // WaitNotifs blocks, without spinning, until at least one notification
 // has arrived or ctx ends, and returns what has arrived like NewNotifs.
 // The map is never nil; with an error (ctx's, or ErrClosed) it is empty.
+// A nil ctx is taken as context.Background().
 func (t *Transport) WaitNotifs(ctx context.Context) (map[string][][]byte, error) {
 	return t.r.WaitNotifs(ctx)
 }
@@ -531,7 +532,8 @@ func (t *Transport) ReleaseXferHandle(h Handle) error {
 // Config.Reactor.WaitSpin (default 50µs) before it sleeps: waking a
 // sleeping goroutine can cost more than a short READ takes. Like
 // CheckXferState it copies the chunks of a large same-host READ that no
-// copy worker has taken, one at a time, and looks at ctx after each.
+// copy worker has taken, one at a time, and looks at ctx after each. A
+// nil ctx is taken as context.Background(): no limit but XferTimeout.
 func (t *Transport) Wait(ctx context.Context, h Handle) error {
 	return t.r.Wait(ctx, uint64(h))
 }

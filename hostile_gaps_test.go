@@ -497,3 +497,23 @@ func TestHugePeerNameErrorsAreShort(t *testing.T) {
 		require.Less(t, len(err.Error()), 2048, what)
 	}
 }
+
+// A nil ctx given to Wait or WaitNotifs is context.Background(): Wait
+// spins, sleeps (the READ is held in the engine for 50 ms) and returns
+// when the READ is DONE, and WaitNotifs blocks until the notification
+// comes. Both used to dereference the nil ctx.
+func TestNilContextIsBackground(t *testing.T) {
+	prod, cons, pname := loopbackPair(t, 512, 8)
+	engine(t, cons).SetDelay(50 * time.Millisecond)
+	h, err := cons.PostRead([]int{0}, pname, []int{1}, []byte("nil ctx"))
+	require.NoError(t, err)
+	blocks := cons.Stats().WaitBlocks
+	//lint:ignore SA1012 a nil ctx is what this tests
+	require.NoError(t, cons.Wait(nil, h))
+	require.Greater(t, cons.Stats().WaitBlocks, blocks, "Wait returned before it slept: the nil ctx was never looked at")
+	require.NoError(t, cons.ReleaseXferHandle(h))
+	//lint:ignore SA1012 a nil ctx is what this tests
+	m, err := prod.WaitNotifs(nil)
+	require.NoError(t, err)
+	require.Equal(t, map[string][][]byte{cons.AgentName(): {[]byte("nil ctx")}}, m)
+}

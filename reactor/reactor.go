@@ -758,8 +758,12 @@ func (r *Reactor) awaitStopped(h uint64) {
 // ended. Each check may copy a chunk of a direct READ (see State); Wait
 // then checks again at once, and returns ctx's error if ctx ended
 // meanwhile. While it spins, a check of an engine READ may take a step of
-// the engine's work (see State); once it sleeps, none does.
+// the engine's work (see State); once it sleeps, none does. A nil ctx is
+// context.Background().
 func (r *Reactor) Wait(ctx context.Context, h uint64) error {
+	if ctx == nil {
+		ctx = context.Background()
+	}
 	var start time.Time
 	for i := 0; ; i++ {
 		st, helped, err := r.state(h, true)
@@ -888,8 +892,11 @@ func ValidName(name string) bool {
 // WaitNotifs blocks until at least one notification has arrived or ctx
 // ends, and then hands out what has arrived, like Notifs. The map is never
 // nil; it is empty when ctx ended (ctx's error) or the reactor closed
-// (ErrClosed) first.
+// (ErrClosed) first. A nil ctx is context.Background().
 func (r *Reactor) WaitNotifs(ctx context.Context) (map[string][][]byte, error) {
+	if ctx == nil {
+		ctx = context.Background()
+	}
 	w := r.addWaiter()
 	defer r.dropWaiter(w)
 	for {
