@@ -931,6 +931,80 @@ func TestDirectReleaseStopsCopy(t *testing.T) {
 	t.Logf("%d of 24 READs released midway through their copy, %d with chunks skipped", midway, skipped)
 }
 
+// While READs of at least 8 MiB are on the copy workers and nothing else
+// needs the loop, the reactor thread sleeps with its goroutine blocked
+// (copyNap), its P free for the copy; a smaller pooled READ leaves it
+// on the idle strategy (here its spin, yield and epoll_wait). The chunks
+// are held (testhook.DirectChunk) while the reactor's goroutine is
+// looked at, then let go; the READ ends DONE with every byte.
+func TestDirectCopyNap(t *testing.T) {
+	leakcheck.Check(t)
+	e := env{t: t, backend: "ucx"}
+	const bs, nb = 32768, 880
+	cons := e.transport(uniqueName("ncons"), bs, nb, direct)
+	prod := e.transport(uniqueName("nprod"), bs, nb, direct)
+	pattern.FillRegion(prod.Region(), 8, bs)
+	pname, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+	require.NoError(t, err)
+	napping := func() (bool, string) {
+		buf := make([]byte, 1<<20)
+		for _, g := range strings.Split(string(buf[:runtime.Stack(buf, true)]), "\n\n") {
+			if strings.Contains(g, "reactor.(*Reactor).copyNap(") {
+				header, _, _ := strings.Cut(g, "\n")
+				return strings.Contains(header, "[select"), g
+			}
+		}
+		return false, ""
+	}
+	for _, c := range []struct {
+		blocks int
+		nap    bool
+	}{{nb, true}, {200, false}} { // 28.8 MB and 6.6 MB
+		t.Run(fmt.Sprint(c.blocks), func(t *testing.T) {
+			gate := make(chan struct{})
+			var entered atomic.Int64
+			hold := func() {
+				entered.Add(1)
+				<-gate
+			}
+			testhook.DirectChunk.Store(&hold)
+			let := sync.OnceFunc(func() {
+				close(gate)
+				testhook.DirectChunk.Store(nil)
+			})
+			defer let()
+			idx := make([]int, c.blocks)
+			for i := range idx {
+				idx[i] = (i * 7) % nb // scattered, no two alike (7 and 880 are coprime)
+			}
+			clear(cons.Region())
+			h, err := cons.PostRead(idx, pname, idx, nil)
+			require.NoError(t, err)
+			require.Eventually(t, func() bool { return entered.Load() > 0 }, 5*time.Second, 100*time.Microsecond, "no chunk started")
+			if c.nap {
+				var g string
+				require.Eventually(t, func() bool {
+					ok, stack := napping()
+					g = stack
+					return ok
+				}, 5*time.Second, 200*time.Microsecond, "the reactor thread never slept beside the copy:\n%s", g)
+			} else {
+				for end := time.Now().Add(50 * time.Millisecond); time.Now().Before(end); time.Sleep(200 * time.Microsecond) {
+					ok, g := napping()
+					require.False(t, ok, "the reactor thread napped beside a %d-byte copy:\n%s", c.blocks*bs, g)
+				}
+			}
+			let()
+			require.NoError(t, cons.Wait(context.Background(), h))
+			for _, i := range idx {
+				ok, at := pattern.Check(block(cons, bs, i), 8, i)
+				require.True(t, ok, "block %d differs at word %d", i, at)
+			}
+			require.NoError(t, cons.ReleaseXferHandle(h))
+		})
+	}
+}
+
 // PostRead racing Deregister: a READ copied inline writes the local
 // region, which goes with the engine, so Deregister waits for such copies
 // and a Post after it has begun copies nothing. (A race test: without the

@@ -76,6 +76,15 @@ func (r *Reactor) run(ready chan<- error, setup Setup) {
 		if worked {
 			continue
 		}
+		if (r.opts.Idle == IdleHybrid || r.opts.Idle == IdlePark) && r.copyNapWanted() {
+			// Large copies on the workers and nothing else to do: sleep
+			// without holding a P (copyNap). The idle strategy starts
+			// over when they end.
+			r.lastWork = false
+			r.copyNap()
+			last = r.now()
+			continue
+		}
 		idle := time.Duration(r.lastTime - last)
 		switch r.opts.Idle {
 		case IdleSpin:

@@ -11,6 +11,10 @@ import (
 )
 
 // IdleStrategy says what the reactor does when a loop turn found no work.
+// With IdleHybrid and IdlePark, while direct READs of 8 MiB or more in
+// all are on the copy workers and nothing else needs the loop, the
+// thread instead sleeps with its goroutine blocked, its P free for the
+// copy, until a copy ends or for at most 1 ms (copyNap).
 type IdleStrategy uint8
 
 const (

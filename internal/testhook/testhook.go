@@ -10,6 +10,10 @@ import "sync/atomic"
 // READ of a same-host peer DONE and sending its notification.
 var AfterDirectDone atomic.Pointer[func()]
 
+// DirectChunk runs before a chunk of a same-host READ on the copy
+// workers is copied, on the goroutine that copies it.
+var DirectChunk atomic.Pointer[func()]
+
 // NewAgent runs when New is about to create its engine: tests count the
 // engines a refused Config started.
 var NewAgent atomic.Pointer[func()]
