@@ -1007,21 +1007,8 @@ func (r *Reactor) copyNap() {
 		r.napping.Store(false)
 		return
 	}
-	dur := min(time.Duration(r.parkMillis())*time.Millisecond, copyNapMax)
 	r.st.parks.Add(1)
-	r.unlockEngine()
-	if r.napTimer == nil {
-		r.napTimer = time.NewTimer(dur)
-	} else {
-		r.napTimer.Reset(dur)
-	}
-	select {
-	case <-r.napWake:
-		r.napTimer.Stop()
-	case <-r.napTimer.C:
-	}
-	r.napping.Store(false)
-	r.lockEngine()
+	r.sleepNapping(min(time.Duration(r.parkMillis())*time.Millisecond, copyNapMax))
 }
 
 // done is called by the pool's worker that finished the last chunk.

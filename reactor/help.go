@@ -267,11 +267,18 @@ func (r *Reactor) nap() {
 	// event may be due sooner.
 	d := min(time.Duration(r.parkMillis())*time.Millisecond, napTurn)
 	r.st.naps.Add(1)
+	r.sleepNapping(d)
+}
+
+// sleepNapping gives up the token and blocks the reactor thread's
+// goroutine until napWake or for d, then lowers the napping flag and
+// takes the token back (nap, copyNap). The goroutine blocks, not the
+// thread in a system call: a thread asleep in a system call keeps its P,
+// and Go's sysmon takes it back only by looking every 20 µs or so, which
+// it then keeps doing (on a 2-core machine, beside the caller and the
+// peer that serves it).
+func (r *Reactor) sleepNapping(d time.Duration) {
 	r.unlockEngine()
-	// The goroutine blocks, not the thread in a system call: a thread
-	// asleep in a system call keeps its P, and Go's sysmon takes it back
-	// only by looking every 20 µs or so, which it then keeps doing (on a
-	// 2-core machine, beside the caller and the peer that serves it).
 	if r.napTimer == nil {
 		r.napTimer = time.NewTimer(d)
 	} else {
