@@ -780,7 +780,8 @@ func TestDirectReleaseWakesWait(t *testing.T) {
 // A caller that checks a READ still on the copy workers copies one chunk
 // per call, not every chunk left: CheckXferState (vLLM's check, once per
 // engine step) is held for a chunk at most, and a Wait whose ctx ends
-// while it copies returns then, with the READ still in flight.
+// while it copies returns then, with the READ still in flight. A check
+// that copied the last chunk and published the end reports DONE.
 func TestDirectCheckHelpsOneChunk(t *testing.T) {
 	leakcheck.Check(t)
 	e := env{t: t, backend: "ucx"}
@@ -838,9 +839,19 @@ func TestDirectCheckHelpsOneChunk(t *testing.T) {
 	<-ctx.Done()
 	require.ErrorIs(t, cons.Wait(ctx, h), context.DeadlineExceeded)
 	require.Equal(t, 3*nb/4, landed(), "Wait with an ended ctx copied one chunk, then returned")
+	// The check that copies the last chunk finishes the copy: it publishes
+	// the READ's end itself when the reactor thread is asleep (its engine
+	// token free) and then reports DONE; else the loop publishes it, and
+	// the check reports what it finds (PROC unless the loop was quicker).
+	before := cons.Stats().FinisherEnds
 	st, err = cons.CheckXferState(h)
 	require.NoError(t, err)
-	require.Equal(t, StateProc, st, "state loaded before the check copied the last chunk")
+	require.Contains(t, []State{StateProc, StateDone}, st)
+	published := cons.Stats().FinisherEnds > before
+	if published {
+		require.Equal(t, StateDone, st, "the check published the READ's end and reported it in flight")
+	}
+	t.Logf("the check that copied the last chunk: %s, end published by it: %v", st, published)
 	require.Equal(t, nb, landed())
 	close(hold)
 	unblocked = true
@@ -931,21 +942,18 @@ func TestDirectReleaseStopsCopy(t *testing.T) {
 	t.Logf("%d of 24 READs released midway through their copy, %d with chunks skipped", midway, skipped)
 }
 
-// While READs of at least 8 MiB are on the copy workers and nothing else
-// needs the loop, the reactor thread sleeps with its goroutine blocked
-// (copyNap), its P free for the copy; a smaller pooled READ leaves it
-// on the idle strategy (here its spin, yield and epoll_wait). The chunks
-// are held (testhook.DirectChunk) while the reactor's goroutine is
-// looked at, then let go; the READ ends DONE with every byte.
+// While READs are on the copy workers and nothing else needs the loop,
+// the reactor thread sleeps with its goroutine blocked (copyNap), its P
+// free for the copy, and the goroutine that copies a READ's last chunk
+// publishes its end itself (Stats.FinisherEnds). With ReactorOnly the
+// finisher may not, and only READs of 8 MiB or more in all put the
+// thread to sleep so; a smaller one leaves it on the idle strategy (here
+// its spin, yield and epoll_wait), and the loop publishes every end. The
+// chunks are held (testhook.DirectChunk) while the reactor's goroutine
+// is looked at, then let go; each READ ends DONE with every byte.
 func TestDirectCopyNap(t *testing.T) {
 	leakcheck.Check(t)
-	e := env{t: t, backend: "ucx"}
 	const bs, nb = 32768, 880
-	cons := e.transport(uniqueName("ncons"), bs, nb, direct)
-	prod := e.transport(uniqueName("nprod"), bs, nb, direct)
-	pattern.FillRegion(prod.Region(), 8, bs)
-	pname, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
-	require.NoError(t, err)
 	napping := func() (bool, string) {
 		buf := make([]byte, 1<<20)
 		for _, g := range strings.Split(string(buf[:runtime.Stack(buf, true)]), "\n\n") {
@@ -957,50 +965,72 @@ func TestDirectCopyNap(t *testing.T) {
 		return false, ""
 	}
 	for _, c := range []struct {
-		blocks int
-		nap    bool
-	}{{nb, true}, {200, false}} { // 28.8 MB and 6.6 MB
-		t.Run(fmt.Sprint(c.blocks), func(t *testing.T) {
-			gate := make(chan struct{})
-			var entered atomic.Int64
-			hold := func() {
-				entered.Add(1)
-				<-gate
-			}
-			testhook.DirectChunk.Store(&hold)
-			let := sync.OnceFunc(func() {
-				close(gate)
-				testhook.DirectChunk.Store(nil)
-			})
-			defer let()
-			idx := make([]int, c.blocks)
-			for i := range idx {
-				idx[i] = (i * 7) % nb // scattered, no two alike (7 and 880 are coprime)
-			}
-			clear(cons.Region())
-			h, err := cons.PostRead(idx, pname, idx, nil)
+		reactorOnly bool
+		blocks      int
+		nap         bool
+	}{{false, nb, true}, {false, 200, true}, {true, nb, true}, {true, 200, false}} { // 28.8 MB and 6.6 MB
+		t.Run(fmt.Sprintf("reactorOnly=%v/%d", c.reactorOnly, c.blocks), func(t *testing.T) {
+			e := env{t: t, backend: "ucx"}
+			only := func(cfg *Config) { cfg.Reactor.ReactorOnly = c.reactorOnly }
+			cons := e.transport(uniqueName("ncons"), bs, nb, direct, only)
+			prod := e.transport(uniqueName("nprod"), bs, nb, direct)
+			pattern.FillRegion(prod.Region(), 8, bs)
+			pname, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
 			require.NoError(t, err)
-			require.Eventually(t, func() bool { return entered.Load() > 0 }, 5*time.Second, 100*time.Microsecond, "no chunk started")
-			if c.nap {
-				var g string
-				require.Eventually(t, func() bool {
-					ok, stack := napping()
-					g = stack
-					return ok
-				}, 5*time.Second, 200*time.Microsecond, "the reactor thread never slept beside the copy:\n%s", g)
-			} else {
-				for end := time.Now().Add(50 * time.Millisecond); time.Now().Before(end); time.Sleep(200 * time.Microsecond) {
-					ok, g := napping()
-					require.False(t, ok, "the reactor thread napped beside a %d-byte copy:\n%s", c.blocks*bs, g)
+			// The reactor thread sleeps at most 1 ms at a time, and a
+			// finisher finds the token taken if the copy ends while it is
+			// awake: a few READs, so that one is published by its
+			// finisher for certain.
+			const reads = 5
+			for k := range reads {
+				gate := make(chan struct{})
+				var entered atomic.Int64
+				hold := func() {
+					entered.Add(1)
+					<-gate
 				}
+				testhook.DirectChunk.Store(&hold)
+				let := sync.OnceFunc(func() {
+					close(gate)
+					testhook.DirectChunk.Store(nil)
+				})
+				defer let()
+				idx := make([]int, c.blocks)
+				for i := range idx {
+					idx[i] = (i*7 + k) % nb // scattered, no two alike (7 and 880 are coprime)
+				}
+				clear(cons.Region())
+				h, err := cons.PostRead(idx, pname, idx, nil)
+				require.NoError(t, err)
+				require.Eventually(t, func() bool { return entered.Load() > 0 }, 5*time.Second, 100*time.Microsecond, "no chunk started")
+				if c.nap {
+					var g string
+					require.Eventually(t, func() bool {
+						ok, stack := napping()
+						g = stack
+						return ok
+					}, 5*time.Second, 200*time.Microsecond, "the reactor thread never slept beside the copy:\n%s", g)
+				} else {
+					for end := time.Now().Add(50 * time.Millisecond); time.Now().Before(end); time.Sleep(200 * time.Microsecond) {
+						ok, g := napping()
+						require.False(t, ok, "the reactor thread napped beside a %d-byte copy:\n%s", c.blocks*bs, g)
+					}
+				}
+				let()
+				require.NoError(t, cons.Wait(context.Background(), h))
+				for _, i := range idx {
+					ok, at := pattern.Check(block(cons, bs, i), 8, i)
+					require.True(t, ok, "block %d differs at word %d", i, at)
+				}
+				require.NoError(t, cons.ReleaseXferHandle(h))
 			}
-			let()
-			require.NoError(t, cons.Wait(context.Background(), h))
-			for _, i := range idx {
-				ok, at := pattern.Check(block(cons, bs, i), 8, i)
-				require.True(t, ok, "block %d differs at word %d", i, at)
+			st := cons.Stats()
+			require.Equal(t, uint64(reads), st.DirectReads)
+			if c.reactorOnly {
+				require.Zero(t, st.FinisherEnds, "a finisher published a READ's end with ReactorOnly")
+			} else {
+				require.Positive(t, st.FinisherEnds, "no READ's end was published by its finisher")
 			}
-			require.NoError(t, cons.ReleaseXferHandle(h))
 		})
 	}
 }
@@ -1081,9 +1111,10 @@ func TestDirectInlineNotifsSurviveRemoval(t *testing.T) {
 
 // A caller that sees a READ the copy workers ran DONE and then posts an
 // inline one does not get that one's notification to the producer first:
-// the loop holds the first notification from before it publishes DONE
-// until it has sent it. The hook stands in for the loop being descheduled
-// between the two.
+// whoever publishes the first READ DONE (the loop, or the goroutine that
+// copied its last chunk) holds its notification from before it publishes
+// until it has sent it. The hook stands in for that goroutine being
+// descheduled between the two.
 func TestDirectInlineNotifAfterPoolNotif(t *testing.T) {
 	leakcheck.Check(t)
 	e := env{t: t, backend: "ucx"}

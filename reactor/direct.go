@@ -950,28 +950,34 @@ func (j *dirJob) copyGrid(pd *Direct, local []byte, a, b uint64, rd *procmem.Rea
 	return nil
 }
 
-// copyNapBytes is how many bytes the READs on the copy workers must
-// add up to for the idle reactor thread to sleep in copyNap instead of
-// spinning, yielding or parking beside them. A copy nap ends by waking
-// a goroutine, which took 54-108 µs on average on this 2-core VM after
-// the last chunk of a 4.5 MB READ (880 x 5,120 B) had landed, against
-// 19-43 µs for a thread still spinning or yielding there (an
+// copyNapBytes is how many bytes the READs on the copy workers must add
+// up to for the idle reactor thread to sleep in copyNap instead of
+// spinning, yielding or parking beside them, where the goroutine that
+// finishes a copy may not publish its end (endFinished: the engine does
+// not allow other threads, or Options.ReactorOnly). A copy nap then ends
+// by waking a goroutine, which took 54-108 µs on average on this 2-core
+// VM after the last chunk of a 4.5 MB READ (880 x 5,120 B) had landed,
+// against 19-43 µs for a thread still spinning or yielding there (an
 // instrumented build, polling callers); at 8 MiB the copy itself takes
-// about half a millisecond or more.
+// about half a millisecond or more. Where the finisher publishes, the
+// thread naps beside any copy: nothing waits for it to wake.
 const copyNapBytes = 8 << 20
 
 // copyNapMax bounds a copy nap: the engine's events and the direct
 // path's notification socket are not watched meanwhile.
 const copyNapMax = time.Millisecond
 
-// copyNapWanted reports whether the READs on the copy workers add up to
-// copyNapBytes and nothing else needs the loop: no engine READ in
-// flight, no READ held behind a fence, no notification waiting to be
-// sent again. Loop only.
+// copyNapWanted reports whether READs are on the copy workers (adding up
+// to copyNapBytes unless their finishers publish their ends) and nothing
+// else needs the loop: no engine READ in flight, no READ held behind a
+// fence, no notification waiting to be sent again. Loop only.
 func (r *Reactor) copyNapWanted() bool {
 	d := r.dir
 	if d == nil || len(d.active) == 0 || r.pLen != 0 || len(d.held) != 0 || len(d.ns.backlog) != 0 {
 		return false
+	}
+	if r.helpable {
+		return true
 	}
 	var n uint64
 	for _, j := range d.active {
@@ -982,11 +988,13 @@ func (r *Reactor) copyNapWanted() bool {
 	return false
 }
 
-// copyNap is the reactor thread asleep while large READs are copied: it
+// copyNap is the reactor thread asleep while READs are copied: it
 // gives up the token and blocks its goroutine, so its P is free for the
 // copy workers and the caller at once, until the last chunk of a copy
-// lands (done wakes it, as does anything pushed to the rings) or for
-// copyNapMax (or until something is due sooner: parkMillis). A thread
+// lands (done wakes it unless its finisher published the end itself,
+// endFinished, and anything pushed to the rings wakes it unless a Post
+// steps in and submits its READ itself, help.go) or for copyNapMax (or until something is due sooner:
+// parkMillis). A thread
 // that spins or yields keeps its P (it is locked to its thread), and one
 // asleep in epoll_wait keeps it until Go's sysmon takes it back and then
 // has to win one back to publish the copy's end. With as many Ps as
@@ -1011,7 +1019,8 @@ func (r *Reactor) copyNap() {
 	r.sleepNapping(min(time.Duration(r.parkMillis())*time.Millisecond, copyNapMax))
 }
 
-// done is called by the pool's worker that finished the last chunk.
+// done is called by whoever finished the last chunk: a copy worker, or a
+// caller that copied it while it checked or waited (copypool.Job.Help).
 func (j *dirJob) done(err error) {
 	j.err = err
 	r := j.r
@@ -1020,7 +1029,57 @@ func (j *dirJob) done(err error) {
 		// stopped draining, which it does not while jobs are active.
 		time.Sleep(10 * time.Microsecond)
 	}
+	if r.endFinished() {
+		return
+	}
 	r.wake()
+}
+
+// endFinished publishes the ends of the finished copies on the calling
+// goroutine, the one that finished the last chunk of one, if the engine
+// token is free: the reactor thread is asleep (copyNap, a park or a nap)
+// and would otherwise have to be woken first, which took 54-108 µs on
+// this 2-core VM (copyNapBytes). Under the token the finisher is the loop
+// (help.go): it sends the queued inline notifications first, as
+// drainDirect does, then ends every finished copy and wakes the callers
+// blocked in Wait. Only where callers may step in (a notification may go
+// through the engine), and never while the reactor thread waits for the
+// token. It reports whether it published them.
+func (r *Reactor) endFinished() bool {
+	if !r.helpable || r.wantEngine.Load() || !r.engine.CompareAndSwap(false, true) {
+		return false
+	}
+	if r.stop {
+		// Unreachable while the token is free (the loop stops holding
+		// it), kept as step keeps it.
+		r.unlockEngine()
+		return false
+	}
+	d := r.dir
+	r.sendInlineNotifs()
+	for {
+		n := d.finished.Drain(d.jobBuf)
+		if n == 0 {
+			break
+		}
+		for _, j := range d.jobBuf[:n] {
+			r.endJob(j)
+		}
+		clear(d.jobBuf[:n])
+	}
+	if r.ended {
+		r.ended = false
+		r.broadcast()
+	}
+	retry := len(d.ns.backlog) > 0 || len(d.held) > 0
+	r.st.finisherEnds.Add(1)
+	r.unlockEngine()
+	if r.wantEngine.Load() || retry {
+		// The reactor thread waits for the token (lockEngine), or has
+		// notifications to send again that a long park would leave.
+		r.writeWake()
+	}
+	return true
 }
 
 // drainDirect finishes the READs whose copies ended and sends the

@@ -11,10 +11,14 @@ import (
 )
 
 // IdleStrategy says what the reactor does when a loop turn found no work.
-// With IdleHybrid and IdlePark, while direct READs of 8 MiB or more in
-// all are on the copy workers and nothing else needs the loop, the
-// thread instead sleeps with its goroutine blocked, its P free for the
-// copy, until a copy ends or for at most 1 ms (copyNap).
+// With IdleHybrid and IdlePark, while direct READs are on the copy
+// workers and nothing else needs the loop, the thread instead sleeps
+// with its goroutine blocked, its P free for the copy, for at most 1 ms
+// (copyNap): the goroutine that copies a READ's last chunk publishes its
+// end itself (Stats.FinisherEnds), and a Post submits its READ itself.
+// With Options.ReactorOnly, or an engine that allows no other thread,
+// the thread sleeps so only beside READs of 8 MiB or more in all, and a
+// copy's end wakes it.
 type IdleStrategy uint8
 
 const (

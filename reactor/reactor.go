@@ -647,31 +647,41 @@ func (r *Reactor) state(h uint64, mayStep bool) (State, bool, error) {
 	if s == nil {
 		return StateErr, false, r.badHandle()
 	}
+	helped := false
 	if wordState(w) == stProc {
 		if j := s.run.Load(); j != nil {
 			// A direct READ on the copy pool: copy what no worker has
 			// started yet rather than spend this caller's turn in the
 			// scheduler while the workers wait for a CPU.
-			return StateProc, j.HelpOne(), nil
-		}
-		if !mayStep || s.pooled.Load() || !r.help(h, false) {
-			return StateProc, false, nil
-		}
-		// An engine READ, and this caller took a step of the engine's
-		// work for the reactor (help.go): it may have ended.
-		if s, w = r.tab.lookup(h); s == nil {
-			return StateErr, false, r.badHandle()
+			if !j.HelpOne() {
+				return StateProc, false, nil
+			}
+			// The chunk may have been the last, and this caller may have
+			// published the READ's end itself (endFinished).
+			helped = true
+			if s, w = r.tab.lookup(h); s == nil {
+				return StateErr, true, r.badHandle()
+			}
+		} else {
+			if !mayStep || s.pooled.Load() || !r.help(h, false) {
+				return StateProc, false, nil
+			}
+			// An engine READ, and this caller took a step of the engine's
+			// work for the reactor (help.go): it may have ended.
+			if s, w = r.tab.lookup(h); s == nil {
+				return StateErr, false, r.badHandle()
+			}
 		}
 	}
 	switch wordState(w) {
 	case stProc:
-		return StateProc, false, nil
+		return StateProc, helped, nil
 	case stDone:
-		return StateDone, false, nil
+		return StateDone, helped, nil
 	case stErr:
-		return StateErr, false, codeErrs[wordCode(w, r.tab.mask)]
+		return StateErr, helped, codeErrs[wordCode(w, r.tab.mask)]
 	}
-	return StateErr, false, r.badHandle() // canceling: the handle was released
+	return StateErr, helped, r.badHandle() // canceling: the handle was released
 }
 
 // badHandle is the error for a handle the table does not hold: ErrClosed

@@ -18,6 +18,7 @@ type counters struct {
 	engineErrors                   atomic.Uint64
 	loops, parks                   atomic.Uint64
 	callerSteps, naps              atomic.Uint64
+	finisherEnds                   atomic.Uint64
 	latency                        Histogram
 
 	failedBy     [numCodes]atomic.Uint64
@@ -59,7 +60,12 @@ type Stats struct {
 	// reactor thread stood aside for them.
 	CallerSteps uint64
 	Naps        uint64
-	Latency     HistSnapshot // post → DONE
+	// FinisherEnds counts the times the goroutine that copied the last
+	// chunk of a direct READ (a copy worker, or a caller helping with the
+	// copy) published its end itself, the reactor thread being asleep
+	// (see IdleStrategy).
+	FinisherEnds uint64
+	Latency      HistSnapshot // post → DONE
 
 	// For operators (the metrics package).
 	FailedBy     [NumFailReasons]uint64 // ReadsFailed by reason, indexed like FailReasons
@@ -135,6 +141,7 @@ func (r *Reactor) Stats() Stats {
 		WaitBlocks:     r.st.waitBlocks.Load(),
 		CallerSteps:    r.st.callerSteps.Load(),
 		Naps:           r.st.naps.Load(),
+		FinisherEnds:   r.st.finisherEnds.Load(),
 		Latency:        lat,
 		FailedBy:       failedBy,
 		BusyRefusals:   r.st.busyRefusals.Load(),

@@ -6,8 +6,9 @@ package testhook
 
 import "sync/atomic"
 
-// AfterDirectDone runs on the reactor's loop between publishing a pool
-// READ of a same-host peer DONE and sending its notification.
+// AfterDirectDone runs between publishing a pool READ of a same-host peer
+// DONE and sending its notification, on the goroutine that publishes it
+// (the reactor's loop, or the one that copied its last chunk).
 var AfterDirectDone atomic.Pointer[func()]
 
 // DirectChunk runs before a chunk of a same-host READ on the copy
