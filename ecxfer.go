@@ -494,7 +494,10 @@ func (t *Transport) WaitNotifs(ctx context.Context) (map[string][][]byte, error)
 // copies one untaken chunk itself (at most 256 KiB or the READ divided by
 // four times the number of copy workers, whichever is larger: an eighth
 // with the default two), so a caller that polls lends
-// its CPU to the copy (see the reactor package). Likewise, for a READ on
+// its CPU to the copy (see the reactor package); once every chunk is
+// taken, it yields the processor (sched_yield) to the threads copying
+// them, and the call that copied the last chunk may publish the READ's
+// end itself and return StateDone. Likewise, for a READ on
 // the engine path polled alone (one caller polling one READ, with at most
 // one READ per two Ps in flight), the call first takes a step of the
 // engine's work when the reactor thread is not in a turn (microseconds: a progress of the engine, as a raw engine

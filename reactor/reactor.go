@@ -627,7 +627,8 @@ func (r *Reactor) waitForRoom(tries int) error {
 // READ still on the copy pool it first copies one chunk that no worker has
 // taken (copypool.Job.HelpOne), so polling callers copy instead of
 // starving the workers, and a call copies at most one chunk (a READ is
-// cut into at most 4 per copy worker). For an engine READ in flight it
+// cut into at most 4 per copy worker); with every chunk taken it yields
+// the processor to the threads copying them (sched_yield). For an engine READ in flight it
 // first takes a step of the engine's work if the reactor thread is not in
 // a turn and the engine allows it (Options.ReactorOnly), so polling
 // callers progress the engine instead of spinning beside the reactor.
@@ -654,6 +655,14 @@ func (r *Reactor) state(h uint64, mayStep bool) (State, bool, error) {
 			// started yet rather than spend this caller's turn in the
 			// scheduler while the workers wait for a CPU.
 			if !j.HelpOne() {
+				// Every chunk is taken: give the CPU to the threads
+				// copying them. A polling caller's thread that only
+				// yields its goroutine keeps the core (nothing else is
+				// runnable in this process), and on a machine with as
+				// many busy threads as cores a worker that lost its
+				// core mid-chunk waited out the caller's time slice
+				// (see README, Tuning).
+				schedYield()
 				return StateProc, false, nil
 			}
 			// The chunk may have been the last, and this caller may have

@@ -503,7 +503,9 @@ class EcxferDataTransport(_Base):
         handle at all); xfer_error(handle) says why. Never waits: for a
         large same-host READ still on the copy workers it copies one chunk
         that no worker has taken (at most 256 KiB or an eighth of the
-        READ, whichever is larger, with two workers) and returns."""
+        READ, whichever is larger, with two workers), or with every chunk
+        taken yields the CPU once to the threads copying them
+        (sched_yield), and returns."""
         if _check_py is not None:
             return _check_py(self._t, handle)
         if type(handle) is not int or handle <= 0 or handle >= 1 << 64:
