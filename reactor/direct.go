@@ -1057,16 +1057,7 @@ func (r *Reactor) endFinished() bool {
 	}
 	d := r.dir
 	r.sendInlineNotifs()
-	for {
-		n := d.finished.Drain(d.jobBuf)
-		if n == 0 {
-			break
-		}
-		for _, j := range d.jobBuf[:n] {
-			r.endJob(j)
-		}
-		clear(d.jobBuf[:n])
-	}
+	r.endJobs()
 	if r.ended {
 		r.ended = false
 		r.broadcast()
@@ -1094,16 +1085,8 @@ func (r *Reactor) drainDirect() bool {
 	if r.sendInlineNotifs() {
 		work = true
 	}
-	for {
-		n := d.finished.Drain(d.jobBuf)
-		if n == 0 {
-			break
-		}
+	if r.endJobs() {
 		work = true
-		for _, j := range d.jobBuf[:n] {
-			r.endJob(j)
-		}
-		clear(d.jobBuf[:n])
 	}
 	if r.notifSocket() {
 		work = true
@@ -1115,6 +1098,24 @@ func (r *Reactor) drainDirect() bool {
 		}
 	}
 	return work
+}
+
+// endJobs publishes the ends of the copies on the finished ring and
+// reports whether there were any. Loop only.
+func (r *Reactor) endJobs() bool {
+	d := r.dir
+	work := false
+	for {
+		n := d.finished.Drain(d.jobBuf)
+		if n == 0 {
+			return work
+		}
+		work = true
+		for _, j := range d.jobBuf[:n] {
+			r.endJob(j)
+		}
+		clear(d.jobBuf[:n])
+	}
 }
 
 // endJob publishes the end of a pool copy. Loop only.
