@@ -30,12 +30,14 @@ import (
 // caller inside Post, which returns a handle that is already DONE; a
 // larger one goes through the submission ring like any READ, and the
 // reactor hands it to the copy pool instead of the engine, so the reactor
-// thread never copies a byte. What must stay serialized stays on the
-// reactor: the notification of a READ on the copy workers (sent once the
-// last chunk has landed, exactly once, over the producer's socket when it
-// has one, else through the engine), cancellation, peer removal and
-// replacement, and the liveness watch (the peer's pidfd, in the reactor's
-// epoll set).
+// thread never copies a byte. What must stay serialized stays with the
+// loop, whoever holds its engine token: the end of a READ on the copy
+// workers and its notification (sent once the last chunk has landed,
+// exactly once, over the producer's socket when it has one, else through
+// the engine), published by the reactor thread or, while it sleeps, by
+// the goroutine that copied the last chunk (endFinished); cancellation,
+// peer removal and replacement, and the liveness watch (the peer's
+// pidfd, in the reactor's epoll set) stay on the reactor thread.
 //
 // Lifetimes: a Direct's view is reference counted. Every copy holds a
 // reference for its whole run, so removing, replacing or closing a peer

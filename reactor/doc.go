@@ -31,7 +31,8 @@
 // spinning, so a caller polling its READ and the engine share one core,
 // as with raw engine calls: on a 2-core machine the second core stays
 // for the peer's engine. Everything else (cancels, control operations,
-// timeouts, the direct path) stays with the reactor thread.
+// timeouts, the direct path but the ends of its copies) stays with the
+// reactor thread.
 // Options.ReactorOnly turns it off.
 //
 // Idle: spinning costs a core and on a 2-core machine starves everything
@@ -52,8 +53,11 @@
 // lifeword says so with a load (package lifeword), or else its pidfd with
 // a poll. Every notification is sent once, after its READ is
 // published DONE: by the caller inside Post for an inline READ when the
-// producer's socket takes it at once, otherwise by the reactor. The
-// reactor keeps what must stay serialized: it ends READs on
+// producer's socket takes it at once, otherwise by whoever publishes the
+// READ's end: the reactor, or, while the reactor thread sleeps beside
+// the copies, the goroutine that copied the last chunk, holding the
+// engine token as a caller stepping in does. The reactor keeps what
+// must stay serialized: it ends READs on
 // cancel, removal, replacement and close; and it watches each direct
 // peer's pidfd. Mappings are reference counted, so nothing is unmapped
 // under a running copy. A caller that checks a READ still on the copy
