@@ -990,13 +990,13 @@ func (r *Reactor) copyNapWanted() bool {
 	return false
 }
 
-// copyNap is the reactor thread asleep while READs are copied: it
-// gives up the token and blocks its goroutine, so its P is free for the
-// copy workers and the caller at once, until the last chunk of a copy
-// lands (done wakes it unless its finisher published the end itself,
+// copyNap is the reactor thread asleep while READs are copied: it gives
+// up the token and blocks its goroutine, so its P is free for the copy
+// workers and the caller at once, until the last chunk of a copy lands
+// (done wakes it unless its finisher published the end itself,
 // endFinished, and anything pushed to the rings wakes it unless a Post
-// steps in and submits its READ itself, help.go) or for copyNapMax (or until something is due sooner:
-// parkMillis). A thread
+// steps in and submits its READ itself, help.go) or for copyNapMax (or
+// until something is due sooner: parkMillis). A thread
 // that spins or yields keeps its P (it is locked to its thread), and one
 // asleep in epoll_wait keeps it until Go's sysmon takes it back and then
 // has to win one back to publish the copy's end. With as many Ps as

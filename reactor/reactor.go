@@ -628,10 +628,11 @@ func (r *Reactor) waitForRoom(tries int) error {
 // taken (copypool.Job.HelpOne), so polling callers copy instead of
 // starving the workers, and a call copies at most one chunk (a READ is
 // cut into at most 4 per copy worker); with every chunk taken it yields
-// the processor to the threads copying them (sched_yield). For an engine READ in flight it
-// first takes a step of the engine's work if the reactor thread is not in
-// a turn and the engine allows it (Options.ReactorOnly), so polling
-// callers progress the engine instead of spinning beside the reactor.
+// the processor to the threads copying them (sched_yield). For an engine
+// READ in flight it first takes a step of the engine's work if the
+// reactor thread is not in a turn and the engine allows it
+// (Options.ReactorOnly), so polling callers progress the engine instead
+// of spinning beside the reactor.
 func (r *Reactor) State(h uint64) (State, error) {
 	st, _, err := r.state(h, true)
 	return st, err
