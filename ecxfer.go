@@ -503,7 +503,13 @@ func (t *Transport) WaitNotifs(ctx context.Context) (map[string][][]byte, error)
 // engine's work when the reactor thread is not in a turn (microseconds: a progress of the engine, as a raw engine
 // call would make), so a caller polling in a loop drives the engine and
 // the reactor thread stands aside; Config.Reactor.ReactorOnly keeps the
-// call a load.
+// call a load. And while more engine READs are in flight or queued than
+// twice GOMAXPROCS, a call for a READ that its caller polls in a loop
+// (checked again within 200 µs) sleeps until some READ ends, at most
+// 200 µs, so that many polling goroutines leave the cores to the engine
+// and the peer, as callers of a locked design sleep on its lock; a
+// caller that checks many READs in turn sleeps at most once per READ
+// (see the reactor package, crowd.go).
 func (t *Transport) CheckXferState(h Handle) (State, error) {
 	st, err := t.r.State(uint64(h))
 	switch st {

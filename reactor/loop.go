@@ -299,7 +299,12 @@ func (r *Reactor) turn(progress bool) bool {
 		// Some transfer left PROC this turn (completed, failed before it
 		// reached the engine, aborted by a control operation): wake Wait.
 		r.ended = false
-		r.broadcast()
+		if r.broadcast() && r.opts.Idle != IdlePark {
+			// It woke callers asleep in a crowd (crowd.go): Go queued
+			// them on this thread's processor, which a thread that
+			// spins keeps until Go preempts it (10 ms). Hand it over.
+			runtime.Gosched()
+		}
 	}
 	if r.ev.errs.pending > 0 || r.ev.tmo.pending > 0 {
 		r.flushEvents(false)
@@ -381,18 +386,23 @@ func (r *Reactor) dropOversized() int {
 	return dropped
 }
 
-func (r *Reactor) broadcast() {
+// broadcast wakes every blocked caller (Wait, WaitNotifs, Release, and
+// the callers asleep in a crowd) and reports whether it woke one of the
+// latter.
+func (r *Reactor) broadcast() (crowd bool) {
 	if r.waiters.Load() == 0 {
-		return
+		return false
 	}
 	r.waitMu.Lock()
 	for _, w := range r.waitList {
 		select {
 		case w.ch <- struct{}{}:
+			crowd = crowd || w.crowd
 		default: // signaled already and not yet awake
 		}
 	}
 	r.waitMu.Unlock()
+	return crowd
 }
 
 // submit posts one drained submission.

@@ -147,6 +147,7 @@ type Reactor struct {
 	streak     atomic.Int32  // wishes in a row, each within helpGap of the last (up to helpStreak)
 	helpable   bool
 	helpMax    int64 // callers step in while at most this many READs are in flight or queued
+	crowdMin   int64 // polling callers may sleep while more than this many READs are in flight or queued (crowd.go)
 	// fdsClosed and fdUsers keep callers from writing wakeFD once
 	// closeFDs closes it (see writeWake).
 	fdsClosed atomic.Bool
@@ -257,6 +258,7 @@ func Start(agent nixl.Agent, opts Options, setup Setup) (*Reactor, error) {
 		r.helpable = true
 		r.helpMax = int64(max(1, runtime.GOMAXPROCS(0)/2))
 	}
+	r.crowdMin = int64(2 * runtime.GOMAXPROCS(0))
 	r.helpWant.Store(math.MinInt64 / 2)
 	r.crowdAt.Store(math.MinInt64 / 2)
 	ready := make(chan error, 1)
@@ -403,6 +405,8 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 	// ring (queued, below).
 	claimed := r.tab.claimedWord(h)
 	s.start = r.now()
+	s.polled.Store(0)
+	s.parkEnd.Store(0)
 	s.peer = p
 	s.queued = true
 	s.hasNotif = len(notif) > 0
@@ -632,7 +636,8 @@ func (r *Reactor) waitForRoom(tries int) error {
 // READ in flight it first takes a step of the engine's work if the
 // reactor thread is not in a turn and the engine allows it
 // (Options.ReactorOnly), so polling callers progress the engine instead
-// of spinning beside the reactor.
+// of spinning beside the reactor; among many READs in flight, a caller
+// that polls one in a loop may sleep until some READ ends (crowd.go).
 func (r *Reactor) State(h uint64) (State, error) {
 	st, _, err := r.state(h, true)
 	return st, err
@@ -673,7 +678,13 @@ func (r *Reactor) state(h uint64, mayStep bool) (State, bool, error) {
 				return StateErr, true, r.badHandle()
 			}
 		} else {
-			if !mayStep || s.pooled.Load() || !r.help(h, false) {
+			if !mayStep || s.pooled.Load() {
+				return StateProc, false, nil
+			}
+			if !r.help(h, false) {
+				// Among many READs in flight, a caller polling this one
+				// in a loop sleeps until some READ ends (crowd.go).
+				r.crowdCheck(h, s)
 				return StateProc, false, nil
 			}
 			// An engine READ, and this caller took a step of the engine's
@@ -758,7 +769,7 @@ func (r *Reactor) Release(h uint64) error {
 // returns once onCancel has released it (and the engine fenced what its
 // late data may still write).
 func (r *Reactor) awaitStopped(h uint64) {
-	w := r.addWaiter()
+	w := r.addWaiter(false)
 	defer r.dropWaiter(w)
 	for {
 		if s, word := r.tab.lookup(h); s == nil || wordState(word) != stCanceling {
@@ -819,7 +830,7 @@ func (r *Reactor) Wait(ctx context.Context, h uint64) error {
 	// This caller stops stepping in: a reactor thread napping for it
 	// takes over now.
 	r.unhelp()
-	w := r.addWaiter()
+	w := r.addWaiter(false)
 	defer r.dropWaiter(w)
 	for {
 		st, helped, err := r.state(h, false)
@@ -842,16 +853,22 @@ func (r *Reactor) Wait(ctx context.Context, h uint64) error {
 	}
 }
 
-// waiter is one blocked caller's wake-up channel (one place).
-type waiter struct{ ch chan struct{} }
+// waiter is one blocked caller's wake-up channel (one place), and the
+// timer of a polling caller that sleeps among many (crowdCheck).
+type waiter struct {
+	ch    chan struct{}
+	t     *time.Timer
+	crowd bool // a polling caller asleep in crowdCheck
+}
 
 var waiterPool = sync.Pool{New: func() any { return &waiter{ch: make(chan struct{}, 1)} }}
 
 // addWaiter registers a blocked caller. It must check its condition after
 // this and before it blocks: a change published before broadcast ran is
 // then seen by the check, one published after it by broadcast.
-func (r *Reactor) addWaiter() *waiter {
+func (r *Reactor) addWaiter(crowd bool) *waiter {
 	w := waiterPool.Get().(*waiter)
+	w.crowd = crowd
 	r.waiters.Add(1)
 	r.waitMu.Lock()
 	r.waitList = append(r.waitList, w)
@@ -917,7 +934,7 @@ func (r *Reactor) WaitNotifs(ctx context.Context) (map[string][][]byte, error) {
 	if ctx == nil {
 		ctx = context.Background()
 	}
-	w := r.addWaiter()
+	w := r.addWaiter(false)
 	defer r.dropWaiter(w)
 	for {
 		if m := r.Notifs(); len(m) > 0 {

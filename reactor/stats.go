@@ -24,8 +24,8 @@ type counters struct {
 	failedBy     [numCodes]atomic.Uint64
 	busyNs       atomic.Uint64 // time in loop turns that found work
 	busyRefusals atomic.Uint64 // counted by callers whose Post got ErrBusy
-	// waitBlocks is the exception: callers of Wait count it.
-	waitBlocks atomic.Uint64
+	// waitBlocks and crowdSleeps are the exception: callers count them.
+	waitBlocks, crowdSleeps atomic.Uint64
 }
 
 // Stats is a snapshot of the reactor's counters, taken without stopping it.
@@ -55,6 +55,7 @@ type Stats struct {
 	LoopTurns   uint64 // event loop turns
 	Parks       uint64 // times the reactor slept
 	WaitBlocks  uint64 // times Wait spun for WaitSpin and then blocked
+	CrowdSleeps uint64 // checks of a READ polled among many that slept until some READ ended (crowd.go)
 	// CallerSteps counts steps of the engine work that callers polling a
 	// READ took for the reactor (Options.ReactorOnly); Naps the times the
 	// reactor thread stood aside for them.
@@ -139,6 +140,7 @@ func (r *Reactor) Stats() Stats {
 		LoopTurns:      r.st.loops.Load(),
 		Parks:          r.st.parks.Load(),
 		WaitBlocks:     r.st.waitBlocks.Load(),
+		CrowdSleeps:    r.st.crowdSleeps.Load(),
 		CallerSteps:    r.st.callerSteps.Load(),
 		Naps:           r.st.naps.Load(),
 		FinisherEnds:   r.st.finisherEnds.Load(),

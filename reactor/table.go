@@ -89,6 +89,9 @@ type slot struct {
 	// before the handle is published). Release waits for such a READ's
 	// copy to stop.
 	pooled atomic.Bool
+	// polled: when a caller last checked the READ in a crowd; parkEnd:
+	// when such a check last ended a sleep (crowd.go). Reset by Post.
+	polled, parkEnd atomic.Int64
 
 	// reactor-only
 	job  *dirJob // the copy of a direct READ, while it runs
