@@ -60,6 +60,8 @@
 //	                                                its rate is the busy fraction
 //	ecxfer_reactor_cpu_seconds_total    [counter]   the reactor thread's CPU time
 //	ecxfer_wait_blocks_total            [counter]   Wait calls that stopped spinning and slept
+//	ecxfer_crowd_sleeps_total           [counter]   checks of a READ polled in a loop among many
+//	                                                that slept until some READ ended
 //	ecxfer_read_duration_seconds        [histogram] post → DONE latency of READs
 //
 // With WithPeers(n), up to n peers (the first n by name) also get
@@ -121,7 +123,7 @@ type collector struct {
 	notifsSent, notifsReceived, engineErrors           *prometheus.Desc
 	peersDesc, loopTurns, parks, busySeconds, cpu      *prometheus.Desc
 	callerSteps, naps                                  *prometheus.Desc
-	waitBlocks, duration                               *prometheus.Desc
+	waitBlocks, crowdSleeps, duration                  *prometheus.Desc
 	notifsDropped, readsDirect, readsInline            *prometheus.Desc
 	copyWorkers, copyBusy                              *prometheus.Desc
 	peerDone, peerFailed, peerBytes, peerOmitted       *prometheus.Desc
@@ -169,6 +171,7 @@ func NewCollector(t *ecxfer.Transport, opts ...Option) prometheus.Collector {
 	c.busySeconds = d("ecxfer_reactor_busy_seconds_total", "Reactor time spent in loop turns that found work; its rate is the busy fraction.")
 	c.cpu = d("ecxfer_reactor_cpu_seconds_total", "CPU time used by the reactor thread.")
 	c.waitBlocks = d("ecxfer_wait_blocks_total", "Wait calls that stopped spinning and slept.")
+	c.crowdSleeps = d("ecxfer_crowd_sleeps_total", "Checks of a READ polled in a loop among many in flight that slept until some READ ended.")
 	c.duration = d("ecxfer_read_duration_seconds", "Post to DONE latency of READs.")
 	c.peerDone = d("ecxfer_peer_reads_done_total", "READs from this peer finished DONE.", "peer")
 	c.peerFailed = d("ecxfer_peer_reads_failed_total", "READs from this peer that failed (ERR; not those canceled by a release or the peer's removal).", "peer")
@@ -184,7 +187,7 @@ func (c *collector) Describe(ch chan<- *prometheus.Desc) {
 		c.readBytes, c.inFlight, c.handles, c.busyRefusals,
 		c.notifsSent, c.notifsReceived, c.engineErrors,
 		c.peersDesc, c.loopTurns, c.parks, c.callerSteps, c.naps, c.busySeconds, c.cpu,
-		c.waitBlocks, c.duration, c.notifsDropped, c.readsDirect, c.readsInline,
+		c.waitBlocks, c.crowdSleeps, c.duration, c.notifsDropped, c.readsDirect, c.readsInline,
 		c.copyWorkers, c.copyBusy,
 	} {
 		ch <- d
@@ -240,6 +243,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		counter(c.cpu, cpu.Seconds())
 	}
 	counter(c.waitBlocks, float64(s.WaitBlocks))
+	counter(c.crowdSleeps, float64(s.CrowdSleeps))
 	buckets := make(map[float64]uint64, len(DurationBuckets))
 	for _, b := range DurationBuckets {
 		buckets[b.Seconds()] = s.Latency.CountBelow(b)

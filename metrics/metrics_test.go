@@ -116,6 +116,7 @@ func TestScrapeOverHTTP(t *testing.T) {
 		"ecxfer_reactor_busy_seconds_total":   "counter",
 		"ecxfer_reactor_cpu_seconds_total":    "counter",
 		"ecxfer_wait_blocks_total":            "counter",
+		"ecxfer_crowd_sleeps_total":           "counter",
 		"ecxfer_read_duration_seconds":        "histogram",
 		"ecxfer_peer_reads_done_total":        "counter",
 		"ecxfer_peer_reads_failed_total":      "counter",
@@ -157,6 +158,13 @@ func TestScrapeOverHTTP(t *testing.T) {
 		}
 		hs = append(hs, h)
 	}
+	// A READ polled in a loop among that crowd (far more in flight than
+	// twice GOMAXPROCS): its checks after the first sleep.
+	for i := 0; i < 5; i++ {
+		st, err := cons.CheckXferState(hs[0])
+		require.NoError(t, err)
+		require.Equal(t, ecxfer.StateProc, st)
+	}
 	for _, h := range hs {
 		_ = cons.Wait(ctx, h)
 		require.NoError(t, cons.ReleaseXferHandle(h))
@@ -174,6 +182,9 @@ func TestScrapeOverHTTP(t *testing.T) {
 	require.Equal(t, float64(n+len(hs)), value(t, after, "ecxfer_reads_posted_total", me))
 	require.GreaterOrEqual(t, value(t, after, "ecxfer_busy_refusals_total", me), 1.0)
 	require.Zero(t, value(t, after, "ecxfer_reads_in_flight", me))
+	require.Zero(t, value(t, before, "ecxfer_crowd_sleeps_total", me))
+	require.GreaterOrEqual(t, value(t, after, "ecxfer_crowd_sleeps_total", me), 1.0)
+	require.Equal(t, float64(cons.Stats().CrowdSleeps), value(t, after, "ecxfer_crowd_sleeps_total", me))
 	require.Zero(t, value(t, after, "ecxfer_handles_live", me))
 	require.Greater(t, value(t, after, "ecxfer_reactor_loop_turns_total", me), value(t, before, "ecxfer_reactor_loop_turns_total", me))
 	require.Greater(t, value(t, after, "ecxfer_reactor_busy_seconds_total", me), 0.0)
