@@ -383,15 +383,42 @@ func TestTokenWaitSleeps(t *testing.T) {
 	before := r.lockSleeps.Load()
 	time.Sleep(hold)
 	slept := r.lockSleeps.Load() - before
-	r.engine.Store(false)
-	r.writeWake()
+	r.releaseEngine()
 	// At most one sleep per lockSleep, twice over for wake-ups and
 	// interrupted sleeps; looping without sleeping makes tens of
 	// thousands.
 	require.NotZero(t, slept, "the reactor thread never slept while it waited for the token")
-	require.LessOrEqual(t, slept, int64(2*hold/lockSleep)+100, "the reactor thread did not sleep between its looks at the token")
+	require.LessOrEqual(t, slept, int64(2*hold/lockSleep)+10, "the reactor thread did not sleep between its looks at the token")
 
 	// And the loop goes on once it has the token.
+	h, err := r.Post(p.pname, []int{1}, []int{2}, nil)
+	require.NoError(t, err)
+	st, err := pollDone(t, r, h)
+	require.NoError(t, err)
+	require.Equal(t, StateDone, st)
+	require.NoError(t, r.Release(h))
+}
+
+// The reactor thread waiting for the token a caller holds is woken when
+// the caller hands it back, not by its sleep's timeout: with lockSleep an
+// hour, the loop goes on once the token is released.
+func TestTokenHandOverWakes(t *testing.T) {
+	leakcheck.Check(t)
+	sleep := lockSleep
+	lockSleep = time.Hour
+	t.Cleanup(func() { lockSleep = sleep })
+	p := newPair(t, 16, Options{Idle: IdlePark})
+	r := p.cons
+	require.Eventually(t, func() bool {
+		return r.sleeping.Load() && r.engine.CompareAndSwap(false, true)
+	}, 5*time.Second, 100*time.Microsecond)
+	r.writeWake()
+	require.Eventually(t, r.wantEngine.Load, 5*time.Second, 100*time.Microsecond)
+	require.Eventually(t, func() bool { return r.lockSleeps.Load() > 0 }, 5*time.Second, 100*time.Microsecond,
+		"the reactor thread never went to sleep waiting for the token")
+	r.releaseEngine()
+	require.Eventually(t, func() bool { return !r.wantEngine.Load() }, 5*time.Second, 100*time.Microsecond,
+		"the reactor thread slept on after the token was handed back")
 	h, err := r.Post(p.pname, []int{1}, []int{2}, nil)
 	require.NoError(t, err)
 	st, err := pollDone(t, r, h)
