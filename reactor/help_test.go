@@ -370,15 +370,7 @@ func TestNapFreesItsP(t *testing.T) {
 // took a core from the caller holding the token.
 func TestTokenWaitSleeps(t *testing.T) {
 	leakcheck.Check(t)
-	p := newPair(t, 16, Options{Idle: IdlePark})
-	r := p.cons
-	// Take the token while the reactor thread parks without it, then wake
-	// it: its next turn waits for the token.
-	require.Eventually(t, func() bool {
-		return r.sleeping.Load() && r.engine.CompareAndSwap(false, true)
-	}, 5*time.Second, 100*time.Microsecond)
-	r.writeWake()
-	require.Eventually(t, r.wantEngine.Load, 5*time.Second, 100*time.Microsecond)
+	p, r := holdToken(t)
 	const hold = 100 * time.Millisecond
 	before := r.lockSleeps.Load()
 	time.Sleep(hold)
@@ -391,12 +383,7 @@ func TestTokenWaitSleeps(t *testing.T) {
 	require.LessOrEqual(t, slept, int64(2*hold/lockSleep)+10, "the reactor thread did not sleep between its looks at the token")
 
 	// And the loop goes on once it has the token.
-	h, err := r.Post(p.pname, []int{1}, []int{2}, nil)
-	require.NoError(t, err)
-	st, err := pollDone(t, r, h)
-	require.NoError(t, err)
-	require.Equal(t, StateDone, st)
-	require.NoError(t, r.Release(h))
+	readOnce(t, p)
 }
 
 // The reactor thread waiting for the token a caller holds is woken when
@@ -407,6 +394,20 @@ func TestTokenHandOverWakes(t *testing.T) {
 	sleep := lockSleep
 	lockSleep = time.Hour
 	t.Cleanup(func() { lockSleep = sleep })
+	p, r := holdToken(t)
+	require.Eventually(t, func() bool { return r.lockSleeps.Load() > 0 }, 5*time.Second, 100*time.Microsecond,
+		"the reactor thread never went to sleep waiting for the token")
+	r.releaseEngine()
+	require.Eventually(t, func() bool { return !r.wantEngine.Load() }, 5*time.Second, 100*time.Microsecond,
+		"the reactor thread slept on after the token was handed back")
+	readOnce(t, p)
+}
+
+// holdToken starts a pair whose consumer parks, takes the engine token
+// while its reactor thread sleeps without it, and wakes the thread: its
+// next turn waits for the token.
+func holdToken(t *testing.T) (*testPair, *Reactor) {
+	t.Helper()
 	p := newPair(t, 16, Options{Idle: IdlePark})
 	r := p.cons
 	require.Eventually(t, func() bool {
@@ -414,17 +415,18 @@ func TestTokenHandOverWakes(t *testing.T) {
 	}, 5*time.Second, 100*time.Microsecond)
 	r.writeWake()
 	require.Eventually(t, r.wantEngine.Load, 5*time.Second, 100*time.Microsecond)
-	require.Eventually(t, func() bool { return r.lockSleeps.Load() > 0 }, 5*time.Second, 100*time.Microsecond,
-		"the reactor thread never went to sleep waiting for the token")
-	r.releaseEngine()
-	require.Eventually(t, func() bool { return !r.wantEngine.Load() }, 5*time.Second, 100*time.Microsecond,
-		"the reactor thread slept on after the token was handed back")
-	h, err := r.Post(p.pname, []int{1}, []int{2}, nil)
+	return p, r
+}
+
+// readOnce posts a READ on p's consumer and polls it to DONE.
+func readOnce(t *testing.T, p *testPair) {
+	t.Helper()
+	h, err := p.cons.Post(p.pname, []int{1}, []int{2}, nil)
 	require.NoError(t, err)
-	st, err := pollDone(t, r, h)
+	st, err := pollDone(t, p.cons, h)
 	require.NoError(t, err)
 	require.Equal(t, StateDone, st)
-	require.NoError(t, r.Release(h))
+	require.NoError(t, p.cons.Release(h))
 }
 
 // BenchmarkCheckSteppingIn is one CheckXferState of an engine READ in
