@@ -164,6 +164,7 @@ type Agent struct {
 	start    uint64
 	ucxVer   uint64
 	c        *C.ecx_ctx_t
+	cAt      C.uintptr_t // c's address, for the calls made in a loop (ecx_progress_at)
 	worker   []byte
 	epfd     int
 	closed   bool
@@ -278,6 +279,7 @@ func New(cfg Config) (*Agent, error) {
 	if st != 0 {
 		return nil, ucsErr(st, "ucx: init")
 	}
+	a.cAt = C.uintptr_t(uintptr(unsafe.Pointer(a.c)))
 	if cfg.rndvNotifs {
 		a.c.send_rndv = 1
 	}
@@ -337,7 +339,7 @@ func (a *Agent) Progress() (bool, error) {
 		return false, errClosed
 	}
 	a.pidPolled = false
-	did := C.ecx_progress(a.c) > 0
+	did := C.ecx_progress_at(a.cAt) > 0
 	if a.c.err_head != nil && a.drainPeerErrors() {
 		did = true
 	}
@@ -378,7 +380,7 @@ func (a *Agent) Arm() (bool, error) {
 	if a.checkPids() {
 		return false, nil
 	}
-	switch r := C.ecx_arm(a.c); {
+	switch r := C.ecx_arm_at(a.cAt); {
 	case r == 1:
 		return true, nil
 	case r == 0:
@@ -485,6 +487,7 @@ func (a *Agent) Close() error {
 	a.undelivered = uint64(a.c.notif_undelivered) + uint64(C.ecx_waiting(a.c, nil))
 	C.ecx_destroy(a.c)
 	a.c = nil
+	a.cAt = 0
 	C.free(unsafe.Pointer(a.compBuf))
 	a.compBuf = nil
 	C.free(unsafe.Pointer(a.postOut))

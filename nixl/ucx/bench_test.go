@@ -123,3 +123,18 @@ func BenchmarkNotifRoundTrip(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkProgressIdle is one Progress of a connected agent with nothing
+// in flight: what a spinning reactor's turn and a stepping caller's check
+// pay for the engine when there is nothing to do.
+func BenchmarkProgressIdle(b *testing.B) {
+	ch := startChild(b, childOpts{name: "prod", seed: 1, block: 4096, blocks: 16, alloc: true, quiet: true})
+	c := newConsumer(b, Config{Name: "cons"}, 16, 4096)
+	c.connect(b, ch)
+	b.ResetTimer()
+	for b.Loop() {
+		if _, err := c.a.Progress(); err != nil {
+			b.Fatal(err)
+		}
+	}
+}

@@ -229,6 +229,14 @@ void ecx_err_free(ecx_peer_err_t *e);
 /* Arm: 1 armed, 0 busy (events pending), negative status on error. */
 int ecx_arm(ecx_ctx_t *c);
 
+/* ecx_progress and ecx_arm with the context's address as an integer, for
+ * the calls a reactor makes in a loop: Go checks every pointer argument
+ * of a cgo call for Go memory (the context has pointers, so the check
+ * runs), about a third of an idle ecx_progress's cost, and the context
+ * is C memory. */
+static inline uint32_t ecx_progress_at(uintptr_t c) { return ecx_progress((ecx_ctx_t *)c); }
+static inline int ecx_arm_at(uintptr_t c) { return ecx_arm((ecx_ctx_t *)c); }
+
 /* Pending endpoint closes. */
 uint32_t ecx_closing(ecx_ctx_t *c);
 /* Notifications waiting for room in ep's peer's queue (every peer's for a
