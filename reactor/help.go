@@ -51,8 +51,8 @@ const crowdHold = 10 * time.Millisecond
 var napTurn = 10 * time.Millisecond
 
 // lockEngine takes the token for the reactor thread. A caller's step
-// holds it for microseconds to milliseconds (one that posts an image's
-// 880 gets over TCP makes a system call for each), and on a small
+// holds it for microseconds to a millisecond (one that posts an image's
+// 880 gets over TCP makes up to one system call for each), and on a small
 // machine its thread may lose the CPU meanwhile: after a short spin the
 // reactor thread sleeps on its wake-up fd, which every holder but the
 // reactor thread writes as it hands the token back while the reactor
@@ -87,8 +87,8 @@ func (r *Reactor) lockEngine() {
 // lockSleep is the longest lockEngine sleeps before it looks again (a
 // variable for tests). The hand-over wakes it, so this is a safety net,
 // not how the wait ends: with 50 µs the reactor thread woke every 50 µs
-// while a caller's step posted an image's scattered gets, up to twenty
-// times per wait, and each wake-up preempted the caller or the peer's
+// while a caller's step posted an image's gets, 6-25 times per
+// wait, and each wake-up preempted the caller or the peer's
 // engine on a 2-core machine (three pairs of runs across two network
 // namespaces, in turn: the 880 x 5,120 B scattered row 0.88-0.92x
 // `locked` with 50 µs, 1.00-1.03x with 2 ms).
