@@ -87,11 +87,11 @@ func (r *Reactor) lockEngine() {
 // lockSleep is the longest lockEngine sleeps before it looks again (a
 // variable for tests). The hand-over wakes it, so this is a safety net,
 // not how the wait ends: with 50 µs the reactor thread woke every 50 µs
-// while a caller's step posted an image's gets, 6-25 times per
-// wait, and each wake-up preempted the caller or the peer's
-// engine on a 2-core machine (three pairs of runs across two network
-// namespaces, in turn: the 880 x 5,120 B scattered row 0.88-0.92x
-// `locked` with 50 µs, 1.00-1.03x with 2 ms).
+// while a caller's step posted an image's gets, 6-25 times per wait,
+// and each wake-up preempted the caller or the peer's engine on a
+// 2-core machine (three pairs of runs across two network namespaces, in
+// turn: the 880 x 5,120 B scattered row 0.88-0.92x `locked` with 50 µs,
+// 1.00-1.03x with 2 ms).
 var lockSleep = 2 * time.Millisecond
 
 func (r *Reactor) unlockEngine() { r.engine.Store(false) }

@@ -232,8 +232,8 @@ int ecx_arm(ecx_ctx_t *c);
 /* ecx_progress and ecx_arm with the context's address as an integer, for
  * the calls a reactor makes in a loop: Go checks every pointer argument
  * of a cgo call for Go memory (the context has pointers, so the check
- * runs), about a third of an idle ecx_progress's cost, and the context
- * is C memory. */
+ * runs), which was a fifth of an idle Progress (BenchmarkProgressIdle:
+ * 65 ns, 51 without), and the context is C memory. */
 static inline uint32_t ecx_progress_at(uintptr_t c) { return ecx_progress((ecx_ctx_t *)c); }
 static inline int ecx_arm_at(uintptr_t c) { return ecx_arm((ecx_ctx_t *)c); }
 
