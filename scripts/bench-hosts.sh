@@ -12,25 +12,24 @@
 # one 2-round run to the next, and more rounds keep a run's ratios from
 # being decided by which mode the machine's slow spells hit.
 #
-# The harness's consumer reactor runs with ecxfer's default idle strategy
-# (CONSUMER_IDLE, hybrid), as a consumer does unless it is tuned; the
-# producer's reactor, and every reactor of the fleet run, park
-# (HOSTS_IDLE), as README's Tuning advises for producers across hosts:
-# across TCP every get needs the producer's engine, and on a busy machine
-# a thread that yields instead of sleeping waits for a whole scheduler
-# round (milliseconds) where a sleeping one is woken at once; see README,
-# "Operating it". (Sixteen consumer processes on two cores park too: a
-# spinning reactor each would measure the machine, not the link.)
+# The harness's reactors, consumer and producer, run with ecxfer's
+# default idle strategy (CONSUMER_IDLE and PRODUCER_IDLE, hybrid), as
+# they do unless tuned; README's Tuning says why a producer across hosts
+# is left on it (parked, it was slower on one-block READs and no faster
+# on the rest). Every reactor of the fleet run parks (HOSTS_IDLE):
+# sixteen consumer processes on two cores, each reactor spinning, would
+# measure the machine, not the link.
 #
-# Needs root and iproute2. Environment: GO (go), HOSTS_IDLE (park),
-# CONSUMER_IDLE (hybrid), BENCH_FLAGS (extra flags for ecxfer-bench run,
-# after the defaults), FLEET_FLAGS (extra flags for ecxfer-fleet
-# consumers).
+# Needs root and iproute2. Environment: GO (go), CONSUMER_IDLE and
+# PRODUCER_IDLE (hybrid), HOSTS_IDLE (park), BENCH_FLAGS (extra flags for
+# ecxfer-bench run, after the defaults), FLEET_FLAGS (extra flags for
+# ecxfer-fleet consumers).
 set -eu
 
 GO=${GO:-go}
 HOSTS_IDLE=${HOSTS_IDLE:-park}
 CONSUMER_IDLE=${CONSUMER_IDLE:-hybrid}
+PRODUCER_IDLE=${PRODUCER_IDLE:-hybrid}
 ID=$$
 NSA=ecxh-p$ID
 NSB=ecxh-c$ID
@@ -102,7 +101,7 @@ PIDS="$PIDS $!"
 sleep 0.5
 # shellcheck disable=SC2086
 ip netns exec "$NSB" env UCX_TLS=tcp UCX_NET_DEVICES="$DEVB" "$TMP/ecxfer-bench" run --connect "$IPA:7100" --no-refs \
-	--idle "$CONSUMER_IDLE" --producer-idle "$HOSTS_IDLE" --duration 3s --rounds 6 ${BENCH_FLAGS:-}
+	--idle "$CONSUMER_IDLE" --producer-idle "$PRODUCER_IDLE" --duration 3s --rounds 6 ${BENCH_FLAGS:-}
 
 echo "bench-hosts: one producer in $NSA, consumer processes in $NSB"
 # shellcheck disable=SC2086
