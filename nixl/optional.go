@@ -112,3 +112,28 @@ type StagedPeer interface {
 type AnyThread interface {
 	AnyThread() bool
 }
+
+// GatherCounter is implemented by engines that gather READs: a READ of
+// many ranges asked for in a few messages, which the peer answers with the
+// bytes (ucx, peers on other hosts). GatherCounts counts them since the
+// agent was created; the counts keep their values after Close and never
+// decrease.
+type GatherCounter interface {
+	GatherCounts() GatherCounts
+}
+
+// GatherCounts are the counters of gathered READs.
+type GatherCounts struct {
+	// As producer: requests answered with their bytes; refused because
+	// the answers in flight reached the engine's bound (the consumer asks
+	// again shortly); refused as malformed or reaching outside the
+	// registered memory (the consumer's READ fails); not answered at all
+	// (no way to answer, out of memory, or the consumer's endpoint failed
+	// in the middle of the answers).
+	Served, Busy, Refused, Dropped uint64
+	// As consumer: answers that came for READs no longer waiting (they
+	// were released); answers that did not fit the READ they named (the
+	// READ fails); requests asked again after a producer refused them as
+	// busy.
+	Late, Bad, Retries uint64
+}

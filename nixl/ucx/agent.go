@@ -70,6 +70,14 @@ type Config struct {
 	// a parked caller wakes on their death; a removed peer's exit is seen
 	// at the caller's next wake-up.
 	LivenessPoll time.Duration
+	// NoGather turns gathered READs off. By default a READ of a peer
+	// reached in error mode PEER (another host: UCX over tcp) that answers
+	// gathers asks for all its ranges in a few messages, answered with
+	// the bytes packed into a few sends, instead of one UCX get per range;
+	// and this agent advertises that it answers such requests, which it
+	// checks against its registered memory. With NoGather it does neither
+	// (it still answers requests that reach it).
+	NoGather bool
 
 	noPidfd        bool // tests: rely on UCX alone for same-host peers
 	rndvNotifs     bool // tests: send notifications by rendezvous (peers drop them)
@@ -117,8 +125,11 @@ type peer struct {
 	// sharedGets: gets from this peer's caller memory are emulated with
 	// messages over a shared-memory transport (nixl.SharedQueueGetter).
 	sharedGets bool
-	pidfd      int
-	inflight   map[nixl.XferID]*xfer
+	// gather: READs of this peer are gathered (ECX_OP_GATHER): it is
+	// reached in error mode PEER (another host) and answers gathers.
+	gather   bool
+	pidfd    int
+	inflight map[nixl.XferID]*xfer
 }
 
 // abandonedEp is what Close frees of an endpoint it leaves to the worker.
@@ -212,7 +223,8 @@ type Agent struct {
 	// pidPolled: the pidfds were polled since the last Progress,
 	// PollCompletions, XferStatus or GetNotifs (PostXfer).
 	pidPolled bool
-	dropped   uint64 // notif_dropped, kept when the C context goes at Close
+	dropped   uint64            // notif_dropped, kept when the C context goes at Close
+	gstats    nixl.GatherCounts // the C context's gather counters, kept at Close
 	// undelivered is notif_undelivered and the notifications still
 	// waiting, kept when the C context goes at Close.
 	undelivered uint64
@@ -269,7 +281,11 @@ func New(cfg Config) (*Agent, error) {
 	}
 	var ma, mi C.uint32_t
 	C.ecx_version(&ma, &mi)
-	a.ucxVer = ucxFeatures(uint64(ma), uint64(mi), featFragNotifs)
+	feats := uint64(featFragNotifs)
+	if !cfg.NoGather {
+		feats |= featGather
+	}
+	a.ucxVer = ucxFeatures(uint64(ma), uint64(mi), feats)
 
 	cname := C.CString(cfg.Name)
 	enginekit.UCXInit.Lock() // see there: libnixl may be setting UCX_MODULES
@@ -484,6 +500,7 @@ func (a *Agent) Close() error {
 	a.mems.Clear()
 	a.dlists.Clear()
 	a.dropped = uint64(a.c.notif_dropped)
+	a.gstats = gatherCountsOf(&a.c.gstats)
 	a.undelivered = uint64(a.c.notif_undelivered) + uint64(C.ecx_waiting(a.c, nil))
 	C.ecx_destroy(a.c)
 	a.c = nil

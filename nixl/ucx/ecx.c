@@ -22,6 +22,30 @@ typedef struct ecx_ureq {
 
 enum { PH_DATA = 0, PH_AM = 1 };
 
+/* A gathered READ at the reader (see ECX_OP_GATHER in ecx.h). Its byte
+ * stream is its ranges' bytes in order; request k asks for the stream's
+ * bytes [req_at[k], req_at[k+1]), all chunks of it but the last whole. */
+typedef struct ecx_gather {
+    uint64_t id;
+    struct ecx_post *tab_next;   /* c->gtab chain */
+    struct ecx_post *retry_next; /* c->gretry */
+    uint64_t total;              /* bytes of the READ */
+    uint64_t retry_at;           /* CLOCK_MONOTONIC ns */
+    uint32_t nchunks, got;
+    uint32_t nreq, sent;         /* requests, those sent so far */
+    uint32_t answered;           /* requests fully answered */
+    uint8_t waiting;             /* on c->gtab: answers still to come */
+    uint8_t on_retry;
+    uint64_t *at;     /* nranges + 1 stream offsets of the ranges */
+    uint64_t *req_at; /* nreq + 1 stream offsets of the requests */
+    uint32_t *req_chunk0; /* nreq + 1: the number of request k's first chunk */
+    uint32_t *req_left; /* chunks still to come, per request */
+    uint8_t *resend;  /* per request: asked again once retry_at passes */
+    uint8_t *bits;    /* per chunk: arrived */
+    char *msgs;       /* the requests, each header then ranges */
+    uint32_t *msg_at; /* nreq + 1 offsets into msgs */
+} ecx_gather_t;
+
 struct ecx_post {
     ecx_post_t *live_next;
     ecx_post_t *live_prev;
@@ -56,8 +80,32 @@ struct ecx_post {
     uint32_t nranges;
     int op;
     uint8_t on_posting;
+    ecx_gather_t *g; /* a gathered READ's state (ECX_OP_GATHER), else NULL */
     void *reqs[]; /* outstanding UCX requests (NULL once called back) */
 };
+
+/* The answers of one request: their headers, then the bytes. */
+typedef struct ecx_gbuf {
+    struct ecx_gbuf *next, *prev;
+    ecx_ctx_t *ctx;
+    uint32_t refs;
+    uint64_t bytes;
+    char data[];
+} ecx_gbuf_t;
+
+/* Gathered READs (ECX_OP_GATHER; defined with the posting code below). */
+static int data_done(const ecx_post_t *p);
+static void gather_stop(ecx_post_t *p);
+static void gather_fail(ecx_post_t *p, ucs_status_t st);
+static void gather_free(ecx_post_t *p);
+static void gather_ep_failed(ecx_ctx_t *c, ucp_ep_h ep, ucs_status_t st);
+static ucs_status_t gather_req_cb(void *arg, const void *header, size_t header_length,
+                                  void *data, size_t length, const ucp_am_recv_param_t *param);
+static ucs_status_t gather_data_cb(void *arg, const void *header, size_t header_length,
+                                   void *data, size_t length, const ucp_am_recv_param_t *param);
+static uint32_t gather_retries(ecx_ctx_t *c);
+static void gather_post_some(ecx_post_t *p);
+static ecx_gather_t *gather_new(ecx_ctx_t *c, const ecx_range_t *r, uint32_t n);
 
 struct ecx_close {
     ecx_close_t *next;
@@ -197,6 +245,9 @@ static void post_free(ecx_post_t *p)
         p->live_next->live_prev = p->live_prev;
     }
     c->nlive--;
+    if (p->g != NULL) {
+        gather_free(p);
+    }
     free(p);
 }
 
@@ -236,7 +287,11 @@ static void op_cb(void *request, ucs_status_t status, void *user_data)
         p->status = status;
     }
     ucp_request_free(request);
-    if (--p->outstanding == 0 && p->next == p->nranges) {
+    if (status != UCS_OK && p->g != NULL && p->phase == PH_DATA) {
+        /* A request that did not go: its answers will not come. */
+        gather_stop(p);
+    }
+    if (--p->outstanding == 0 && data_done(p) && !p->on_posting) {
         ready_push(p);
     }
 }
@@ -494,7 +549,7 @@ static void ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
     ecx_ep_arg_t *a = arg;
     ecx_ctx_t *c = a->ctx;
     ecx_peer_err_t *e;
-    (void)ep;
+    gather_ep_failed(c, ep, status);
     e = malloc(sizeof(*e));
     if (e == NULL) {
         return;
@@ -596,6 +651,19 @@ int ecx_create(const char *name, uint32_t name_len, ecx_ctx_t **out)
     if (st != UCS_OK) {
         goto err_worker;
     }
+    ap.id = ECX_AM_GATHER_REQ;
+    ap.cb = gather_req_cb;
+    st = ucp_worker_set_am_recv_handler(c->worker, &ap);
+    if (st != UCS_OK) {
+        goto err_worker;
+    }
+    ap.id = ECX_AM_GATHER_DATA;
+    ap.cb = gather_data_cb;
+    st = ucp_worker_set_am_recv_handler(c->worker, &ap);
+    if (st != UCS_OK) {
+        goto err_worker;
+    }
+    c->gather_max_out = ECX_GATHER_MAX_OUT;
     if (getrandom(&c->token, sizeof(c->token), GRND_NONBLOCK) != (ssize_t)sizeof(c->token)) {
         /* Tells this sender's fragments from other senders' at a receiver:
          * unique enough without the entropy pool. */
@@ -732,8 +800,16 @@ void ecx_destroy(ecx_ctx_t *c)
      * gets) die with the worker. */
     while ((p = c->live) != NULL) {
         c->live = p->live_next;
+        free(p->g);
         free(p);
     }
+    /* Answers whose sends never called back went with the worker. */
+    while (c->gbufs != NULL) {
+        ecx_gbuf_t *b = c->gbufs;
+        c->gbufs = b->next;
+        free(b);
+    }
+    free(c->regions);
     while ((n = c->notif_head) != NULL) {
         c->notif_head = n->next;
         free(n);
@@ -1018,6 +1094,676 @@ void ecx_rkey_destroy(ucp_rkey_h rkey)
     ucp_rkey_destroy(rkey);
 }
 
+/* ------------------------------------------------------ gathered READs */
+
+static void put_le64(unsigned char *b, uint64_t v)
+{
+    put_le32(b, (uint32_t)v);
+    put_le32(b + 4, (uint32_t)(v >> 32));
+}
+
+static uint32_t get_le32(const unsigned char *b)
+{
+    return (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24;
+}
+
+static uint64_t get_le64(const unsigned char *b)
+{
+    return (uint64_t)get_le32(b) | (uint64_t)get_le32(b + 4) << 32;
+}
+
+/* Whether p's data phase is over: every range (every request) posted and,
+ * for a gathered READ, no answer awaited. */
+static int data_done(const ecx_post_t *p)
+{
+    return p->next == p->nranges && (p->g == NULL || !p->g->waiting);
+}
+
+static ecx_post_t **gtab_slot(ecx_ctx_t *c, uint64_t id)
+{
+    return &c->gtab[(id ^ id >> 17) & (ECX_GATHER_BUCKETS - 1)];
+}
+
+static ecx_post_t *gtab_find(ecx_ctx_t *c, uint64_t id)
+{
+    ecx_post_t *p;
+    for (p = *gtab_slot(c, id); p != NULL; p = p->g->tab_next) {
+        if (p->g->id == id) {
+            return p;
+        }
+    }
+    return NULL;
+}
+
+static void gtab_remove(ecx_post_t *p)
+{
+    ecx_post_t **pp;
+    for (pp = gtab_slot(p->ctx, p->g->id); *pp != NULL; pp = &(*pp)->g->tab_next) {
+        if (*pp == p) {
+            *pp = p->g->tab_next;
+            break;
+        }
+    }
+    p->g->tab_next = NULL;
+}
+
+static void gretry_remove(ecx_post_t *p)
+{
+    ecx_post_t **pp;
+    for (pp = &p->ctx->gretry; *pp != NULL; pp = &(*pp)->g->retry_next) {
+        if (*pp == p) {
+            *pp = p->g->retry_next;
+            break;
+        }
+    }
+    p->g->retry_next = NULL;
+    p->g->on_retry = 0;
+}
+
+/* No more answers are awaited for p (it failed, was cancelled, or every
+ * answer arrived) and nothing more of it is asked for: answers that still
+ * come find no READ and are dropped. Posting stops (post_rounds takes it
+ * off the posting list). */
+static void gather_stop(ecx_post_t *p)
+{
+    ecx_gather_t *g = p->g;
+    if (g->waiting) {
+        gtab_remove(p);
+        g->waiting = 0;
+    }
+    if (g->on_retry) {
+        gretry_remove(p);
+    }
+    if (p->next < p->nranges) {
+        p->next = p->nranges;
+    }
+}
+
+/* Ends p's wait for answers with st, and moves it on if nothing of it is
+ * outstanding. */
+static void gather_fail(ecx_post_t *p, ucs_status_t st)
+{
+    if (p->status == UCS_OK) {
+        p->status = st;
+    }
+    if (!p->g->waiting && p->next == p->nranges) {
+        return; /* already over */
+    }
+    gather_stop(p);
+    if (p->outstanding == 0 && !p->on_posting) {
+        ready_push(p);
+    }
+}
+
+static void gather_free(ecx_post_t *p)
+{
+    gather_stop(p);
+    free(p->g);
+    p->g = NULL;
+}
+
+/* Builds the requests of a READ of n ranges into g (NULL: counts only).
+ * Returns the number of requests; *pieces gets the ranges of all requests
+ * (a range split between two requests counts twice), *total the bytes. */
+static uint32_t gather_plan(const ecx_range_t *r, uint32_t n, ecx_gather_t *g, uint64_t id,
+                            uint64_t *pieces, uint64_t *total)
+{
+    uint32_t i = 0, k = 0, kr = 0;
+    uint64_t in = 0, kb = 0, at = 0, np = 0, chunk0 = 0;
+    unsigned char *hdr = NULL, *rp = NULL;
+    uint32_t mpos = 0;
+    while (i < n && r[i].len == 0) {
+        i++;
+    }
+    while (i < n) {
+        uint64_t take = r[i].len - in;
+        if (take > ECX_GATHER_REQ_BYTES - kb) {
+            take = ECX_GATHER_REQ_BYTES - kb;
+        }
+        if (g != NULL) {
+            if (kr == 0) {
+                g->msg_at[k] = mpos;
+                g->req_at[k] = at;
+                hdr = (unsigned char *)g->msgs + mpos;
+                rp = hdr + ECX_GREQ_HDR;
+            }
+            put_le64(rp, r[i].remote + in);
+            put_le64(rp + 8, take);
+            rp += 16;
+        }
+        kb += take;
+        kr++;
+        np++;
+        at += take;
+        in += take;
+        if (in == r[i].len) {
+            in = 0;
+            do {
+                i++;
+            } while (i < n && r[i].len == 0);
+        }
+        if (kb == ECX_GATHER_REQ_BYTES || kr == ECX_GATHER_REQ_RANGES || i == n) {
+            if (g != NULL) {
+                uint32_t nch = (uint32_t)((kb + ECX_GATHER_CHUNK - 1) / ECX_GATHER_CHUNK);
+                put_le64(hdr, id);
+                put_le64(hdr + 8, g->req_at[k]);
+                put_le32(hdr + 16, kr);
+                put_le32(hdr + 20, 0);
+                put_le64(hdr + 24, kb);
+                mpos += ECX_GREQ_HDR + kr * 16u;
+                g->req_chunk0[k] = (uint32_t)chunk0;
+                g->req_left[k] = nch;
+                chunk0 += nch;
+            }
+            k++;
+            kb = 0;
+            kr = 0;
+        }
+    }
+    if (g != NULL) {
+        g->msg_at[k] = mpos;
+        g->req_at[k] = at;
+        g->req_chunk0[k] = (uint32_t)chunk0;
+    }
+    *pieces = np;
+    *total = at;
+    return k;
+}
+
+/* Allocates and fills p's gather state for its n ranges: one block. */
+static ecx_gather_t *gather_new(ecx_ctx_t *c, const ecx_range_t *r, uint32_t n)
+{
+    uint64_t pieces, total, nchunks = 0;
+    uint32_t nreq = gather_plan(r, n, NULL, 0, &pieces, &total), k;
+    size_t sz, off;
+    ecx_gather_t *g;
+    char *m;
+    /* Chunks: at most one partial per request. */
+    nchunks = total / ECX_GATHER_CHUNK + nreq;
+    if (nreq == 0 || nchunks > UINT32_MAX || (uint64_t)nreq * ECX_GREQ_HDR + pieces * 16 > UINT32_MAX) {
+        return NULL;
+    }
+    off = sizeof(*g);
+    sz = off + (size_t)(n + 1) * 8             /* at */
+         + (size_t)(nreq + 1) * 8              /* req_at */
+         + (size_t)(nreq + 1) * 4 * 3          /* req_chunk0, req_left, msg_at */
+         + (size_t)nreq                        /* resend */
+         + (size_t)nchunks                     /* bits */
+         + (size_t)nreq * ECX_GREQ_HDR + (size_t)pieces * 16 + 8;
+    m = calloc(1, sz);
+    if (m == NULL) {
+        return NULL;
+    }
+    g = (ecx_gather_t *)m;
+    g->at = (uint64_t *)(m + off);
+    off += (size_t)(n + 1) * 8;
+    g->req_at = (uint64_t *)(m + off);
+    off += (size_t)(nreq + 1) * 8;
+    g->req_chunk0 = (uint32_t *)(m + off);
+    off += (size_t)(nreq + 1) * 4;
+    g->req_left = (uint32_t *)(m + off);
+    off += (size_t)(nreq + 1) * 4;
+    g->msg_at = (uint32_t *)(m + off);
+    off += (size_t)(nreq + 1) * 4;
+    g->resend = (uint8_t *)(m + off);
+    off += nreq;
+    g->bits = (uint8_t *)(m + off);
+    off += nchunks;
+    g->msgs = m + off;
+    g->id = ++c->gseq;
+    g->nreq = nreq;
+    g->total = total;
+    g->at[0] = 0;
+    for (k = 0; k < n; k++) {
+        g->at[k + 1] = g->at[k] + r[k].len;
+    }
+    gather_plan(r, n, g, g->id, &pieces, &total);
+    g->nchunks = g->req_chunk0[nreq];
+    return g;
+}
+
+/* Sends request k of p (ECX_AM_GATHER_REQ), its request slot k. */
+static void gather_send(ecx_post_t *p, uint32_t k)
+{
+    ecx_gather_t *g = p->g;
+    ucp_request_param_t prm = op_param(p);
+    ucs_status_ptr_t sp;
+    char *hdr = g->msgs + g->msg_at[k];
+    size_t len = g->msg_at[k + 1] - g->msg_at[k] - ECX_GREQ_HDR;
+    prm.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+    /* Eager: the owner reads the ranges inside its handler. */
+    prm.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY;
+    sp = ucp_am_send_nbx(p->ep, ECX_AM_GATHER_REQ, hdr, ECX_GREQ_HDR, hdr + ECX_GREQ_HDR, len, &prm);
+    track(p, sp, k);
+}
+
+/* Sends p's requests while its window has room; once all are sent (or one
+ * failed) its posting is over (p->next == p->nranges). */
+static void gather_post_some(ecx_post_t *p)
+{
+    ecx_gather_t *g = p->g;
+    while (p->status == UCS_OK && g->sent < g->nreq && g->sent - g->answered < ECX_GATHER_WINDOW) {
+        gather_send(p, g->sent);
+        g->sent++;
+    }
+    if (p->status != UCS_OK) {
+        gather_stop(p);
+    } else if (g->sent == g->nreq) {
+        p->next = p->nranges;
+    }
+}
+
+/* Asks again for the requests the owner refused as busy, once their time
+ * has come. */
+static uint32_t gather_retries(ecx_ctx_t *c)
+{
+    ecx_post_t *p, *next;
+    uint64_t now = 0;
+    uint32_t n = 0, k;
+    int left;
+    for (p = c->gretry; p != NULL; p = next) {
+        ecx_gather_t *g = p->g;
+        next = g->retry_next;
+        if (now == 0) {
+            now = mono_ns();
+        }
+        if (now < g->retry_at) {
+            continue;
+        }
+        left = 0;
+        for (k = 0; k < g->sent && p->status == UCS_OK; k++) {
+            if (!g->resend[k]) {
+                continue;
+            }
+            if (p->reqs[k] != NULL) {
+                left = 1; /* its first send has not called back yet */
+                continue;
+            }
+            g->resend[k] = 0;
+            c->gstats.retries++;
+            gather_send(p, k);
+            n++;
+        }
+        if (p->status != UCS_OK) {
+            gather_fail(p, p->status);
+        } else if (!left) {
+            gretry_remove(p);
+        }
+    }
+    return n;
+}
+
+/* Where stream offset off falls among the n+1 ascending offsets at: the
+ * index i with at[i] <= off < at[i+1]; n if none. */
+static uint32_t offset_index(const uint64_t *at, uint32_t n, uint64_t off)
+{
+    uint32_t lo = 0, hi = n;
+    if (n == 0 || off < at[0] || off >= at[n]) {
+        return n;
+    }
+    while (hi - lo > 1) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (at[mid] <= off) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    return lo;
+}
+
+/* An answer: bytes of a gathered READ, or a refusal. Copies the bytes to
+ * the READ's local ranges. Answers that name no waiting READ (it was
+ * released) are dropped; answers that do not fit the READ fail it. */
+static ucs_status_t gather_data_cb(void *arg, const void *header, size_t header_length,
+                                   void *data, size_t length,
+                                   const ucp_am_recv_param_t *param)
+{
+    ecx_ctx_t *c = arg;
+    const unsigned char *h = header;
+    ecx_post_t *p;
+    ecx_gather_t *g;
+    uint64_t id, off, end, at;
+    int32_t st;
+    uint32_t n, k, idx, i;
+    const char *src = data;
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || header_length != ECX_GDATA_HDR) {
+        c->gstats.bad++;
+        return UCS_OK;
+    }
+    id = get_le64(h);
+    off = get_le64(h + 8);
+    st = (int32_t)get_le32(h + 16);
+    n = get_le32(h + 20);
+    p = gtab_find(c, id);
+    if (p == NULL) {
+        c->gstats.late++;
+        return UCS_OK;
+    }
+    g = p->g;
+    k = offset_index(g->req_at, g->sent, off);
+    if (k == g->sent) {
+        c->gstats.bad++;
+        gather_fail(p, UCS_ERR_MESSAGE_TRUNCATED);
+        return UCS_OK;
+    }
+    if (st != UCS_OK) {
+        if (st == UCS_ERR_NO_RESOURCE && off == g->req_at[k] &&
+            g->req_left[k] == g->req_chunk0[k + 1] - g->req_chunk0[k] && !g->resend[k]) {
+            /* Busy: ask again shortly. */
+            g->resend[k] = 1;
+            g->retry_at = mono_ns() + ECX_GATHER_RETRY_NS;
+            if (!g->on_retry) {
+                g->on_retry = 1;
+                g->retry_next = c->gretry;
+                c->gretry = p;
+            }
+            return UCS_OK;
+        }
+        gather_fail(p, st < 0 && st > UCS_ERR_LAST ? (ucs_status_t)st : UCS_ERR_IO_ERROR);
+        return UCS_OK;
+    }
+    end = g->req_at[k + 1];
+    if ((off - g->req_at[k]) % ECX_GATHER_CHUNK != 0 || n != length ||
+        n != (end - off < ECX_GATHER_CHUNK ? end - off : ECX_GATHER_CHUNK)) {
+        c->gstats.bad++;
+        gather_fail(p, UCS_ERR_MESSAGE_TRUNCATED);
+        return UCS_OK;
+    }
+    idx = g->req_chunk0[k] + (uint32_t)((off - g->req_at[k]) / ECX_GATHER_CHUNK);
+    if (g->bits[idx]) {
+        c->gstats.bad++; /* a duplicate: the bytes are there */
+        return UCS_OK;
+    }
+    /* The bytes go to the local ranges the stream's [off, off+n) maps to. */
+    i = offset_index(g->at, p->nranges, off);
+    for (at = off; at < off + n; i++) {
+        uint64_t in = at - g->at[i], m = g->at[i + 1] - at;
+        if (m > off + n - at) {
+            m = off + n - at;
+        }
+        memcpy((void *)(uintptr_t)(p->ranges[i].local + in), src + (at - off), m);
+        at += m;
+    }
+    g->bits[idx] = 1;
+    g->got++;
+    if (--g->req_left[k] == 0) {
+        g->answered++;
+    }
+    if (g->got == g->nchunks) {
+        gather_stop(p);
+        if (p->outstanding == 0 && !p->on_posting) {
+            ready_push(p);
+        }
+    }
+    return UCS_OK;
+}
+
+/* The reader's endpoint ep failed: its gathered READs get no more answers. */
+static void gather_ep_failed(ecx_ctx_t *c, ucp_ep_h ep, ucs_status_t st)
+{
+    uint32_t b;
+    ecx_post_t *p, *next;
+    for (b = 0; b < ECX_GATHER_BUCKETS; b++) {
+        for (p = c->gtab[b]; p != NULL; p = next) {
+            next = p->g->tab_next;
+            if (p->ep == ep) {
+                gather_fail(p, st);
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------- gathers, owner's side */
+
+
+static ecx_gbuf_t *gbuf_new(ecx_ctx_t *c, size_t size, uint64_t bytes)
+{
+    ecx_gbuf_t *b = malloc(sizeof(*b) + size);
+    if (b == NULL) {
+        return NULL;
+    }
+    b->ctx = c;
+    b->refs = 1;
+    b->bytes = bytes;
+    b->prev = NULL;
+    b->next = c->gbufs;
+    if (c->gbufs != NULL) {
+        c->gbufs->prev = b;
+    }
+    c->gbufs = b;
+    c->gather_out += bytes;
+    return b;
+}
+
+static void gbuf_unref(ecx_gbuf_t *b)
+{
+    ecx_ctx_t *c = b->ctx;
+    if (--b->refs > 0) {
+        return;
+    }
+    if (b->prev != NULL) {
+        b->prev->next = b->next;
+    } else {
+        c->gbufs = b->next;
+    }
+    if (b->next != NULL) {
+        b->next->prev = b->prev;
+    }
+    c->gather_out -= b->bytes;
+    free(b);
+}
+
+static void gsend_cb(void *request, ucs_status_t status, void *user_data)
+{
+    (void)status;
+    ucp_request_free(request);
+    gbuf_unref(user_data);
+}
+
+/* Sends one answer out of b (which it holds a reference of while the send
+ * runs); 0 once the send failed. */
+static int gather_answer(ecx_gbuf_t *b, ucp_ep_h ep, const void *hdr, const void *bytes, size_t n)
+{
+    ucp_request_param_t prm;
+    ucs_status_ptr_t sp;
+    memset(&prm, 0, sizeof(prm));
+    prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                       UCP_OP_ATTR_FIELD_FLAGS;
+    prm.cb.send = gsend_cb;
+    prm.user_data = b;
+    prm.flags = UCP_AM_SEND_FLAG_EAGER;
+    sp = ucp_am_send_nbx(ep, ECX_AM_GATHER_DATA, hdr, ECX_GDATA_HDR, bytes, n, &prm);
+    if (UCS_PTR_IS_ERR(sp)) {
+        return 0;
+    }
+    if (sp != NULL) {
+        b->refs++;
+    }
+    return 1;
+}
+
+/* A refusal of the request at off of READ id. */
+static void gather_refuse(ecx_ctx_t *c, ucp_ep_h ep, uint64_t id, uint64_t off, ucs_status_t st)
+{
+    ecx_gbuf_t *b = gbuf_new(c, ECX_GDATA_HDR, 0);
+    unsigned char *h;
+    if (b == NULL) {
+        c->gstats.dropped++;
+        return;
+    }
+    h = (unsigned char *)b->data;
+    put_le64(h, id);
+    put_le64(h + 8, off);
+    put_le32(h + 16, (uint32_t)(int32_t)st);
+    put_le32(h + 20, 0);
+    gather_answer(b, ep, h, NULL, 0);
+    gbuf_unref(b);
+}
+
+/* Whether [addr, addr+len) lies in one registered region. */
+static int region_covers(const ecx_ctx_t *c, uint64_t addr, uint64_t len)
+{
+    uint32_t lo = 0, hi = c->nregions;
+    const ecx_region_t *r;
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (c->regions[mid].addr <= addr) {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    if (lo == 0) {
+        return 0;
+    }
+    r = &c->regions[lo - 1];
+    return addr - r->addr <= r->len && len <= r->len - (addr - r->addr);
+}
+
+/* The owner's check of a request's n ranges (little-endian address and
+ * length pairs) asking for bytes in all: UCS_OK, or why it is refused. */
+static int gather_check(const ecx_ctx_t *c, const unsigned char *rp, uint32_t n, uint64_t bytes)
+{
+    uint64_t sum = 0;
+    uint32_t i;
+    if (n == 0 || n > ECX_GATHER_REQ_RANGES || bytes == 0 || bytes > ECX_GATHER_REQ_BYTES) {
+        return UCS_ERR_INVALID_PARAM;
+    }
+    for (i = 0; i < n; i++) {
+        uint64_t a = get_le64(rp + (size_t)i * 16), l = get_le64(rp + (size_t)i * 16 + 8);
+        if (l == 0 || l > bytes - sum) {
+            return UCS_ERR_INVALID_PARAM;
+        }
+        if (!region_covers(c, a, l)) {
+            return UCS_ERR_INVALID_ADDR;
+        }
+        sum += l;
+    }
+    return sum == bytes ? UCS_OK : UCS_ERR_INVALID_PARAM;
+}
+
+int ecx_gather_check(const ecx_ctx_t *c, const void *ranges, uint32_t n, uint64_t bytes)
+{
+    return gather_check(c, ranges, n, bytes);
+}
+
+void ecx_gather_inject(ecx_ctx_t *c, const void *header, size_t header_length,
+                       const void *data, size_t length)
+{
+    ucp_am_recv_param_t prm;
+    memset(&prm, 0, sizeof(prm));
+    gather_data_cb(c, header, header_length, (void *)data, length, &prm);
+}
+
+/* A request: checked against this agent's registered memory, then
+ * answered from inside the handler, the bytes copied once into the
+ * answers' buffer. Nothing of the request or the reply endpoint is kept
+ * after the handler returns: UCX may destroy an endpoint it created for a
+ * peer that failed, and the sends' callbacks hold only the buffer. */
+static ucs_status_t gather_req_cb(void *arg, const void *header, size_t header_length,
+                                  void *data, size_t length,
+                                  const ucp_am_recv_param_t *param)
+{
+    ecx_ctx_t *c = arg;
+    const unsigned char *h = header, *rp = data;
+    uint64_t id, base, bytes, sum = 0;
+    uint32_t n, i, nch, j;
+    ucp_ep_h ep;
+    ecx_gbuf_t *b;
+    unsigned char *hdrs;
+    char *body;
+    int st;
+    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) || param->reply_ep == NULL ||
+        (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || header_length != ECX_GREQ_HDR) {
+        c->gstats.dropped++;
+        return UCS_OK;
+    }
+    ep = param->reply_ep;
+    id = get_le64(h);
+    base = get_le64(h + 8);
+    n = get_le32(h + 16);
+    bytes = get_le64(h + 24);
+    st = length == (size_t)n * 16 ? gather_check(c, rp, n, bytes) : UCS_ERR_INVALID_PARAM;
+    if (st != UCS_OK) {
+        c->gstats.refused++;
+        gather_refuse(c, ep, id, base, st);
+        return UCS_OK;
+    }
+    if (c->gather_out + bytes > c->gather_max_out) {
+        c->gstats.busy++;
+        gather_refuse(c, ep, id, base, UCS_ERR_NO_RESOURCE);
+        return UCS_OK;
+    }
+    nch = (uint32_t)((bytes + ECX_GATHER_CHUNK - 1) / ECX_GATHER_CHUNK);
+    b = gbuf_new(c, (size_t)nch * ECX_GDATA_HDR + bytes, bytes);
+    if (b == NULL) {
+        c->gstats.dropped++;
+        return UCS_OK;
+    }
+    hdrs = (unsigned char *)b->data;
+    body = b->data + (size_t)nch * ECX_GDATA_HDR;
+    sum = 0;
+    for (i = 0; i < n; i++) {
+        uint64_t a = get_le64(rp + (size_t)i * 16), l = get_le64(rp + (size_t)i * 16 + 8);
+        memcpy(body + sum, (const void *)(uintptr_t)a, l);
+        sum += l;
+    }
+    for (j = 0; j < nch; j++) {
+        unsigned char *hj = hdrs + (size_t)j * ECX_GDATA_HDR;
+        uint64_t at = (uint64_t)j * ECX_GATHER_CHUNK;
+        uint32_t len = (uint32_t)(bytes - at < ECX_GATHER_CHUNK ? bytes - at : ECX_GATHER_CHUNK);
+        put_le64(hj, id);
+        put_le64(hj + 8, base + at);
+        put_le32(hj + 16, 0);
+        put_le32(hj + 20, len);
+        if (!gather_answer(b, ep, hj, body + at, len)) {
+            /* The reader's endpoint failed: the rest would fail too. */
+            c->gstats.dropped++;
+            break;
+        }
+    }
+    c->gstats.served++;
+    gbuf_unref(b);
+    return UCS_OK;
+}
+
+static int region_cmp(const void *x, const void *y)
+{
+    const ecx_region_t *a = x, *b = y;
+    return a->addr < b->addr ? -1 : a->addr > b->addr;
+}
+
+int ecx_region_add(ecx_ctx_t *c, uint64_t addr, uint64_t len)
+{
+    if (c->nregions == c->capregions) {
+        uint32_t cap = c->capregions ? 2 * c->capregions : 16;
+        ecx_region_t *r = realloc(c->regions, (size_t)cap * sizeof(*r));
+        if (r == NULL) {
+            return UCS_ERR_NO_MEMORY;
+        }
+        c->regions = r;
+        c->capregions = cap;
+    }
+    c->regions[c->nregions].addr = addr;
+    c->regions[c->nregions].len = len;
+    c->nregions++;
+    qsort(c->regions, c->nregions, sizeof(*c->regions), region_cmp);
+    return UCS_OK;
+}
+
+void ecx_region_del(ecx_ctx_t *c, uint64_t addr)
+{
+    uint32_t i;
+    for (i = 0; i < c->nregions; i++) {
+        if (c->regions[i].addr == addr) {
+            memmove(&c->regions[i], &c->regions[i + 1], (size_t)(c->nregions - i - 1) * sizeof(*c->regions));
+            c->nregions--;
+            return;
+        }
+    }
+}
+
 /* Posts p's ranges from p->next on while this round's byte budget lasts,
  * at least one; after the last one of a write, the flush. An error stops
  * the posting: the post then completes once its outstanding operations
@@ -1071,15 +1817,30 @@ static void posting_remove(ecx_post_t *p)
 static uint32_t post_rounds(ecx_ctx_t *c)
 {
     uint32_t events = 0;
-    ecx_post_t *p;
-    while ((p = c->posting) != NULL && c->budget > 0) {
-        post_some(p);
-        events++;
-        if (p->next < p->nranges) {
-            break; /* budget spent */
+    ecx_post_t **pp = &c->posting, *p;
+    while ((p = *pp) != NULL && c->budget > 0) {
+        if (p->g != NULL) {
+            /* A gathered READ asks as its window allows, and one whose
+             * window is full does not hold up the posts behind it. */
+            if (p->next < p->nranges) {
+                gather_post_some(p);
+                events++;
+            }
+            if (p->next < p->nranges) {
+                pp = &p->posting_next;
+                continue;
+            }
+        } else {
+            post_some(p);
+            events++;
+            if (p->next < p->nranges) {
+                break; /* budget spent */
+            }
         }
-        posting_remove(p);
-        if (p->outstanding == 0) {
+        *pp = p->posting_next;
+        p->posting_next = NULL;
+        p->on_posting = 0;
+        if (p->outstanding == 0 && data_done(p)) {
             ready_push(p);
         }
     }
@@ -1092,11 +1853,22 @@ int ecx_post(ecx_ctx_t *c, uint64_t id, ucp_ep_h ep, int op,
              ecx_post_t **out)
 {
     ecx_post_t *p, **tail;
+    ecx_gather_t *g = NULL;
+    uint32_t nops = n;
 
+    if (op == ECX_OP_GATHER) {
+        /* One request slot per gather request. */
+        g = gather_new(c, r, n);
+        if (g == NULL) {
+            return n == 0 ? UCS_ERR_INVALID_PARAM : UCS_ERR_NO_MEMORY;
+        }
+        nops = g->nreq;
+    }
     /* One request slot per range, and one for a write's flush or the
      * notification. */
-    p = post_new(c, ep, n, notif, notif_len, to);
+    p = post_new(c, ep, nops, notif, notif_len, to);
     if (p == NULL) {
+        free(g);
         return UCS_ERR_NO_MEMORY;
     }
     p->id = id;
@@ -1106,7 +1878,16 @@ int ecx_post(ecx_ctx_t *c, uint64_t id, ucp_ep_h ep, int op,
     p->nranges = n;
     p->op = op;
 
-    post_some(p);
+    if (g != NULL) {
+        ecx_post_t **slot = gtab_slot(c, g->id);
+        p->g = g;
+        g->tab_next = *slot;
+        *slot = p;
+        g->waiting = 1;
+        gather_post_some(p);
+    } else {
+        post_some(p);
+    }
     *out = p;
     c->last_in_rounds = p->next < p->nranges;
     if (p->next < p->nranges) {
@@ -1115,7 +1896,7 @@ int ecx_post(ecx_ctx_t *c, uint64_t id, ucp_ep_h ep, int op,
         }
         *tail = p;
         p->on_posting = 1;
-    } else if (p->outstanding == 0) {
+    } else if (p->outstanding == 0 && data_done(p)) {
         advance(p);
     }
     return UCS_OK;
@@ -1125,6 +1906,16 @@ int ecx_post_cancel(ecx_ctx_t *c, ecx_post_t *p)
 {
     uint32_t i;
     p->orphaned = 1;
+    if (p->g != NULL && p->phase == PH_DATA && (p->g->waiting || p->next < p->nranges)) {
+        /* A gathered READ still waiting for answers: they find no READ
+         * from now on, and nothing writes its memory any more. */
+        gather_stop(p);
+        if (!p->on_posting && p->outstanding == 0) {
+            /* On no list: its requests have called back. */
+            post_free(p);
+            return 1;
+        }
+    }
     if (p->on_sending) {
         /* Its operations are done; its notification is not sent (a part
          * of its fragments may be: the receiver drops those). */
@@ -1227,6 +2018,9 @@ uint32_t ecx_progress(ecx_ctx_t *c)
     uint32_t events = 0, k, i;
     ecx_post_t *p;
     c->budget = ECX_TURN_BUDGET;
+    if (c->gretry != NULL) {
+        events += gather_retries(c);
+    }
     if (c->posting != NULL) {
         events += post_rounds(c);
     }
@@ -1316,7 +2110,8 @@ void ecx_err_free(ecx_peer_err_t *e)
 static int ecx_has_work(const ecx_ctx_t *c)
 {
     return c->ready_head != NULL || c->comp_head != NULL || c->notif_head != NULL ||
-           c->err_head != NULL || c->posting != NULL || c->sending != NULL;
+           c->err_head != NULL || c->posting != NULL || c->sending != NULL ||
+           c->gretry != NULL;
 }
 
 int ecx_arm(ecx_ctx_t *c)

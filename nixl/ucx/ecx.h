@@ -17,6 +17,10 @@
 
 #define ECX_OP_READ 0
 #define ECX_OP_WRITE 1
+/* A READ from a peer that serves gathers (ECX_AM_GATHER_REQ): its ranges
+ * are asked for in a few messages and answered with the bytes, instead of
+ * one UCX get per range. */
+#define ECX_OP_GATHER 2
 
 /* Bytes of gets or puts posted per ecx_progress round, new posts and
  * continued ones together; a post always posts at least one range. */
@@ -56,6 +60,53 @@
  * and never copied: a peer declares the lengths. */
 #define ECX_NOTIF_MAX_PAYLOAD (1u << 20)
 #define ECX_NOTIF_MAX_NAME 256u
+
+/* Gathered READs, for peers reached over tcp (error mode PEER). UCX 1.13
+ * has no RMA over tcp: it emulates every get with a request the data
+ * owner answers, one send per get, and the owner's answer path aborts the
+ * process when the reader's endpoint has failed meanwhile (a reader
+ * killed with gets queued at the owner: "Fatal: unexpected error" in
+ * ucp_get_req_handler). A gathered READ asks for its ranges with a few
+ * active messages, and the owner answers each with the bytes packed into
+ * active messages of its own, whose failure it handles.
+ *
+ * A request (ECX_AM_GATHER_REQ, sent with UCP_AM_SEND_FLAG_REPLY) is an
+ * ECX_GREQ_HDR-byte header, little-endian: the READ's id at the reader
+ * (u64), the offset in the READ's byte stream where this request's bytes
+ * start (u64, a multiple of ECX_GATHER_CHUNK), the number of ranges (u32),
+ * 0 (u32), the bytes asked for (u64); then the ranges, each its address
+ * (u64) and length (u64) in the owner's registered memory. The stream is
+ * the ranges' bytes in order.
+ *
+ * An answer (ECX_AM_GATHER_DATA) is an ECX_GDATA_HDR-byte header: the
+ * READ's id (u64), the stream offset of its bytes (u64, a multiple of
+ * ECX_GATHER_CHUNK), a ucs_status_t (i32) and the length of its bytes
+ * (u32); then ECX_GATHER_CHUNK bytes of the stream (fewer at the end of a
+ * request). An answer with a status other than UCS_OK carries no bytes
+ * and refuses the request at its offset: UCS_ERR_NO_RESOURCE while the
+ * owner has ECX_GATHER_MAX_OUT bytes of answers in flight (the reader asks
+ * again later), another error for a request it will not serve (ranges
+ * outside its registered memory, a malformed request), which fails the
+ * READ. */
+#define ECX_AM_GATHER_REQ 0xEE
+#define ECX_AM_GATHER_DATA 0xEF
+#define ECX_GREQ_HDR 32u
+#define ECX_GDATA_HDR 24u
+/* Bytes per answer: header and bytes stay within one 64 KiB tcp segment
+ * (ECX_TCP_TX_SEG). */
+#define ECX_GATHER_CHUNK (60u << 10)
+/* The most a request asks for, in bytes and in ranges (its ranges then
+ * fit one segment too). */
+#define ECX_GATHER_REQ_BYTES (64u * ECX_GATHER_CHUNK)
+#define ECX_GATHER_REQ_RANGES 2048u
+/* Requests of one READ asked and not yet fully answered. */
+#define ECX_GATHER_WINDOW 4u
+/* An owner's bytes of answers in flight, over all readers. */
+#define ECX_GATHER_MAX_OUT (64u << 20)
+/* How long a reader waits before asking again after UCS_ERR_NO_RESOURCE. */
+#define ECX_GATHER_RETRY_NS 200000ull
+/* The reader's table of READs waiting for answers, by id. */
+#define ECX_GATHER_BUCKETS 256u
 
 /* One merged piece of a transfer. */
 typedef struct ecx_range {
@@ -102,6 +153,24 @@ typedef struct ecx_post ecx_post_t;
 typedef struct ecx_close ecx_close_t;
 typedef struct ecx_ep_arg ecx_ep_arg_t;
 
+/* A registered region, for the owner's check of gather requests. */
+typedef struct ecx_region {
+    uint64_t addr;
+    uint64_t len;
+} ecx_region_t;
+
+/* Counters of gathered READs (read by Go without a call). */
+typedef struct ecx_gather_stats {
+    uint64_t served;   /* requests answered with bytes */
+    uint64_t busy;     /* requests refused for ECX_GATHER_MAX_OUT */
+    uint64_t refused;  /* requests refused as malformed or out of bounds */
+    uint64_t dropped;  /* requests not answered at all (no reply endpoint,
+                          out of memory) */
+    uint64_t late;     /* answers for READs no longer waiting (released) */
+    uint64_t bad;      /* answers that do not fit the READ they name */
+    uint64_t retries;  /* requests asked again after UCS_ERR_NO_RESOURCE */
+} ecx_gather_stats_t;
+
 typedef struct ecx_ctx {
     ucp_context_h context;
     ucp_worker_h worker;
@@ -136,6 +205,20 @@ typedef struct ecx_ctx {
                                    endpoint */
     int send_rndv;           /* tests: send notifications by rendezvous, as
                                 a sender that does not force eager would */
+
+    /* Gathered READs. As owner: the registered regions, sorted by
+     * address, and the bytes of answers in flight. As reader: the READs
+     * waiting for answers, by id, and those to ask again. */
+    ecx_region_t *regions;
+    uint32_t nregions;
+    uint32_t capregions;
+    uint64_t gather_out;
+    uint64_t gather_max_out; /* ECX_GATHER_MAX_OUT (tests lower it) */
+    struct ecx_gbuf *gbufs; /* answers in flight */
+    ecx_post_t *gtab[ECX_GATHER_BUCKETS];
+    ecx_post_t *gretry;
+    uint64_t gseq;
+    ecx_gather_stats_t gstats;
 } ecx_ctx_t;
 
 /* Creation and teardown. */
@@ -150,6 +233,17 @@ int64_t ecx_worker_address(ecx_ctx_t *c, void *buf, size_t cap);
 int ecx_mem_map(ecx_ctx_t *c, void *addr, size_t len, int allocate,
                 ucp_mem_h *memh_out, void **addr_out);
 int ecx_mem_unmap(ecx_ctx_t *c, ucp_mem_h memh);
+/* The regions gather requests may read: registered memory, added after
+ * ecx_mem_map and removed before ecx_mem_unmap. Regions do not overlap. */
+int ecx_region_add(ecx_ctx_t *c, uint64_t addr, uint64_t len);
+void ecx_region_del(ecx_ctx_t *c, uint64_t addr);
+/* The owner's check of a gather request's n ranges (little-endian u64
+ * address and length pairs, as the request carries them) asking for bytes
+ * in all: 0 to serve it, else the status it is refused with. */
+int ecx_gather_check(const ecx_ctx_t *c, const void *ranges, uint32_t n, uint64_t bytes);
+/* Tests: hands an answer to the reader's handler as if it had arrived. */
+void ecx_gather_inject(ecx_ctx_t *c, const void *header, size_t header_length,
+                       const void *data, size_t length);
 /* Packs memh's rkey into buf; returns the length or a negative status. */
 int64_t ecx_rkey_pack(ecx_ctx_t *c, ucp_mem_h memh, void *buf, size_t cap);
 

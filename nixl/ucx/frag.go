@@ -37,6 +37,10 @@ const (
 // reassembles fragmented notifications.
 const featFragNotifs = 1
 
+// featGather, in the feature bits of a peer's metadata: it answers
+// gathered READs (ECX_AM_GATHER_REQ, see ecx.h).
+const featGather = 2
+
 // partial is one notification being reassembled.
 type partial struct {
 	token uint64

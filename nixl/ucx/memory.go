@@ -76,6 +76,10 @@ func (a *Agent) addMem(memh C.ucp_mem_h, addr, n uint64) (nixl.MemID, error) {
 	m := &memRegion{Region: enginekit.Region{ID: nixl.MemID(a.ids.Next()), Addr: addr, Len: n}, memh: memh,
 		rkey: C.GoBytes(buf, C.int(rl))}
 	C.free(buf)
+	if st := C.ecx_region_add(a.c, C.uint64_t(addr), C.uint64_t(n)); st != 0 {
+		C.ecx_mem_unmap(a.c, memh)
+		return 0, ucsErr(st, "ucx: region")
+	}
 	a.mems.Add(m)
 	return m.ID, nil
 }
@@ -90,6 +94,9 @@ func (a *Agent) DeregisterMem(id nixl.MemID) error {
 		return err
 	}
 	a.mems.Remove(id)
+	// Gather requests read it no more from here on (they are answered
+	// inside the engine's progress, on this goroutine).
+	C.ecx_region_del(a.c, C.uint64_t(m.Addr))
 	if st := C.ecx_mem_unmap(a.c, m.memh); st != 0 {
 		return ucsErr(st, "ucx: mem_unmap")
 	}

@@ -262,6 +262,11 @@ func (a *Agent) connect(p *peer, m *metadata) error {
 	if st != 0 {
 		return ucsErr(st, "ucx: ep_create")
 	}
+	// Over tcp a get is emulated with messages, one send per get at the
+	// peer, and the peer's answer path aborts it when this endpoint has
+	// failed meanwhile (UCX 1.13): READs of a peer in error mode PEER that
+	// answers gathers go as gathers (ecx.h, ECX_OP_GATHER).
+	p.gather = p.peerMode && !a.cfg.NoGather && m.ucxFeatures()&featGather != 0
 	if !p.peerMode && !a.cfg.rndvNotifs {
 		// An endpoint in error mode NONE cannot be force-closed, and one
 		// that ever sent an active message off UCX's short path stays

@@ -204,8 +204,11 @@ func (a *Agent) PostXfer(id nixl.XferID) error {
 func (a *Agent) post(x *xfer) error {
 	p := x.peer
 	op := C.int(C.ECX_OP_READ)
-	if x.op == nixl.Write {
+	switch {
+	case x.op == nixl.Write:
 		op = C.ECX_OP_WRITE
+	case p.gather:
+		op = C.ECX_OP_GATHER
 	}
 	// The out parameter lives in C memory: a Go variable whose address
 	// goes to C would escape to the heap on every post.

@@ -1,0 +1,49 @@
+package ucx
+
+/*
+#include "ecx.h"
+*/
+import "C"
+
+import (
+	"unsafe"
+
+	"github.com/ecxfer/ecxfer/nixl"
+)
+
+// GatherCounts implements nixl.GatherCounter.
+func (a *Agent) GatherCounts() nixl.GatherCounts {
+	if a.c == nil {
+		return a.gstats
+	}
+	return gatherCountsOf(&a.c.gstats)
+}
+
+func gatherCountsOf(s *C.ecx_gather_stats_t) nixl.GatherCounts {
+	return nixl.GatherCounts{Served: uint64(s.served), Busy: uint64(s.busy), Refused: uint64(s.refused),
+		Dropped: uint64(s.dropped), Late: uint64(s.late), Bad: uint64(s.bad), Retries: uint64(s.retries)}
+}
+
+// gatherCheck is the owner's check of a gather request (ecx_gather_check)
+// whose ranges are n little-endian address and length pairs: 0, or the
+// status the request is refused with. A request whose ranges do not fill
+// exactly n pairs is refused as the handler refuses it.
+func (a *Agent) gatherCheck(ranges []byte, n uint32, bytes uint64) int {
+	if uint64(len(ranges)) != uint64(n)*16 || n == 0 {
+		return int(C.UCS_ERR_INVALID_PARAM)
+	}
+	return int(C.ecx_gather_check(a.c, unsafe.Pointer(&ranges[0]), C.uint32_t(n), C.uint64_t(bytes)))
+}
+
+// gatherInject hands an answer to the consumer's handler as if it had
+// arrived (tests and fuzzing: a hostile producer's answers).
+func (a *Agent) gatherInject(header, data []byte) {
+	var h, d unsafe.Pointer
+	if len(header) > 0 {
+		h = unsafe.Pointer(&header[0])
+	}
+	if len(data) > 0 {
+		d = unsafe.Pointer(&data[0])
+	}
+	C.ecx_gather_inject(a.c, h, C.size_t(len(header)), d, C.size_t(len(data)))
+}

@@ -1,0 +1,193 @@
+package ucx
+
+import (
+	"bytes"
+	"encoding/binary"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/ecxfer/ecxfer/nixl"
+)
+
+// UCX statuses the owner's check answers with.
+const (
+	ucsOK           = 0
+	ucsInvalidParam = -5
+	ucsInvalidAddr  = -7
+)
+
+// Limits of ecx.h, as the wire and its checks use them.
+const (
+	gatherChunk     = 60 << 10
+	gatherReqBytes  = 64 * gatherChunk
+	gatherReqRanges = 2048
+)
+
+// checkModel is the owner's check as the protocol states it (ecx.h):
+// 1..ECX_GATHER_REQ_RANGES ranges, each non-empty and inside one region,
+// adding up to bytes, 1..ECX_GATHER_REQ_BYTES.
+func checkModel(regions [][2]uint64, ranges []byte, n uint32, bytes uint64) int {
+	if n == 0 || n > gatherReqRanges || bytes == 0 || bytes > gatherReqBytes || uint64(len(ranges)) != uint64(n)*16 {
+		return ucsInvalidParam
+	}
+	var sum uint64
+	for i := range n {
+		a := binary.LittleEndian.Uint64(ranges[16*i:])
+		l := binary.LittleEndian.Uint64(ranges[16*i+8:])
+		if l == 0 || l > bytes-sum {
+			return ucsInvalidParam
+		}
+		in := false
+		for _, r := range regions {
+			if a >= r[0] && a-r[0] <= r[1] && l <= r[1]-(a-r[0]) {
+				in = true
+			}
+		}
+		if !in {
+			return ucsInvalidAddr
+		}
+		sum += l
+	}
+	if sum != bytes {
+		return ucsInvalidParam
+	}
+	return ucsOK
+}
+
+// FuzzGatherCheck: the owner's check of a request (which comes from the
+// network) against its registered memory agrees with the protocol's
+// statement of it, whatever the ranges: addresses at and around the
+// regions' ends, lengths that overflow, counts that do not match.
+func FuzzGatherCheck(f *testing.F) {
+	a, err := New(Config{Name: "owner"})
+	require.NoError(f, err)
+	f.Cleanup(func() { _ = a.Close() })
+	bufs := [][]byte{make([]byte, 0), nil}
+	for i, n := range []int{1 << 16, 3 << 12} {
+		b := mmapBuf(f, n)
+		_, err := a.RegisterMem(b, nixl.DRAM, 0)
+		require.NoError(f, err)
+		bufs[i] = b
+	}
+	regions := [][2]uint64{{addrOf(bufs[0]), uint64(len(bufs[0]))}, {addrOf(bufs[1]), uint64(len(bufs[1]))}}
+	base0, base1 := regions[0][0], regions[1][0]
+	f.Add(gatherReq(base0, 4096), uint32(1), uint64(4096), false)
+	f.Add(gatherReq(base0, 1<<16), uint32(1), uint64(1<<16), false)
+	f.Add(gatherReq(base0+1, 1<<16), uint32(1), uint64(1<<16), false)
+	f.Add(gatherReq(base0, 100, base1+5, 200), uint32(2), uint64(300), false)
+	f.Add(gatherReq(base1+3<<12, 1), uint32(1), uint64(1), false)
+	f.Add(gatherReq(base0-1, 2), uint32(1), uint64(2), false)
+	f.Add(gatherReq(base0, 1<<63, base0, 1<<63), uint32(2), uint64(0), false)
+	f.Add(gatherReq(base0, 10, base0, 0), uint32(2), uint64(10), false)
+	f.Add(gatherReq(base0, 10), uint32(1), uint64(11), false)
+	f.Add(gatherReq(0, 4096, 1<<16, 4096), uint32(2), uint64(8192), true)
+	f.Fuzz(func(t *testing.T, ranges []byte, n uint32, bytes uint64, near bool) {
+		r := append([]byte(nil), ranges...)
+		if near {
+			// Addresses near the registered regions, so the answers
+			// other than "outside" come up: each address's lowest bit
+			// picks a region, the rest an offset from 64 KiB before
+			// its start to 64 KiB past it.
+			for i := 0; i+16 <= len(r); i += 16 {
+				v := binary.LittleEndian.Uint64(r[i:])
+				base := regions[v&1][0]
+				binary.LittleEndian.PutUint64(r[i:], base-(1<<16)+(v>>1)%(1<<17))
+			}
+		}
+		want := checkModel(regions, r, n, bytes)
+		got := a.gatherCheck(r, n, bytes)
+		if got != want {
+			t.Fatalf("check of %d ranges for %d bytes: %d, the protocol says %d", n, bytes, got, want)
+		}
+	})
+}
+
+// FuzzGatherAnswers: whatever a producer answers (a hostile or broken
+// one), the consumer's handler writes nothing outside the local blocks of
+// the READ the answer names, and nothing into them but answer bytes; the
+// READ ends or waits, and the agent goes on.
+func FuzzGatherAnswers(f *testing.F) {
+	g := newGatherPairTB(f, 4096, 64)
+	lidx, ridx := []int{3, 5, 6, 20, 40}, []int{9, 2, 30, 31, 63}
+	inRead := map[int]bool{}
+	for _, l := range lidx {
+		inRead[l] = true
+	}
+	hdr := func(id, off uint64, st int32, n uint32) []byte {
+		h := make([]byte, 24)
+		binary.LittleEndian.PutUint64(h, id)
+		binary.LittleEndian.PutUint64(h[8:], off)
+		binary.LittleEndian.PutUint32(h[16:], uint32(st))
+		binary.LittleEndian.PutUint32(h[20:], n)
+		return h
+	}
+	f.Add(hdr(0, 0, 0, 4096), bytes.Repeat([]byte{1}, 4096), true)
+	f.Add(hdr(0, 0, 0, 5*4096), bytes.Repeat([]byte{2}, 5*4096), true)
+	f.Add(hdr(0, 4096, 0, 100), bytes.Repeat([]byte{3}, 100), true)
+	f.Add(hdr(0, 0, -2, 0), []byte{}, true)
+	f.Add(hdr(0, 0, -5, 0), []byte{}, true)
+	f.Add(hdr(7, 0, 0, 4096), bytes.Repeat([]byte{4}, 4096), false)
+	f.Add([]byte{1, 2, 3}, []byte{9}, true)
+	f.Fuzz(func(t *testing.T, header, data []byte, ours bool) {
+		for i := range g.cbuf {
+			g.cbuf[i] = 0xEE
+		}
+		// A READ whose requests went out and whose producer never
+		// answers (it is not progressed): only the injected answers come.
+		id := g.read(t, lidx, ridx, nil)
+		_, err := g.cons.Progress()
+		require.NoError(t, err)
+		if ours && len(header) >= 8 {
+			// Name the READ in flight (its id is the consumer's last).
+			header = append([]byte(nil), header...)
+			binary.LittleEndian.PutUint64(header, uint64(g.cons.c.gseq))
+		}
+		g.cons.gatherInject(header, data)
+		_, err = g.cons.Progress()
+		require.NoError(t, err)
+		for b := range g.nb {
+			blk := g.cbuf[b*g.bs : (b+1)*g.bs]
+			if !inRead[b] {
+				if !bytes.Equal(blk, bytes.Repeat([]byte{0xEE}, g.bs)) {
+					t.Fatalf("an answer wrote local block %d, which is not the READ's", b)
+				}
+				continue
+			}
+			for i, c := range blk {
+				if c != 0xEE && !bytes.Contains(data, []byte{c}) {
+					t.Fatalf("local block %d byte %d is %#x, which no answer carried", b, i, c)
+				}
+			}
+		}
+		require.NoError(t, g.cons.ReleaseXfer(id))
+		// The released READ's requests call back: the next READ into
+		// the same blocks is not held behind them.
+		for range 3 {
+			_, err = g.cons.Progress()
+			require.NoError(t, err)
+		}
+	})
+}
+
+// newGatherPairTB is newGatherPair for fuzz targets (no t.Setenv there).
+func newGatherPairTB(f *testing.F, bs, nb int) *gatherPair {
+	f.Helper()
+	old, had := os.LookupEnv("UCX_TLS")
+	require.NoError(f, os.Setenv("UCX_TLS", "tcp"))
+	defer func() {
+		if had {
+			_ = os.Setenv("UCX_TLS", old)
+		} else {
+			_ = os.Unsetenv("UCX_TLS")
+		}
+	}()
+	g := buildGatherPair(f, bs, nb, Config{}, Config{})
+	// One READ answered, so the endpoint is wired up both ways.
+	id := g.read(f, []int{0}, []int{1}, nil)
+	require.NoError(f, waitXfer(f, g.cons, id, 10*time.Second, g.prod))
+	require.NoError(f, g.cons.ReleaseXfer(id))
+	return g
+}

@@ -1,0 +1,284 @@
+package ucx
+
+import (
+	"bytes"
+	"encoding/binary"
+	"math/rand"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/ecxfer/ecxfer/descriptors"
+	"github.com/ecxfer/ecxfer/internal/leakcheck"
+	"github.com/ecxfer/ecxfer/nixl"
+)
+
+// gatherPair is a producer and a consumer that reach each other in error
+// mode PEER over tcp, as agents on two hosts do: the consumer's READs of
+// the producer go as gathers unless one of them has NoGather.
+type gatherPair struct {
+	prod, cons   *Agent
+	pbuf, cbuf   []byte
+	local, remot nixl.DlistID
+	name         string
+	bs, nb       int
+}
+
+func newGatherPair(t *testing.T, bs, nb int, prodCfg, consCfg Config) *gatherPair {
+	t.Helper()
+	t.Setenv("UCX_TLS", "tcp")
+	return buildGatherPair(t, bs, nb, prodCfg, consCfg)
+}
+
+// buildGatherPair is newGatherPair with UCX_TLS left to the caller.
+func buildGatherPair(t testing.TB, bs, nb int, prodCfg, consCfg Config) *gatherPair {
+	t.Helper()
+	prodCfg.Name, prodCfg.ErrMode = "producer", ErrModePeer
+	consCfg.Name, consCfg.ErrMode = "consumer", ErrModePeer
+	g := &gatherPair{prod: newTestAgent(t, prodCfg), cons: newTestAgent(t, consCfg), bs: bs, nb: nb}
+	g.pbuf = mmapBuf(t, bs*nb)
+	_, err := g.prod.RegisterMem(g.pbuf, nixl.DRAM, 0)
+	require.NoError(t, err)
+	for i := range g.pbuf {
+		g.pbuf[i] = byte(i*7 + i>>12)
+	}
+	g.cbuf = mmapBuf(t, bs*nb)
+	_, err = g.cons.RegisterMem(g.cbuf, nixl.DRAM, 0)
+	require.NoError(t, err)
+	g.local, err = g.cons.PrepDlist("", descriptors.BuildBlockDescs(addrOf(g.cbuf), nb, uint64(bs), 0), nixl.DRAM)
+	require.NoError(t, err)
+	md, err := g.prod.LocalMetadata()
+	require.NoError(t, err)
+	g.name, err = g.cons.LoadRemoteMetadata(md)
+	require.NoError(t, err)
+	g.remot, err = g.cons.PrepDlist(g.name, descriptors.BuildBlockDescs(addrOf(g.pbuf), nb, uint64(bs), 0), nixl.DRAM)
+	require.NoError(t, err)
+	return g
+}
+
+// read makes and posts a READ of remote blocks ridx into local blocks lidx.
+func (g *gatherPair) read(t testing.TB, lidx, ridx []int, notif []byte) nixl.XferID {
+	t.Helper()
+	id, err := g.cons.MakeXfer(nixl.Read, g.local, lidx, g.remot, ridx, notif)
+	require.NoError(t, err)
+	require.NoError(t, g.cons.PostXfer(id))
+	return id
+}
+
+// check verifies that local blocks lidx hold remote blocks ridx.
+func (g *gatherPair) check(t testing.TB, lidx, ridx []int) {
+	t.Helper()
+	for i := range lidx {
+		l, r := lidx[i]*g.bs, ridx[i]*g.bs
+		if !bytes.Equal(g.cbuf[l:l+g.bs], g.pbuf[r:r+g.bs]) {
+			t.Fatalf("local block %d does not hold remote block %d", lidx[i], ridx[i])
+		}
+	}
+}
+
+// TestGatherRead: READs of a peer on "another host" go as gathers, and
+// their bytes land: one block, scattered blocks, blocks of an odd size,
+// a READ of many requests (more than the window), a notification after
+// the bytes; and with NoGather at either end the same READs go as gets.
+func TestGatherRead(t *testing.T) {
+	leakcheck.Check(t)
+	for _, c := range []struct {
+		name       string
+		bs, nb     int
+		prod, cons Config
+		gather     bool
+	}{
+		{"gather", 5120, 2048, Config{}, Config{}, true},
+		{"gather-odd-blocks", 4097, 2048, Config{}, Config{}, true},
+		{"gather-32KiB", 32768, 1024, Config{}, Config{}, true},
+		{"producer-nogather", 5120, 2048, Config{NoGather: true}, Config{}, false},
+		{"consumer-nogather", 5120, 2048, Config{}, Config{NoGather: true}, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			g := newGatherPair(t, c.bs, c.nb, c.prod, c.cons)
+			require.Equal(t, c.gather, g.cons.peers[g.name].gather)
+			rng := rand.New(rand.NewSource(1))
+			cases := [][2][]int{
+				{{5}, {7}},
+				{rng.Perm(c.nb)[:880], rng.Perm(c.nb)[:880]},
+				{seq(0, 880), seq(c.nb-880, c.nb)},
+			}
+			if c.bs == 32768 {
+				// 32 MiB in one READ: ten requests, more than the window.
+				cases = append(cases, [2][]int{seq(0, c.nb), seq(0, c.nb)})
+			}
+			for _, rc := range cases {
+				clear(g.cbuf)
+				id := g.read(t, rc[0], rc[1], nil)
+				require.NoError(t, waitXfer(t, g.cons, id, 10*time.Second, g.prod))
+				g.check(t, rc[0], rc[1])
+				require.NoError(t, g.cons.ReleaseXfer(id))
+			}
+			// A notification goes once the bytes have landed.
+			id := g.read(t, seq(0, 64), seq(100, 164), []byte("after the bytes"))
+			require.NoError(t, waitXfer(t, g.cons, id, 10*time.Second, g.prod))
+			g.check(t, seq(0, 64), seq(100, 164))
+			require.Equal(t, map[string][][]byte{"consumer": {[]byte("after the bytes")}},
+				collectNotifs(t, g.prod, 1, 5*time.Second, g.cons))
+			require.NoError(t, g.cons.ReleaseXfer(id))
+			ps, cs := g.prod.GatherCounts(), g.cons.GatherCounts()
+			t.Logf("producer %+v, consumer %+v", ps, cs)
+			if c.gather {
+				require.Positive(t, ps.Served)
+			} else {
+				require.Zero(t, ps.Served)
+			}
+			require.Zero(t, ps.Refused+ps.Dropped+cs.Bad)
+		})
+	}
+}
+
+func seq(lo, hi int) []int {
+	s := make([]int, 0, hi-lo)
+	for i := lo; i < hi; i++ {
+		s = append(s, i)
+	}
+	return s
+}
+
+// TestGatherBusyRetries: a producer whose answers in flight reach its
+// limit refuses further requests as busy, and the consumer asks again
+// until every byte has come.
+func TestGatherBusyRetries(t *testing.T) {
+	leakcheck.Check(t)
+	g := newGatherPair(t, 32768, 1024, Config{}, Config{})
+	g.prod.c.gather_max_out = 4 << 20 // about one request's answers
+	var ids []nixl.XferID
+	var halves [][2][]int
+	for k := range 4 {
+		l, r := seq(k*256, (k+1)*256), seq(1024-(k+1)*256, 1024-k*256)
+		ids = append(ids, g.read(t, l, r, nil))
+		halves = append(halves, [2][]int{l, r})
+	}
+	// All four at once: waitXfer would drop the others' completions.
+	for deadline := time.Now().Add(20 * time.Second); ; {
+		_, err := g.prod.Progress()
+		require.NoError(t, err)
+		_, err = g.cons.Progress()
+		require.NoError(t, err)
+		left := 0
+		for _, id := range ids {
+			done, err := g.cons.XferStatus(id)
+			require.NoError(t, err)
+			if !done {
+				left++
+			}
+		}
+		if left == 0 {
+			break
+		}
+		require.True(t, time.Now().Before(deadline), "%d READs still in flight after 20s", left)
+	}
+	for i, id := range ids {
+		g.check(t, halves[i][0], halves[i][1])
+		require.NoError(t, g.cons.ReleaseXfer(id))
+	}
+	ps, cs := g.prod.GatherCounts(), g.cons.GatherCounts()
+	t.Logf("producer %+v, consumer %+v", ps, cs)
+	require.Positive(t, ps.Busy, "the producer never refused a request as busy: this tests nothing")
+	require.Positive(t, cs.Retries)
+}
+
+// TestGatherReleaseInFlight: READs released while their answers are on
+// the way: what comes after is dropped (counted late), nothing of it
+// reaches the local memory, and the agents go on.
+func TestGatherReleaseInFlight(t *testing.T) {
+	leakcheck.Check(t)
+	g := newGatherPair(t, 32768, 1024, Config{}, Config{})
+	for i := range g.cbuf {
+		g.cbuf[i] = 0xA5
+	}
+	id := g.read(t, seq(0, 1024), seq(0, 1024), []byte("never"))
+	// Let the first requests be answered in part.
+	for range 5 {
+		_, err := g.prod.Progress()
+		require.NoError(t, err)
+		_, err = g.cons.Progress()
+		require.NoError(t, err)
+	}
+	require.NoError(t, g.cons.ReleaseXfer(id))
+	snap := append([]byte(nil), g.cbuf...)
+	for deadline := time.Now().Add(500 * time.Millisecond); time.Now().Before(deadline); {
+		_, err := g.prod.Progress()
+		require.NoError(t, err)
+		_, err = g.cons.Progress()
+		require.NoError(t, err)
+	}
+	require.True(t, bytes.Equal(snap, g.cbuf), "a released READ's answers still wrote local memory")
+	cs := g.cons.GatherCounts()
+	t.Logf("consumer %+v", cs)
+	require.Positive(t, cs.Late, "no answer came after the release: this tests nothing")
+	require.Empty(t, g.prod.GetNotifs(map[string][][]byte{}), "a released READ's notification was sent")
+	// The pair still works.
+	id = g.read(t, seq(0, 880), seq(100, 980), nil)
+	require.NoError(t, waitXfer(t, g.cons, id, 10*time.Second, g.prod))
+	g.check(t, seq(0, 880), seq(100, 980))
+	require.NoError(t, g.cons.ReleaseXfer(id))
+}
+
+// TestGatherOutOfBounds: a consumer that claims the producer has more
+// memory than it registered (its metadata altered) asks for bytes beyond
+// it: the producer refuses, checked against its own registrations, and
+// the READ fails; a request inside the memory is still served.
+func TestGatherOutOfBounds(t *testing.T) {
+	leakcheck.Check(t)
+	t.Setenv("UCX_TLS", "tcp")
+	const bs, nb = 4096, 64
+	prod := newTestAgent(t, Config{Name: "producer", ErrMode: ErrModePeer})
+	cons := newTestAgent(t, Config{Name: "consumer", ErrMode: ErrModePeer})
+	pbuf := mmapBuf(t, 2*bs*nb)
+	// Only the first half is registered; the second holds a secret.
+	_, err := prod.RegisterMem(pbuf[:bs*nb], nixl.DRAM, 0)
+	require.NoError(t, err)
+	copy(pbuf[bs*nb:], bytes.Repeat([]byte("secret"), bs*nb/6))
+	cbuf := mmapBuf(t, bs*nb)
+	_, err = cons.RegisterMem(cbuf, nixl.DRAM, 0)
+	require.NoError(t, err)
+	md, err := prod.LocalMetadata()
+	require.NoError(t, err)
+	m, err := decodeMetadata(md)
+	require.NoError(t, err)
+	m.Region[0].Len *= 2 // the lie
+	lie, err := encodeMetadata(m)
+	require.NoError(t, err)
+	name, err := cons.LoadRemoteMetadata(lie)
+	require.NoError(t, err)
+	require.True(t, cons.peers[name].gather)
+	local, err := cons.PrepDlist("", descriptors.BuildBlockDescs(addrOf(cbuf), nb, bs, 0), nixl.DRAM)
+	require.NoError(t, err)
+	remote, err := cons.PrepDlist(name, descriptors.BuildBlockDescs(addrOf(pbuf), 2*nb, bs, 0), nixl.DRAM)
+	require.NoError(t, err)
+	for _, ridx := range [][]int{{nb}, {3, nb + 5}, {2*nb - 1}} {
+		id, err := cons.MakeXfer(nixl.Read, local, seq(0, len(ridx)), remote, ridx, nil)
+		require.NoError(t, err)
+		require.NoError(t, cons.PostXfer(id))
+		err = waitXfer(t, cons, id, 10*time.Second, prod)
+		require.Error(t, err, "a READ beyond the producer's registered memory succeeded")
+		require.NoError(t, cons.ReleaseXfer(id))
+	}
+	require.False(t, bytes.Contains(cbuf, []byte("secret")), "bytes the producer did not register reached the consumer")
+	id, err := cons.MakeXfer(nixl.Read, local, []int{0, 1}, remote, []int{2, nb - 1}, nil)
+	require.NoError(t, err)
+	require.NoError(t, cons.PostXfer(id))
+	require.NoError(t, waitXfer(t, cons, id, 10*time.Second, prod))
+	require.Equal(t, pbuf[2*bs:3*bs], cbuf[:bs])
+	require.NoError(t, cons.ReleaseXfer(id))
+	ps := prod.GatherCounts()
+	t.Logf("producer %+v", ps)
+	require.Equal(t, uint64(3), ps.Refused)
+}
+
+// gatherReq lays out a request's ranges as the wire carries them.
+func gatherReq(ranges ...uint64) []byte {
+	b := make([]byte, 8*len(ranges))
+	for i, v := range ranges {
+		binary.LittleEndian.PutUint64(b[8*i:], v)
+	}
+	return b
+}
