@@ -126,6 +126,7 @@ type collector struct {
 	waitBlocks, crowdSleeps, duration                  *prometheus.Desc
 	notifsDropped, readsDirect, readsInline            *prometheus.Desc
 	copyWorkers, copyBusy                              *prometheus.Desc
+	gatherRequests, gatherAnswers, gatherRetries       *prometheus.Desc
 	peerDone, peerFailed, peerBytes, peerOmitted       *prometheus.Desc
 }
 
@@ -163,6 +164,9 @@ func NewCollector(t *ecxfer.Transport, opts ...Option) prometheus.Collector {
 	c.readsInline = d("ecxfer_reads_inline_total", "READs of direct peers the caller copied inside PostRead.")
 	c.copyWorkers = d("ecxfer_copy_workers", "Copy workers of the direct path.")
 	c.copyBusy = d("ecxfer_copy_busy_seconds_total", "Time the copy workers spent copying, summed over them; its rate over ecxfer_copy_workers is their busy fraction.")
+	c.gatherRequests = d("ecxfer_gather_requests_total", "Gathered READs' requests this producer received, by outcome: served, busy (refused while its answers in flight were at their bound; the consumer asks again), refused (malformed or outside its registered memory), dropped (not answered).", "outcome")
+	c.gatherAnswers = d("ecxfer_gather_answers_dropped_total", "Answers to this consumer's gathered READs it dropped, by reason: late (the READ was released), bad (it did not fit the READ, which failed).", "reason")
+	c.gatherRetries = d("ecxfer_gather_retries_total", "Gathered READs' requests this consumer asked again after a busy producer refused them.")
 	c.peersDesc = d("ecxfer_peers", "Known peers by path and state.", "path", "state")
 	c.loopTurns = d("ecxfer_reactor_loop_turns_total", "Event loop turns.")
 	c.parks = d("ecxfer_reactor_parks_total", "Times the reactor slept.")
@@ -188,7 +192,7 @@ func (c *collector) Describe(ch chan<- *prometheus.Desc) {
 		c.notifsSent, c.notifsReceived, c.engineErrors,
 		c.peersDesc, c.loopTurns, c.parks, c.callerSteps, c.naps, c.busySeconds, c.cpu,
 		c.waitBlocks, c.crowdSleeps, c.duration, c.notifsDropped, c.readsDirect, c.readsInline,
-		c.copyWorkers, c.copyBusy,
+		c.copyWorkers, c.copyBusy, c.gatherRequests, c.gatherAnswers, c.gatherRetries,
 	} {
 		ch <- d
 	}
@@ -228,6 +232,14 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	counter(c.notifsDropped, float64(s.NotifsOversized), "oversized")
 	counter(c.notifsDropped, float64(s.NotifsDroppedByEngine), "engine")
 	counter(c.notifsDropped, float64(s.NotifsUndelivered), "undelivered")
+	g := s.Gathers
+	counter(c.gatherRequests, float64(g.Served), "served")
+	counter(c.gatherRequests, float64(g.Busy), "busy")
+	counter(c.gatherRequests, float64(g.Refused), "refused")
+	counter(c.gatherRequests, float64(g.Dropped), "dropped")
+	counter(c.gatherAnswers, float64(g.Late), "late")
+	counter(c.gatherAnswers, float64(g.Bad), "bad")
+	counter(c.gatherRetries, float64(g.Retries))
 	counter(c.readsDirect, float64(s.DirectReads))
 	counter(c.readsInline, float64(s.InlineReads))
 	if s.CopyWorkers > 0 {

@@ -122,6 +122,9 @@ func TestScrapeOverHTTP(t *testing.T) {
 		"ecxfer_peer_reads_failed_total":      "counter",
 		"ecxfer_peer_read_bytes_total":        "counter",
 		"ecxfer_peer_series_omitted":          "gauge",
+		"ecxfer_gather_requests_total":        "counter",
+		"ecxfer_gather_answers_dropped_total": "counter",
+		"ecxfer_gather_retries_total":         "counter",
 	}
 	for n, typ := range types {
 		f := before[n]

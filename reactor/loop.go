@@ -338,6 +338,9 @@ func (r *Reactor) engineNotifCounts() {
 	if r.undeliverer != nil {
 		r.st.notifsUndeliveredByEngine.Store(r.undeliverer.UndeliveredNotifs())
 	}
+	if r.gathers != nil {
+		r.st.storeGatherCounts(r.gathers.GatherCounts())
+	}
 }
 
 // takeNotifs moves the notifications the engine received into the map

@@ -106,7 +106,8 @@ type Reactor struct {
 	tab   *table
 	epoch time.Time
 
-	dropper nixl.NotifDropper // agent, if it counts notifications it lost; else nil
+	dropper nixl.NotifDropper  // agent, if it counts notifications it lost; else nil
+	gathers nixl.GatherCounter // agent, if it gathers READs; else nil
 	// armBusy: the engine refused to arm at the last park, and no turn
 	// since found work (park naps only then). Loop only.
 	armBusy bool
@@ -222,6 +223,7 @@ func Start(agent nixl.Agent, opts Options, setup Setup) (*Reactor, error) {
 		tab:     newTable(o.Handles),
 		epoch:   time.Now(),
 		dropper: dropper(agent),
+		gathers: gatherCounter(agent),
 		fencer: func() nixl.LocalFencer {
 			f, _ := agent.(nixl.LocalFencer)
 			return f

@@ -13,6 +13,7 @@ type counters struct {
 	bytes                          atomic.Uint64
 	notifsSent, notifsReceived     atomic.Uint64
 	notifsDroppedByEngine          atomic.Uint64
+	gathers                        [7]atomic.Uint64 // nixl.GatherCounts, in its order
 	notifsUndeliveredByEngine      atomic.Uint64
 	notifsOversized                atomic.Uint64
 	engineErrors                   atomic.Uint64
@@ -91,6 +92,10 @@ type Stats struct {
 	// in the producer's receive queue, and the producer died, or was
 	// removed and did not take them in time, or the transport closed.
 	NotifsUndelivered uint64
+	// Gathers counts gathered READs, as producer and as consumer (an
+	// engine that is a nixl.GatherCounter: ucx, peers on other hosts);
+	// zero otherwise. Copied from the engine as the loop turns.
+	Gathers nixl.GatherCounts
 
 	// The direct path.
 	DirectPeers int    // peers read on the direct path (same host, region mapped)
@@ -150,6 +155,7 @@ func (r *Reactor) Stats() Stats {
 		BusyTime:       time.Duration(r.st.busyNs.Load()),
 
 		NotifsDroppedByEngine: r.st.notifsDroppedByEngine.Load(),
+		Gathers:               r.st.gatherCounts(),
 		NotifsUndelivered:     undelivered,
 		NotifsOversized:       r.st.notifsOversized.Load(),
 	}
@@ -187,4 +193,25 @@ func (r *Reactor) failedBy() (out [NumFailReasons]uint64) {
 func dropper(agent nixl.Agent) nixl.NotifDropper {
 	d, _ := agent.(nixl.NotifDropper)
 	return d
+}
+
+// gatherCounter returns agent as a nixl.GatherCounter, or nil.
+func gatherCounter(agent nixl.Agent) nixl.GatherCounter {
+	g, _ := agent.(nixl.GatherCounter)
+	return g
+}
+
+func (s *counters) gatherCounts() nixl.GatherCounts {
+	g := &s.gathers
+	return nixl.GatherCounts{Served: g[0].Load(), Busy: g[1].Load(), Refused: g[2].Load(), Dropped: g[3].Load(),
+		Late: g[4].Load(), Bad: g[5].Load(), Retries: g[6].Load()}
+}
+
+func (s *counters) storeGatherCounts(c nixl.GatherCounts) {
+	// Every loop turn: loads, and a store only where a count moved.
+	for i, v := range [7]uint64{c.Served, c.Busy, c.Refused, c.Dropped, c.Late, c.Bad, c.Retries} {
+		if s.gathers[i].Load() != v {
+			s.gathers[i].Store(v)
+		}
+	}
 }
