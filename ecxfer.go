@@ -133,6 +133,15 @@ type Config struct {
 	// pinned like the reactor: with BindNUMA to the node's CPUs, with
 	// PinCPU to the other allowed CPUs.
 	CopyWorkers int
+	// NoGather turns off gathered READs (ucx backend). By default a READ
+	// of a peer on another host asks for all its blocks in a few messages
+	// and the producer answers with the bytes packed into a few sends,
+	// where UCX over tcp would emulate one get per block: one request and
+	// one send for each of them, and a producer whose consumer died with
+	// gets queued at it could abort inside UCX 1.13. A producer with
+	// NoGather does not offer gathers to its consumers, a consumer with it
+	// does not use them; either way READs across hosts go as UCX gets.
+	NoGather bool
 
 	// sharedQueueForTest lifts AddRemotePeer's refusal of shared-queue
 	// peers (see DirectOff); for tests only.

@@ -5,6 +5,7 @@ import (
 	"os"
 	"os/exec"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -204,4 +205,60 @@ func twoHostsLinkDown(t *testing.T, retries2 string, netnsTimeout time.Duration,
 	v, err := prod.request(ctrl.Message{Kind: "verify"}, "verify")
 	require.NoError(t, err)
 	require.Equal(t, int64(-1), v.Ints["bad"])
+}
+
+// TestTwoHostsConsumerKilled: consumers on the other host are SIGKILLed in
+// the middle of streams of 880-block READs, with their requests queued at
+// the producer (stopped while they arrived, continued after the kill): the
+// producer answers into dead connections, lives on, and serves the next
+// consumer intact bytes. Over tcp UCX 1.13 emulates a get with a request
+// the data owner answers, and its answer path aborts the process when the
+// reader's endpoint has failed ("Fatal: unexpected error" in
+// ucp_get_req_handler: with gathers off, ECX_NOGATHER=1 in the producer's
+// environment, three runs of this test lost the producer to SIGABRT at the
+// first kill); ecxfer gathers such READs and sends the answers itself,
+// handling their failure (nixl/ucx, ECX_OP_GATHER).
+func TestTwoHostsConsumerKilled(t *testing.T) {
+	n := newNetPair(t)
+	pname := uniqueName("nsprod")
+	penv := append([]string{"UCX_NET_DEVICES=" + n.devA}, netnsKeepalive...)
+	prod := startTestProducer(t, []string{"ip", "netns", "exec", n.nsA}, pname, relBS, relNB, 61, "alloc", penv...)
+	add := ctrl.Message{Kind: "add", Metadata: prod.hello.Metadata, MemDesc: prod.hello.MemDesc}
+	consumer := func() *roleProc {
+		c := startRole(t, []string{"ip", "netns", "exec", n.nsB}, "consumer",
+			append([]string{"UCX_NET_DEVICES=" + n.devB, "ECX_NAME=" + uniqueName("nscons"),
+				"ECX_BS=5120", "ECX_NB=3520"}, netnsKeepalive...)...)
+		_, err := c.request(add, "added")
+		require.NoError(t, err)
+		return c
+	}
+	read := ctrl.Message{Kind: "read", Name: pname, Ints: map[string]int64{"n": 880, "seed": 61, "count": 2, "rnb": relNB}}
+	for i := range 4 {
+		victim := consumer()
+		_, err := victim.request(read, "read")
+		require.NoError(t, err, "verified READs across the veth before the kill")
+		_, err = victim.request(ctrl.Message{Kind: "stream", Name: pname, Ints: map[string]int64{"n": 880, "depth": 4, "seed": 61, "rnb": relNB}}, "streaming")
+		require.NoError(t, err)
+		time.Sleep(100 * time.Millisecond)
+		prod.signal(syscall.SIGSTOP)
+		prod.waitStopped()
+		time.Sleep(50 * time.Millisecond) // requests queue at the stopped producer
+		victim.kill()
+		prod.signal(syscall.SIGCONT)
+		// The producer answers the dead consumer's requests, and its
+		// keepalive finds the endpoint dead.
+		time.Sleep(500 * time.Millisecond)
+		_, err = prod.request(ctrl.Message{Kind: "verify"}, "verify")
+		require.NoError(t, err, "the producer is gone after consumer %d was killed", i)
+	}
+	cons := consumer()
+	_, err := cons.request(read, "read")
+	require.NoError(t, err, "verified READs from the producer after the kills")
+	v, err := prod.request(ctrl.Message{Kind: "verify"}, "verify")
+	require.NoError(t, err)
+	require.Equal(t, int64(-1), v.Ints["bad"], "the producer's region changed")
+	s, err := prod.request(ctrl.Message{Kind: "stats"}, "stats")
+	require.NoError(t, err)
+	t.Logf("producer: %d gather requests answered, %d not (their consumer's endpoint failed)", s.Ints["gserved"], s.Ints["gdropped"])
+	require.Positive(t, s.Ints["gserved"], "the READs did not go as gathers: this tests UCX's gets")
 }

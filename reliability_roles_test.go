@@ -49,7 +49,8 @@ func statsInts(s Stats) map[string]int64 {
 		"posted": int64(s.ReadsPosted), "done": int64(s.ReadsDone), "failed": int64(s.ReadsFailed),
 		"canceled": int64(s.ReadsCanceled), "live": s.LiveHandles, "inflight": s.InFlight,
 		"peers": int64(s.Peers), "loops": int64(s.LoopTurns), "parks": int64(s.Parks),
-		"notifs": int64(s.NotifsReceived),
+		"notifs":  int64(s.NotifsReceived),
+		"gserved": int64(s.Gathers.Served), "gdropped": int64(s.Gathers.Dropped),
 	}
 }
 
@@ -70,7 +71,7 @@ func monoNow() int64 {
 func runTestConsumer() int {
 	c := ctrl.New(os.Stdin, ctrlOut)
 	bs, nb := envInt("ECX_BS"), envInt("ECX_NB")
-	cfg := Config{AgentName: os.Getenv("ECX_NAME"), BlockSize: bs, NumBlocks: nb}
+	cfg := Config{AgentName: os.Getenv("ECX_NAME"), BlockSize: bs, NumBlocks: nb, NoGather: os.Getenv("ECX_NOGATHER") == "1"}
 	if v := os.Getenv("ECX_XFER_MS"); v != "" {
 		ms, _ := strconv.Atoi(v)
 		cfg.XferTimeout = time.Duration(ms) * time.Millisecond

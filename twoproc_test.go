@@ -91,6 +91,7 @@ func runTestProducer() int {
 		}
 		cfg.Region = region
 	}
+	cfg.NoGather = os.Getenv("ECX_NOGATHER") == "1"
 	switch os.Getenv("ECX_DIRECT") {
 	case "1":
 		cfg.Direct = DirectOn
