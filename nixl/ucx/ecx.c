@@ -1183,11 +1183,11 @@ static void gather_stop(ecx_post_t *p)
  * outstanding. */
 static void gather_fail(ecx_post_t *p, ucs_status_t st)
 {
-    if (p->status == UCS_OK) {
-        p->status = st;
-    }
     if (!p->g->waiting && p->next == p->nranges) {
         return; /* already over */
+    }
+    if (p->status == UCS_OK) {
+        p->status = st;
     }
     gather_stop(p);
     if (p->outstanding == 0 && !p->on_posting) {
@@ -1857,12 +1857,19 @@ int ecx_post(ecx_ctx_t *c, uint64_t id, ucp_ep_h ep, int op,
     uint32_t nops = n;
 
     if (op == ECX_OP_GATHER) {
-        /* One request slot per gather request. */
-        g = gather_new(c, r, n);
-        if (g == NULL) {
-            return n == 0 ? UCS_ERR_INVALID_PARAM : UCS_ERR_NO_MEMORY;
+        uint32_t i;
+        for (i = 0; i < n && r[i].len == 0; i++) {
         }
-        nops = g->nreq;
+        if (i == n) {
+            op = ECX_OP_READ; /* no byte to ask for: nothing to gather */
+        } else {
+            /* One request slot per gather request. */
+            g = gather_new(c, r, n);
+            if (g == NULL) {
+                return UCS_ERR_NO_MEMORY;
+            }
+            nops = g->nreq;
+        }
     }
     /* One request slot per range, and one for a write's flush or the
      * notification. */
