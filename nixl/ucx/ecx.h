@@ -101,7 +101,9 @@
 #define ECX_GATHER_REQ_RANGES 2048u
 /* Requests of one READ asked and not yet fully answered. */
 #define ECX_GATHER_WINDOW 4u
-/* An owner's bytes of answers in flight, over all readers. */
+/* An owner's bytes of answers in flight, over all readers, past which it
+ * refuses requests as busy (a request that finds none in flight is always
+ * served). */
 #define ECX_GATHER_MAX_OUT (64u << 20)
 /* How long a reader waits before asking again after UCS_ERR_NO_RESOURCE. */
 #define ECX_GATHER_RETRY_NS 200000ull
