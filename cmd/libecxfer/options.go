@@ -50,6 +50,9 @@ type options struct {
 	Direct      string `json:"direct"`
 	InlineBytes int    `json:"inline_bytes"`
 	CopyWorkers int    `json:"copy_workers"`
+	// NoGather: READs of peers on other hosts go as UCX gets
+	// (Config.NoGather).
+	NoGather bool `json:"no_gather"`
 }
 
 // directModes maps the option's values to Config.Direct.
@@ -174,6 +177,7 @@ func parseOptions(data []byte) (ecxfer.Config, error) {
 		return ecxfer.Config{}, fmt.Errorf("%w: direct %q (want auto, on or off)", ecxfer.ErrConfig, o.Direct)
 	}
 	cfg.Direct, cfg.InlineBytes, cfg.CopyWorkers = d, o.InlineBytes, o.CopyWorkers
+	cfg.NoGather = o.NoGather
 	return cfg, nil
 }
 

@@ -312,7 +312,8 @@ class EcxferDataTransport(_Base):
     batch_size, submit_ring, handles, wait_when_busy, max_notif,
     reactor_only (callers never step in for the reactor thread), direct
     ("auto", "on", "off": same-host READs bypass the engine and copy from
-    the peer's mapped region), inline_bytes, copy_workers. The JSON
+    the peer's mapped region), inline_bytes, copy_workers, no_gather
+    (READs of peers on other hosts go as UCX gets, not gathered). The JSON
     object in $ECXFER_OPTIONS supplies defaults for them (that is how
     options reach a transport vLLM builds); keyword arguments win.
 
