@@ -34,6 +34,16 @@
 // completes (Err nil) when its data has landed and its notification's send
 // has completed locally. UCX never calls into Go and no cgo.Handle exists.
 //
+// A READ of a peer in error mode PEER (another host: tcp, where UCX
+// emulates each get with a request the peer answers) that advertises
+// featGather is gathered instead (ECX_OP_GATHER, see ecx.h): it asks for
+// its ranges in a few active messages, the peer checks them against its
+// registered memory and answers with the bytes in 60 KiB active messages
+// sent from its handler, and the READ completes when every chunk has been
+// copied into place. UCX's answer path for emulated gets aborts the
+// process when the reader's endpoint failed meanwhile; the gather's
+// answers are this package's own sends, whose failure it handles.
+//
 // A get has landed when it calls back, so a READ needs no flush. When all
 // gets complete inside ucp_get_nbx (UCX-allocated memory over shared memory
 // is a plain copy), the notification goes out inside the call that posted
