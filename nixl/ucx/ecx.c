@@ -90,8 +90,14 @@ typedef struct ecx_gbuf {
     ecx_ctx_t *ctx;
     uint32_t refs;
     uint64_t bytes;
+    int full; /* of ECX_GBUF_FULL bytes of data: may be kept for reuse */
     char data[];
 } ecx_gbuf_t;
+
+/* The data of a buffer that holds any request's answers: the headers of
+ * every chunk, then the bytes. */
+#define ECX_GBUF_FULL \
+    ((size_t)(ECX_GATHER_REQ_BYTES / ECX_GATHER_CHUNK) * ECX_GDATA_HDR + ECX_GATHER_REQ_BYTES)
 
 /* Gathered READs (ECX_OP_GATHER; defined with the posting code below). */
 static int data_done(const ecx_post_t *p);
@@ -809,6 +815,11 @@ void ecx_destroy(ecx_ctx_t *c)
         c->gbufs = b->next;
         free(b);
     }
+    while (c->gfree != NULL) {
+        ecx_gbuf_t *b = c->gfree;
+        c->gfree = b->next;
+        free(b);
+    }
     free(c->regions);
     while ((n = c->notif_head) != NULL) {
         c->notif_head = n->next;
@@ -1517,12 +1528,27 @@ static void gather_ep_failed(ecx_ctx_t *c, ucp_ep_h ep, ucs_status_t st)
 /* ------------------------------------------------- gathers, owner's side */
 
 
+/* A buffer of at least size bytes for answers of bytes bytes. Those of a
+ * request of ECX_GBUF_KEEP_MIN bytes or more are full-size, taken from the
+ * kept ones when there are; smaller ones (a few blocks, a refusal's
+ * header) are allocated as they come, which the C allocator serves from
+ * memory it keeps anyway. */
 static ecx_gbuf_t *gbuf_new(ecx_ctx_t *c, size_t size, uint64_t bytes)
 {
-    ecx_gbuf_t *b = malloc(sizeof(*b) + size);
-    if (b == NULL) {
-        return NULL;
+    ecx_gbuf_t *b;
+    int full = bytes >= ECX_GBUF_KEEP_MIN && size <= ECX_GBUF_FULL;
+    if (full && c->gfree != NULL) {
+        b = c->gfree;
+        c->gfree = b->next;
+        c->ngfree--;
+    } else {
+        b = malloc(sizeof(*b) + (full ? ECX_GBUF_FULL : size));
+        if (b == NULL) {
+            return NULL;
+        }
+        c->gbuf_allocs += (uint64_t)full;
     }
+    b->full = full;
     b->ctx = c;
     b->refs = 1;
     b->bytes = bytes;
@@ -1551,6 +1577,12 @@ static void gbuf_unref(ecx_gbuf_t *b)
         b->next->prev = b->prev;
     }
     c->gather_out -= b->bytes;
+    if (b->full && c->ngfree < ECX_GBUF_CACHE) {
+        b->next = c->gfree;
+        c->gfree = b;
+        c->ngfree++;
+        return;
+    }
     free(b);
 }
 

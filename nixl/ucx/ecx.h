@@ -105,6 +105,13 @@
  * refuses requests as busy (a request that finds none in flight is always
  * served). */
 #define ECX_GATHER_MAX_OUT (64u << 20)
+/* Answer buffers of the largest request's size kept for the next
+ * requests once their sends are done, at most this many; requests of
+ * ECX_GBUF_KEEP_MIN bytes or more use them. A fresh allocation of that
+ * size was mapped, page-faulted and zeroed by the kernel at every request
+ * and given back at every free. */
+#define ECX_GBUF_CACHE 4u
+#define ECX_GBUF_KEEP_MIN (128u << 10)
 /* How long a reader waits before asking again after UCS_ERR_NO_RESOURCE. */
 #define ECX_GATHER_RETRY_NS 200000ull
 /* The reader's table of READs waiting for answers, by id. */
@@ -217,6 +224,9 @@ typedef struct ecx_ctx {
     uint64_t gather_out;
     uint64_t gather_max_out; /* ECX_GATHER_MAX_OUT (tests lower it) */
     struct ecx_gbuf *gbufs; /* answers in flight */
+    struct ecx_gbuf *gfree; /* full-size buffers kept for reuse */
+    uint32_t ngfree;
+    uint64_t gbuf_allocs;   /* full-size buffers allocated (tests) */
     ecx_post_t *gtab[ECX_GATHER_BUCKETS];
     ecx_post_t *gretry;
     uint64_t gseq;

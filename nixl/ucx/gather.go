@@ -24,6 +24,16 @@ func gatherCountsOf(s *C.ecx_gather_stats_t) nixl.GatherCounts {
 		Dropped: uint64(s.dropped), Late: uint64(s.late), Bad: uint64(s.bad), Retries: uint64(s.retries)}
 }
 
+// gbufCache is how many answer buffers of a full request's size an owner
+// keeps for reuse (ECX_GBUF_CACHE).
+const gbufCache = C.ECX_GBUF_CACHE
+
+// gbufStats reports how many full-size answer buffers the owner allocated
+// in its life and how many it keeps now (tests).
+func (a *Agent) gbufStats() (allocs uint64, kept uint32) {
+	return uint64(a.c.gbuf_allocs), uint32(a.c.ngfree)
+}
+
 // gatherCheck is the owner's check of a gather request (ecx_gather_check)
 // whose ranges are n little-endian address and length pairs: 0, or the
 // status the request is refused with. A request whose ranges do not fill
