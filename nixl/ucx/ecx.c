@@ -60,6 +60,7 @@ struct ecx_post {
     uint8_t orphaned; /* cancelled: its end reported as ECX_ORPHAN_END */
     uint8_t silent;   /* fire-and-forget notification: never reported */
     uint8_t queued;   /* on the completion queue */
+    uint8_t on_ready; /* on the ready list */
     uint32_t notif_len;
     char *notif;
     uint8_t imm;        /* the notification goes on the short path only */
@@ -257,9 +258,18 @@ static void post_free(ecx_post_t *p)
     free(p);
 }
 
+/* The ready list and the completion queue share q_next: a post on either
+ * is not put on either again (counted in list_faults, which tests check
+ * stays 0): twice on one list made it a cycle that ecx_progress walked
+ * forever. */
 static void ready_push(ecx_post_t *p)
 {
     ecx_ctx_t *c = p->ctx;
+    if (p->on_ready || p->queued) {
+        c->list_faults++;
+        return;
+    }
+    p->on_ready = 1;
     p->q_next = NULL;
     if (c->ready_tail != NULL) {
         c->ready_tail->q_next = p;
@@ -272,6 +282,10 @@ static void ready_push(ecx_post_t *p)
 static void comp_push(ecx_post_t *p)
 {
     ecx_ctx_t *c = p->ctx;
+    if (p->on_ready || p->queued) {
+        c->list_faults++;
+        return;
+    }
     p->q_next = NULL;
     p->queued = 1;
     if (c->comp_tail != NULL) {
@@ -1346,6 +1360,9 @@ static void gather_send(ecx_post_t *p, uint32_t k)
     prm.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY;
     sp = ucp_am_send_nbx(p->ep, ECX_AM_GATHER_REQ, hdr, ECX_GREQ_HDR, hdr + ECX_GREQ_HDR, len, &prm);
     track(p, sp, k);
+    if (p->ctx->test_fail_sends) {
+        gather_ep_failed(p->ctx, p->ep, UCS_ERR_CONNECTION_RESET);
+    }
 }
 
 /* Sends p's requests while its window has room; once all are sent (or one
@@ -1925,10 +1942,19 @@ int ecx_post(ecx_ctx_t *c, uint64_t id, ucp_ep_h ep, int op,
         g->tab_next = *slot;
         *slot = p;
         g->waiting = 1;
+    }
+    /* While its first operations go out, p is this function's: UCX may
+     * fail the endpoint inside a send and call back for it (the error
+     * callback ends a gathered READ's wait: gather_ep_failed), and a
+     * callback that put p on the ready list had it moved on twice, from
+     * there and below (a producer that died as the READ was posted). */
+    p->on_posting = 1;
+    if (g != NULL) {
         gather_post_some(p);
     } else {
         post_some(p);
     }
+    p->on_posting = 0;
     *out = p;
     c->last_in_rounds = p->next < p->nranges;
     if (p->next < p->nranges) {
@@ -2083,6 +2109,7 @@ uint32_t ecx_progress(ecx_ctx_t *c)
     /* advance may put a post back in flight (its notification), whose
      * callback lands on the ready list during a later progress call. */
     while ((p = c->ready_head) != NULL) {
+        p->on_ready = 0;
         c->ready_head = p->q_next;
         if (c->ready_head == NULL) {
             c->ready_tail = NULL;

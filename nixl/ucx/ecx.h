@@ -212,6 +212,12 @@ typedef struct ecx_ctx {
     uint64_t notif_dropped;  /* notifications received and not queued */
     uint64_t notif_undelivered; /* waiting ones dropped unsent with their
                                    endpoint */
+    int test_fail_sends;     /* tests: a gathered READ's requests fail
+                                their endpoint inside the send, as UCX
+                                does when the send finds the peer's
+                                connection gone (gather_send) */
+    uint64_t list_faults;    /* posts found on the ready list or the
+                                completion queue when put there again */
     int send_rndv;           /* tests: send notifications by rendezvous, as
                                 a sender that does not force eager would */
 

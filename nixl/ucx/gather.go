@@ -34,6 +34,20 @@ func (a *Agent) gbufStats() (allocs uint64, kept uint32) {
 	return uint64(a.c.gbuf_allocs), uint32(a.c.ngfree)
 }
 
+// failSendsForTest makes a's gathered READs fail their endpoint inside
+// their sends (the error handler runs there, as UCX runs it when a send
+// finds the peer's connection gone).
+func (a *Agent) failSendsForTest(on bool) {
+	a.c.test_fail_sends = 0
+	if on {
+		a.c.test_fail_sends = 1
+	}
+}
+
+// listFaults counts posts found already queued when put on the ready list
+// or the completion queue again (tests: always 0).
+func (a *Agent) listFaults() uint64 { return uint64(a.c.list_faults) }
+
 // gatherCheck is the owner's check of a gather request (ecx_gather_check)
 // whose ranges are n little-endian address and length pairs: 0, or the
 // status the request is refused with. A request whose ranges do not fill

@@ -164,6 +164,48 @@ func TestGatherBuffersReused(t *testing.T) {
 	require.LessOrEqual(t, kept, uint32(gbufCache))
 }
 
+// TestGatherEndpointFailsInSend: UCX fails an endpoint inside a send
+// that finds the peer's connection gone, and calls its error handler
+// there, which ends the gathered READs waiting on it; a READ being posted
+// is one of them. Each READ must end once, in an error: one moved on both
+// from the error handler and from the post was queued twice, which made
+// the ready list a cycle that progress walked for ever (found by
+// ecxfer-soak over tcp alone on the engine path, producers replaced every
+// 500 ms). Here the handler is run from the send on purpose, for READs
+// of one request and of several (a window's worth and more), with and
+// without a notification; the agents stay usable after.
+func TestGatherEndpointFailsInSend(t *testing.T) {
+	leakcheck.Check(t)
+	g := newGatherPair(t, 32768, 1024, Config{}, Config{})
+	for _, c := range []struct {
+		name   string
+		blocks int
+		notif  []byte
+	}{{"one-request", 8, nil}, {"many-requests", 1024, nil}, {"with-notification", 200, []byte("n")}} {
+		t.Run(c.name, func(t *testing.T) {
+			g.cons.failSendsForTest(true)
+			id := g.read(t, seq(0, c.blocks), seq(0, c.blocks), c.notif)
+			g.cons.failSendsForTest(false)
+			require.ErrorIs(t, waitXfer(t, g.cons, id, 10*time.Second, g.prod), nixl.ErrRemoteDisconnect)
+			var comp [16]nixl.Completion
+			for range 100 {
+				_, err := g.cons.Progress()
+				require.NoError(t, err)
+				for _, cm := range comp[:g.cons.PollCompletions(comp[:])] {
+					require.NotEqual(t, id, cm.ID, "the READ completed twice")
+				}
+			}
+			require.Zero(t, g.cons.listFaults(), "a READ was queued twice")
+			require.NoError(t, g.cons.ReleaseXfer(id))
+			// The endpoint itself is fine: the next READ lands.
+			id = g.read(t, seq(0, 64), seq(64, 128), nil)
+			require.NoError(t, waitXfer(t, g.cons, id, 10*time.Second, g.prod))
+			g.check(t, seq(0, 64), seq(64, 128))
+			require.NoError(t, g.cons.ReleaseXfer(id))
+		})
+	}
+}
+
 func seq(lo, hi int) []int {
 	s := make([]int, 0, hi-lo)
 	for i := lo; i < hi; i++ {
