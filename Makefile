@@ -146,14 +146,19 @@ test: deps nixl fmt-check cgo-guard dep-guard vet staticcheck
 # is accounted for, nothing leaks (goroutines, descriptors, RSS, shared
 # mappings) and UCX's own teardown report is empty (hence UCX_LOG_LEVEL=warn).
 # Then the same on the engine path (two producers of engine-allocated
-# regions, half the replacements), where notifications go through UCX.
+# regions, half the replacements), where notifications go through UCX, and
+# on the engine path over tcp alone (UCX_TLS=tcp: error mode PEER and
+# gathered READs between the processes; a run that hangs is killed).
 soak: export UCX_LOG_LEVEL = warn
 soak: deps
 	$(GO) build -o .soak ./cmd/ecxfer-soak
 	./.soak --duration $(SOAK) --producers 3 --regions alloc,mmap,shm --workers 16 \
 		--restart 100ms --restarts $(SOAK_RESTARTS) --notif-bytes 101 && \
 	./.soak --duration $(SOAK) --producers 2 --regions alloc --direct off --workers 8 \
-		--restart 100ms --restarts $$(( $(SOAK_RESTARTS) / 2 )) --notif-bytes 101; s=$$?; rm -f .soak; exit $$s
+		--restart 100ms --restarts $$(( $(SOAK_RESTARTS) / 2 )) --notif-bytes 101 && \
+	UCX_TLS=tcp timeout -k 10 300 ./.soak --duration $(SOAK) --producers 2 --regions alloc,mmap \
+		--direct off --workers 8 --restart 100ms --restarts $$(( $(SOAK_RESTARTS) / 4 )) \
+		--notif-bytes 101; s=$$?; rm -f .soak; exit $$s
 
 # A real transfer between two processes (the harness forks a UCX producer)
 # with every workload and mode, bytes verified, and the table (about 65 s).

@@ -29,7 +29,13 @@ const (
 	// ErrModeAuto uses UCP_ERR_HANDLING_MODE_NONE for peers on this host
 	// (shared memory stays available; liveness comes from a pidfd) and
 	// UCP_ERR_HANDLING_MODE_PEER for peers elsewhere (UCX reports their
-	// death through the endpoint error callback).
+	// death through the endpoint error callback). A peer on this host
+	// gets PEER too when shared memory is out of reach anyway: either
+	// end's UCX has no shared-memory transport (UCX_TLS=tcp), and the peer
+	// is of a build that applies the same rule (featModeRule), so both
+	// ends of the pair pick the same mode (UCX refuses a connection whose
+	// ends differ). Over tcp, PEER is what makes a peer's death or removal
+	// with transfers in flight safe (see the package doc).
 	ErrModeAuto ErrMode = iota
 	// ErrModePeer uses PEER for every peer. On one host this forces tcp in
 	// UCX 1.13 (about 8x slower than shared memory).
@@ -281,7 +287,7 @@ func New(cfg Config) (*Agent, error) {
 	}
 	var ma, mi C.uint32_t
 	C.ecx_version(&ma, &mi)
-	feats := uint64(featFragNotifs)
+	feats := uint64(featFragNotifs | featModeRule)
 	if !cfg.NoGather {
 		feats |= featGather
 	}
@@ -296,6 +302,9 @@ func New(cfg Config) (*Agent, error) {
 		return nil, ucsErr(st, "ucx: init")
 	}
 	a.cAt = C.uintptr_t(uintptr(unsafe.Pointer(a.c)))
+	if a.tcpAlone() {
+		a.ucxVer |= featTCPAlone << 8
+	}
 	if cfg.rndvNotifs {
 		a.c.send_rndv = 1
 	}

@@ -117,6 +117,15 @@
 //     death, fails outstanding operations (UCS_ERR_ENDPOINT_TIMEOUT, ...)
 //     and calls the endpoint error callback, which queues the peer in C for
 //     Progress to handle.
+//   - Same host over tcp alone: PEER as well, when either end's UCX has
+//     no shared-memory transport (UCX_TLS=tcp; featTCPAlone in its
+//     metadata) and the peer is of a build that applies this rule
+//     (featModeRule), so that both ends agree: UCX refuses a connection
+//     whose ends differ. Shared memory is out of reach for the pair
+//     anyway, and over tcp mode NONE left UCX's emulated gets, whose
+//     answering side aborts when the reader's endpoint has failed, and an
+//     abort in the purge of a wire-up request; PEER makes the pair's
+//     READs gathered ones, as across hosts. The pidfd is kept too.
 //   - ErrModePeer forces PEER for every peer. Its cost: in UCX 1.13 PEER
 //     cannot use shared memory, so same-host peers go over tcp, roughly 8x
 //     slower. ErrModeNone forces NONE: remote deaths go unnoticed.

@@ -586,6 +586,46 @@ static void ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
     c->err_tail = e;
 }
 
+/* Whether context's transports include one for shared memory between
+ * processes (posix, sysv, cma, knem, xpmem), read from UCX's own
+ * description of the context (its "resource" lines, which UCX_TLS
+ * filters): UCX 1.13 has no call that lists them. 1 when it cannot tell
+ * (no resource line found), as if shared memory were there. */
+static int context_has_shm(ucp_context_h context)
+{
+    static const char *const shm[] = {"posix/", "sysv/", "cma/", "knem/", "xpmem/"};
+    char *text = NULL, *line, *save = NULL;
+    size_t len = 0, i;
+    int resources = 0, found = 0;
+    FILE *f = open_memstream(&text, &len);
+    if (f == NULL) {
+        return 1;
+    }
+    ucp_context_print_info(context, f);
+    if (fclose(f) != 0 || text == NULL) {
+        free(text);
+        return 1;
+    }
+    for (line = strtok_r(text, "\n", &save); line != NULL; line = strtok_r(NULL, "\n", &save)) {
+        const char *tl;
+        /* "# resource N : md M dev D flags XY tl/device" (XY: two flag
+         * characters). */
+        if (strstr(line, "resource") == NULL || (tl = strstr(line, "flags ")) == NULL ||
+            strlen(tl) < 9) {
+            continue;
+        }
+        resources++;
+        tl += 9;
+        for (i = 0; i < sizeof(shm) / sizeof(shm[0]); i++) {
+            if (strncmp(tl, shm[i], strlen(shm[i])) == 0) {
+                found = 1;
+            }
+        }
+    }
+    free(text);
+    return found || resources == 0;
+}
+
 int ecx_create(const char *name, uint32_t name_len, ecx_ctx_t **out)
 {
     ucp_params_t params;
@@ -684,6 +724,7 @@ int ecx_create(const char *name, uint32_t name_len, ecx_ctx_t **out)
         goto err_worker;
     }
     c->gather_max_out = ECX_GATHER_MAX_OUT;
+    c->shm = context_has_shm(c->context);
     if (getrandom(&c->token, sizeof(c->token), GRND_NONBLOCK) != (ssize_t)sizeof(c->token)) {
         /* Tells this sender's fragments from other senders' at a receiver:
          * unique enough without the entropy pool. */

@@ -218,6 +218,8 @@ typedef struct ecx_ctx {
                                 connection gone (gather_send) */
     uint64_t list_faults;    /* posts found on the ready list or the
                                 completion queue when put there again */
+    int shm;                 /* a shared-memory transport is among the
+                                context's (context_has_shm) */
     int send_rndv;           /* tests: send notifications by rendezvous, as
                                 a sender that does not force eager would */
 

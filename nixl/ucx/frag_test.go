@@ -384,15 +384,19 @@ func TestMetadataFeatures(t *testing.T) {
 	require.NoError(t, err)
 	m, err := decodeMetadata(md)
 	require.NoError(t, err)
-	require.Equal(t, uint64(featFragNotifs|featGather), m.ucxFeatures())
+	want := uint64(featFragNotifs | featGather | featModeRule)
+	if a.tcpAlone() {
+		want |= featTCPAlone
+	}
+	require.Equal(t, want, m.ucxFeatures())
 	require.Equal(t, uint64(1), m.ucxMajor())
-	require.Equal(t, ucxFeatures(m.ucxMajor(), m.ucxMinor(), featFragNotifs|featGather), m.UCX)
+	require.Equal(t, ucxFeatures(m.ucxMajor(), m.ucxMinor(), want), m.UCX)
 	b := newTestAgent(t, Config{Name: "b", NoGather: true})
 	md, err = b.LocalMetadata()
 	require.NoError(t, err)
 	mb, err := decodeMetadata(md)
 	require.NoError(t, err)
-	require.Equal(t, uint64(featFragNotifs), mb.ucxFeatures(), "an agent with NoGather advertises no gathers")
+	require.Zero(t, mb.ucxFeatures()&featGather, "an agent with NoGather advertises no gathers")
 	m.UCX = ucxFeatures(9, 3, 0)
 	m.Name = "other"
 	other, err := encodeMetadata(m)
@@ -541,8 +545,9 @@ func sharedMaps(t *testing.T) int {
 	return n
 }
 
-// Over tcp between two processes on one host (error mode NONE, where
-// notifications go on the short path only), the short path takes about
+// Over tcp between two processes on one host in error mode NONE (where
+// notifications go on the short path only: ErrModeNone here, or a peer of
+// a build before the tcp-alone rule), the short path takes about
 // 64 KiB, so only notifications near MaxNotif go in fragments: those,
 // short ones between them and ones sent with READs each arrive once,
 // intact and in order, also at a producer that sleeps whenever it has
@@ -550,12 +555,12 @@ func sharedMaps(t *testing.T) int {
 func TestFragmentedNotifsOverTCP(t *testing.T) {
 	leakcheck.Check(t)
 	t.Setenv("UCX_TLS", "tcp")
-	ch := startChild(t, childOpts{name: "prod", seed: 5, blocks: 64, alloc: true, tls: "tcp", park: true})
+	ch := startChild(t, childOpts{name: "prod", seed: 5, blocks: 64, alloc: true, tls: "tcp", park: true, errMode: ErrModeNone})
 	name := strings.Repeat("c", 40) // a longer name: more lengths go in fragments
-	c := newConsumer(t, Config{Name: name}, 64, testBlock)
+	c := newConsumer(t, Config{Name: name, ErrMode: ErrModeNone}, 64, testBlock)
 	c.connect(t, ch)
 	to := c.a.peers[c.peer]
-	require.False(t, to.peerMode, "same host: mode NONE")
+	require.False(t, to.peerMode, "mode NONE")
 	require.Equal(t, 1, int(to.notifTo.frag), "the producer does not take fragments")
 	shortMax := int(to.notifTo.short_max)
 	require.Positive(t, shortMax, "the endpoint's short path was not found")

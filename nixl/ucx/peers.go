@@ -68,6 +68,28 @@ func (a *Agent) LoadRemoteMetadata(md []byte) (string, error) {
 	return p.name, nil
 }
 
+// featTCPAlone, in the feature bits of a peer's metadata: its UCX has no
+// shared-memory transport (UCX_TLS without one), so a peer on its host
+// reaches it over tcp alone. featModeRule: the peer picks error mode PEER
+// for a peer on its host when either of them has featTCPAlone (ErrModeAuto).
+const (
+	featTCPAlone = 4
+	featModeRule = 8
+)
+
+// tcpAlone reports whether this agent's UCX has no shared-memory
+// transport.
+func (a *Agent) tcpAlone() bool { return a.c.shm == 0 }
+
+// tcpAlonePair reports whether a peer on this host with metadata m is
+// reached over tcp alone and picks its error mode by the same rule as
+// this agent: then both ends use PEER. A peer of an older build keeps
+// NONE, as it does at its end.
+func (a *Agent) tcpAlonePair(m *metadata) bool {
+	f := m.ucxFeatures()
+	return f&featModeRule != 0 && (a.tcpAlone() || f&featTCPAlone != 0)
+}
+
 // newPeer checks m against this build, opens the pidfd of a peer on this
 // host and connects it. The peer is not under its name yet, but its
 // endpoint's errors and its process's exit already reach it.
@@ -82,7 +104,7 @@ func (a *Agent) newPeer(md []byte, m *metadata) (*peer, error) {
 	case ErrModePeer:
 		p.peerMode = true
 	case ErrModeAuto:
-		p.peerMode = !sameHost
+		p.peerMode = !sameHost || a.tcpAlonePair(m)
 	}
 	var err error
 	if sameHost && !a.cfg.noPidfd {

@@ -12,9 +12,10 @@ import (
 )
 
 // TestTCPOnlyOneEnd: UCX_TLS=tcp at one end only, two processes on one
-// host: both ends keep error mode NONE (UCX refuses a connection between
-// NONE and PEER), and a READ with a notification works either way round,
-// over tcp, bytes verified.
+// host that each load the other's metadata: both ends pick error mode
+// PEER (the tcp-alone end says so in its metadata; UCX refuses a
+// connection whose ends differ), and a READ with a notification works
+// either way round, over tcp, bytes verified.
 func TestTCPOnlyOneEnd(t *testing.T) {
 	for _, c := range []struct{ name, consTLS, prodTLS string }{
 		{"consumer-tcp", "tcp", "all"},
@@ -25,7 +26,7 @@ func TestTCPOnlyOneEnd(t *testing.T) {
 			t.Setenv("UCX_TLS", c.consTLS)
 			cons := newConsumer(t, Config{Name: "cons"}, 64, testBlock)
 			cons.connect(t, ch)
-			require.False(t, cons.a.peers[cons.peer].peerMode, "same host: mode NONE at both ends")
+			require.True(t, cons.a.peers[cons.peer].peerMode, "one end is tcp alone: mode PEER")
 			local, remote := []int{0, 1, 2}, []int{9, 3, 40}
 			require.NoError(t, cons.read(t, local, remote, []byte("session:one-end")))
 			cons.verify(t, 12, local, remote)
@@ -109,4 +110,60 @@ func TestRemoveInFlightOverTCPPeerMode(t *testing.T) {
 			require.NoError(t, err)
 		}
 	}
+}
+
+// TestTCPAloneModeRule: which error mode a same-host peer gets under
+// ErrModeAuto. An agent whose UCX has no shared-memory transport says so
+// in its metadata; a pair in which either end is tcp alone uses PEER when
+// the peer applies the same rule, and NONE with a peer of an older build
+// (which keeps NONE at its end: UCX refuses a connection whose ends
+// differ). With shared memory at both ends, NONE as before.
+func TestTCPAloneModeRule(t *testing.T) {
+	shm := newTestAgent(t, Config{Name: "shm"})
+	require.False(t, shm.tcpAlone(), "this machine's UCX has shared memory by default")
+	t.Setenv("UCX_TLS", "tcp")
+	tcp := newTestAgent(t, Config{Name: "tcp"})
+	require.True(t, tcp.tcpAlone())
+	t.Setenv("UCX_TLS", "tcp,posix")
+	require.False(t, newTestAgent(t, Config{Name: "tcp-posix"}).tcpAlone())
+
+	meta := func(a *Agent, feats uint64) []byte {
+		md, err := a.LocalMetadata()
+		require.NoError(t, err)
+		m, err := decodeMetadata(md)
+		require.NoError(t, err)
+		if feats != ^uint64(0) {
+			m.UCX = ucxFeatures(m.ucxMajor(), m.ucxMinor(), feats)
+		}
+		m.Name += "-copy"
+		out, err := encodeMetadata(m)
+		require.NoError(t, err)
+		return out
+	}
+	old := uint64(featFragNotifs | featGather) // a build before the rule
+	for _, c := range []struct {
+		name     string
+		loader   *Agent
+		md       []byte
+		peerMode bool
+	}{
+		{"shm-loads-shm", shm, meta(shm, ^uint64(0)), false},
+		{"shm-loads-tcp", shm, meta(tcp, ^uint64(0)), true},
+		{"tcp-loads-shm", tcp, meta(shm, ^uint64(0)), true},
+		{"tcp-loads-tcp", tcp, meta(tcp, ^uint64(0)), true},
+		{"tcp-loads-old-shm", tcp, meta(shm, old), false},
+		{"shm-loads-old-tcp", shm, meta(tcp, old|featTCPAlone), false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			name, err := c.loader.LoadRemoteMetadata(c.md)
+			require.NoError(t, err)
+			require.Equal(t, c.peerMode, c.loader.peers[name].peerMode)
+			require.NoError(t, c.loader.InvalidateRemoteMetadata(name))
+		})
+	}
+	// ErrModeNone and ErrModePeer are not overridden.
+	none := newTestAgent(t, Config{Name: "none", ErrMode: ErrModeNone})
+	name, err := none.LoadRemoteMetadata(meta(tcp, ^uint64(0)))
+	require.NoError(t, err)
+	require.False(t, none.peers[name].peerMode)
 }

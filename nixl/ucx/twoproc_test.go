@@ -23,8 +23,9 @@ type tlsCase struct {
 var tlsCases = []tlsCase{
 	{"shm/allocated", "shm", ErrModeAuto, true},
 	{"shm/registered", "shm", ErrModeAuto, false},
-	{"tcp/allocated", "tcp", ErrModeAuto, true},
+	{"tcp/allocated", "tcp", ErrModeAuto, true}, // tcp alone at both ends: PEER
 	{"tcp/peer-mode", "tcp", ErrModePeer, true},
+	{"tcp/none-mode", "tcp", ErrModeNone, true},
 }
 
 func TestTwoProcessRead(t *testing.T) {
@@ -37,7 +38,7 @@ func TestTwoProcessRead(t *testing.T) {
 			c := newConsumer(t, Config{Name: "cons", ErrMode: tc.errMode}, blocks, testBlock)
 			c.connect(t, ch)
 			p := c.a.peers[c.peer]
-			require.Equal(t, tc.errMode == ErrModePeer, p.peerMode)
+			require.Equal(t, tc.errMode == ErrModePeer || tc.errMode == ErrModeAuto && tc.tls == "tcp", p.peerMode)
 			require.GreaterOrEqual(t, p.pidfd, 0, "same host: pidfd watch")
 
 			seq := make([]int, blocks)
