@@ -123,6 +123,9 @@ type peer struct {
 	regions  []peerRegion // sorted by addr
 	spans    nixl.SpanIndex
 	peerMode bool
+	// wired: a transfer to the peer has completed, so its endpoint's
+	// wire-up has finished (closeEp).
+	wired bool
 	// notifTo says how notifications go to the peer (ecx_notif_to_t):
 	// short_max, 0 or the longest active message its endpoint sends on
 	// UCX's short path, to which they then keep; frag, the peer

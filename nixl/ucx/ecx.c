@@ -117,6 +117,7 @@ static ecx_gather_t *gather_new(ecx_ctx_t *c, const ecx_range_t *r, uint32_t n);
 struct ecx_close {
     ecx_close_t *next;
     void *req;         /* NULL: not started, ep's notifications go first */
+    void *flush;       /* a flush of ep before its forced close (force 2) */
     ucp_ep_h ep;       /* for one not started: */
     int force;
     uint64_t deadline; /* CLOCK_MONOTONIC ns */
@@ -806,6 +807,19 @@ static uint32_t reap_closes(ecx_ctx_t *c)
     ecx_close_t **pp = &c->closing, *k;
     uint32_t n = 0;
     while ((k = *pp) != NULL) {
+        if (k->flush != NULL) {
+            if (ucp_request_check_status(k->flush) == UCS_INPROGRESS && mono_ns() < k->deadline) {
+                pp = &k->next;
+                continue;
+            }
+            /* Flushed (its wire-up is over), or waited long enough. */
+            ucp_request_free(k->flush);
+            *pp = k->next;
+            ecx_ep_close_rkeys(c, k->ep, k->arg, 1, k->rkeys, k->nrkeys, 0);
+            free(k);
+            n++;
+            continue;
+        }
         if (k->req == NULL) {
             if (sending_to(c, k->ep) && mono_ns() < k->deadline) {
                 pp = &k->next;
@@ -846,6 +860,9 @@ void ecx_destroy(ecx_ctx_t *c)
     for (k = c->closing; k != NULL; k = k->next) {
         if (k->req != NULL) {
             ucp_request_free(k->req);
+        }
+        if (k->flush != NULL) {
+            ucp_request_free(k->flush);
         }
         rkeys_free(k->rkeys, k->nrkeys);
         k->rkeys = NULL;
@@ -1031,6 +1048,30 @@ void ecx_ep_close_rkeys(ecx_ctx_t *c, ucp_ep_h ep, ecx_ep_arg_t *arg, int force,
         c->closing = k;
         return;
     }
+    if (force == 2) {
+        /* Error mode PEER and nothing of the endpoint completed yet: flush
+         * it first, so that its wire-up ends before it is forced (see
+         * closeEp), within ECX_WIRE_NS. */
+        memset(&prm, 0, sizeof(prm));
+        sp = ucp_ep_flush_nbx(ep, &prm);
+        force = 1;
+        if (sp != NULL && !UCS_PTR_IS_ERR(sp)) {
+            if ((k = calloc(1, sizeof(*k))) == NULL) {
+                ucp_request_free(sp);
+            } else {
+                k->ep = ep;
+                k->force = 1;
+                k->flush = sp;
+                k->deadline = mono_ns() + ECX_WIRE_NS;
+                k->arg = arg;
+                k->rkeys = rkeys;
+                k->nrkeys = n;
+                k->next = c->closing;
+                c->closing = k;
+                return;
+            }
+        }
+    }
     /* Notifications still waiting for room in the peer's queue go with
      * the endpoint (Go has cancelled its transfers' posts already). */
     for (p = c->sending; p != NULL; p = next) {
@@ -1061,7 +1102,7 @@ void ecx_ep_close_rkeys(ecx_ctx_t *c, ucp_ep_h ep, ecx_ep_arg_t *arg, int force,
         free(arg);
         return;
     }
-    k = malloc(sizeof(*k));
+    k = calloc(1, sizeof(*k));
     if (k == NULL) {
         /* Cannot track it: UCX releases the request when it completes;
          * the rkeys and arg are abandoned rather than freed too early. */

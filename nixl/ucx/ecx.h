@@ -282,6 +282,9 @@ void ecx_ep_close(ecx_ctx_t *c, ucp_ep_h ep, ecx_ep_arg_t *arg, int force);
 void ecx_ep_close_rkeys(ecx_ctx_t *c, ucp_ep_h ep, ecx_ep_arg_t *arg, int force,
                         ucp_rkey_h *rkeys, uint32_t n, int drain);
 #define ECX_DRAIN_NS 5000000000ull
+/* How long a removed peer's endpoint that may still be in its wire-up is
+ * flushed before it is closed by force (ecx_ep_close_rkeys, force 2). */
+#define ECX_WIRE_NS 1000000000ull
 void ecx_version(uint32_t *major, uint32_t *minor);
 /* 1 if one of ep's lanes runs over a shared-memory transport (sysv or
  * posix), 0 if none does, -1 if it cannot tell. Reads ucp_ep_print_info. */

@@ -436,12 +436,21 @@ func (a *Agent) unpackDeferred(p *peer) error {
 
 // closeEp closes p's endpoint and, once nothing can use them, its first n
 // rkeys: forced in error mode PEER, flushed in mode NONE (see failPeer).
+// A PEER endpoint none of whose transfers has completed yet may still be
+// in its wire-up, and UCX 1.13 aborts the peer's process when the
+// endpoint fails while the peer's wire-up reply waits in its queue ("got
+// REP message" in uct_tcp_ep_pending_purge): such an endpoint is flushed
+// first, which ends once the wire-up has, and forced then, or after
+// ECX_WIRE_NS at the latest.
 // Notifications to p still waiting for room in its queue are sent first
 // if its process is alive (within ECX_DRAIN_NS), dropped if not.
 func (a *Agent) closeEp(p *peer, n int) {
 	f := C.int(0)
-	if p.peerMode {
+	switch {
+	case p.peerMode && p.wired:
 		f = 1
+	case p.peerMode:
+		f = 2
 	}
 	drain := C.int(0)
 	if p.pidfd >= 0 && !pidExited(p.pidfd) {

@@ -259,6 +259,9 @@ func (a *Agent) drainC() {
 				// left. DONE only if the peer outlived the whole READ.
 				x.err = nixl.Errorf(nixl.ErrRemoteDisconnect, "ucx: xfer %d: peer %q (pid %d) exited during the transfer", x.id, x.peer.name, x.peer.pid)
 			}
+			if x.err == nil {
+				x.peer.wired = true
+			}
 			delete(x.peer.inflight, x.id)
 			a.pending.Push(x.id, x.gen, x.err)
 		}
