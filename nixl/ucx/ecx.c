@@ -1028,6 +1028,24 @@ int ecx_ep_create(ecx_ctx_t *c, const void *addr, int peer_mode, uint64_t peer,
     return UCS_OK;
 }
 
+/* Puts a close of ep on the closing list for reap_closes, with what it
+ * frees once the close has completed (NULL if it cannot be allocated). */
+static ecx_close_t *close_track(ecx_ctx_t *c, ucp_ep_h ep, ecx_ep_arg_t *arg,
+                                ucp_rkey_h *rkeys, uint32_t n)
+{
+    ecx_close_t *k = calloc(1, sizeof(*k));
+    if (k == NULL) {
+        return NULL;
+    }
+    k->ep = ep;
+    k->arg = arg;
+    k->rkeys = rkeys;
+    k->nrkeys = n;
+    k->next = c->closing;
+    c->closing = k;
+    return k;
+}
+
 void ecx_ep_close_rkeys(ecx_ctx_t *c, ucp_ep_h ep, ecx_ep_arg_t *arg, int force,
                         ucp_rkey_h *rkeys, uint32_t n, int drain)
 {
@@ -1035,17 +1053,11 @@ void ecx_ep_close_rkeys(ecx_ctx_t *c, ucp_ep_h ep, ecx_ep_arg_t *arg, int force,
     ucs_status_ptr_t sp;
     ecx_close_t *k;
     ecx_post_t *p, *next;
-    if (drain && sending_to(c, ep) && (k = calloc(1, sizeof(*k))) != NULL) {
+    if (drain && sending_to(c, ep) && (k = close_track(c, ep, arg, rkeys, n)) != NULL) {
         /* The peer is alive and reads its queue: its notifications go
          * before the endpoint (reap_closes). */
-        k->ep = ep;
         k->force = force;
         k->deadline = mono_ns() + ECX_DRAIN_NS;
-        k->arg = arg;
-        k->rkeys = rkeys;
-        k->nrkeys = n;
-        k->next = c->closing;
-        c->closing = k;
         return;
     }
     if (force == 2) {
@@ -1056,18 +1068,12 @@ void ecx_ep_close_rkeys(ecx_ctx_t *c, ucp_ep_h ep, ecx_ep_arg_t *arg, int force,
         sp = ucp_ep_flush_nbx(ep, &prm);
         force = 1;
         if (sp != NULL && !UCS_PTR_IS_ERR(sp)) {
-            if ((k = calloc(1, sizeof(*k))) == NULL) {
+            if ((k = close_track(c, ep, arg, rkeys, n)) == NULL) {
                 ucp_request_free(sp);
             } else {
-                k->ep = ep;
                 k->force = 1;
                 k->flush = sp;
                 k->deadline = mono_ns() + ECX_WIRE_NS;
-                k->arg = arg;
-                k->rkeys = rkeys;
-                k->nrkeys = n;
-                k->next = c->closing;
-                c->closing = k;
                 return;
             }
         }
@@ -1102,7 +1108,7 @@ void ecx_ep_close_rkeys(ecx_ctx_t *c, ucp_ep_h ep, ecx_ep_arg_t *arg, int force,
         free(arg);
         return;
     }
-    k = calloc(1, sizeof(*k));
+    k = close_track(c, ep, arg, rkeys, n);
     if (k == NULL) {
         /* Cannot track it: UCX releases the request when it completes;
          * the rkeys and arg are abandoned rather than freed too early. */
@@ -1110,11 +1116,6 @@ void ecx_ep_close_rkeys(ecx_ctx_t *c, ucp_ep_h ep, ecx_ep_arg_t *arg, int force,
         return;
     }
     k->req = sp;
-    k->arg = arg;
-    k->rkeys = rkeys;
-    k->nrkeys = n;
-    k->next = c->closing;
-    c->closing = k;
 }
 
 void ecx_ep_abandon(ecx_ep_arg_t *arg, ucp_rkey_h *rkeys, uint32_t n)
