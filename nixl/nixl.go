@@ -87,7 +87,8 @@ type Agent interface {
 	// DeregisterMem releases a region. Fails with ErrNotAllowed while a
 	// prepared list or an in-flight transfer still uses it, including a
 	// released transfer whose operations the engine could not cancel and
-	// that may still write it. It does not revoke what peers loaded: a
+	// that may still write it, and (ucx) while answers to a peer's
+	// gathered READ still read it after a bounded wait. It does not revoke what peers loaded: a
 	// peer holding this agent's metadata may still address the region,
 	// so a region is deregistered once no peer will read it (as NIXL's
 	// own agents require).

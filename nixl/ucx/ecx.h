@@ -112,6 +112,16 @@
  * and given back at every free. */
 #define ECX_GBUF_CACHE 4u
 #define ECX_GBUF_KEEP_MIN (128u << 10)
+/* Answers are sent out of the owner's registered memory, without a copy
+ * of ecxfer's, when a chunk's bytes lie in at most this many pieces (UCX
+ * adds the answer's header as one more; UCP sends at most 16 entries of a
+ * vector in one message, and tcp at most its MAX_IOV, which ecxfer sets
+ * to 16 unless a *_MAX_IOV variable is set). Chunks in more pieces (small
+ * scattered blocks) are copied into an answer buffer, as a vector longer
+ * than that would be sent in fragments that the reader's UCX reassembles
+ * with a copy of its own. */
+#define ECX_ZC_MAX_IOV 16u
+#define ECX_ZC_MAX_IOV_STR "16"
 /* How long a reader waits before asking again after UCS_ERR_NO_RESOURCE. */
 #define ECX_GATHER_RETRY_NS 200000ull
 /* The reader's table of READs waiting for answers, by id. */
@@ -178,6 +188,8 @@ typedef struct ecx_gather_stats {
     uint64_t late;     /* answers for READs no longer waiting (released) */
     uint64_t bad;      /* answers that do not fit the READ they name */
     uint64_t retries;  /* requests asked again after UCS_ERR_NO_RESOURCE */
+    uint64_t zc_chunks;   /* answers sent out of registered memory */
+    uint64_t copy_chunks; /* answers copied into an answer buffer first */
 } ecx_gather_stats_t;
 
 typedef struct ecx_ctx {
@@ -235,6 +247,8 @@ typedef struct ecx_ctx {
     struct ecx_gbuf *gfree; /* full-size buffers kept for reuse */
     uint32_t ngfree;
     uint64_t gbuf_allocs;   /* full-size buffers allocated (tests) */
+    uint32_t zc_pieces;     /* most pieces of an answer sent out of
+                               registered memory (0: every answer copied) */
     ecx_post_t *gtab[ECX_GATHER_BUCKETS];
     ecx_post_t *gretry;
     uint64_t gseq;
@@ -257,6 +271,9 @@ int ecx_mem_unmap(ecx_ctx_t *c, ucp_mem_h memh);
  * ecx_mem_map and removed before ecx_mem_unmap. Regions do not overlap. */
 int ecx_region_add(ecx_ctx_t *c, uint64_t addr, uint64_t len);
 void ecx_region_del(ecx_ctx_t *c, uint64_t addr);
+/* Whether an answer sent out of registered memory still reads some of
+ * [addr, addr+len): its send has not called back. */
+int ecx_region_busy(const ecx_ctx_t *c, uint64_t addr, uint64_t len);
 /* The owner's check of a gather request's n ranges (little-endian u64
  * address and length pairs, as the request carries them) asking for bytes
  * in all: 0 to serve it, else the status it is refused with. */

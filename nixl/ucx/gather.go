@@ -71,3 +71,16 @@ func (a *Agent) gatherInject(header, data []byte) {
 	}
 	C.ecx_gather_inject(a.c, h, C.size_t(len(header)), d, C.size_t(len(data)))
 }
+
+// answerChunks reports how many gather answers the owner sent out of its
+// registered memory and how many it copied into an answer buffer first
+// (tests).
+func (a *Agent) answerChunks() (zeroCopy, copied uint64) {
+	return uint64(a.c.gstats.zc_chunks), uint64(a.c.gstats.copy_chunks)
+}
+
+// answersReading reports whether an answer sent out of registered memory
+// still reads some of [addr, addr+n) (tests).
+func (a *Agent) answersReading(addr, n uint64) bool {
+	return C.ecx_region_busy(a.c, C.uint64_t(addr), C.uint64_t(n)) != 0
+}

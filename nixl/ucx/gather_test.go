@@ -21,6 +21,7 @@ type gatherPair struct {
 	prod, cons   *Agent
 	pbuf, cbuf   []byte
 	local, remot nixl.DlistID
+	pmem         nixl.MemID // the producer's region
 	name         string
 	bs, nb       int
 }
@@ -38,7 +39,8 @@ func buildGatherPair(t testing.TB, bs, nb int, prodCfg, consCfg Config) *gatherP
 	consCfg.Name, consCfg.ErrMode = "consumer", ErrModePeer
 	g := &gatherPair{prod: newTestAgent(t, prodCfg), cons: newTestAgent(t, consCfg), bs: bs, nb: nb}
 	g.pbuf = mmapBuf(t, bs*nb)
-	_, err := g.prod.RegisterMem(g.pbuf, nixl.DRAM, 0)
+	var err error
+	g.pmem, err = g.prod.RegisterMem(g.pbuf, nixl.DRAM, 0)
 	require.NoError(t, err)
 	for i := range g.pbuf {
 		g.pbuf[i] = byte(i*7 + i>>12)
@@ -134,20 +136,22 @@ func TestGatherRead(t *testing.T) {
 	}
 }
 
-// TestGatherBuffersReused: the producer keeps the buffers of its answers
-// for the next requests instead of allocating one per request (an
-// allocation of that size is mapped and zeroed by the kernel every time),
-// and what a reused buffer held before does not leak into later answers.
+// TestGatherBuffersReused: the producer keeps the buffers of the answers
+// it copies for the next requests instead of allocating one per request
+// (an allocation of that size is mapped and zeroed by the kernel every
+// time), and what a reused buffer held before does not leak into later
+// answers. Blocks of 1 KiB scattered lie in 60 pieces per answer, too
+// many to send out of the registered memory: those answers are copied.
 func TestGatherBuffersReused(t *testing.T) {
 	leakcheck.Check(t)
-	g := newGatherPair(t, 32768, 1024, Config{}, Config{})
+	g := newGatherPair(t, 1024, 8192, Config{}, Config{})
 	rng := rand.New(rand.NewSource(3))
 	const reads = 12
 	for i := range reads {
-		// Scattered on both sides, a different set every time, 9
-		// requests each: eight whole 3.75 MiB ones and a shorter last one.
-		n := 1024 - 16*(i%2)
-		lidx, ridx := rng.Perm(1024)[:n], rng.Perm(1024)[:n]
+		// Scattered on both sides, a different set every time, two
+		// requests each (at most 2,048 ranges a request), 2 MiB each.
+		n := 4096 - 16*(i%2)
+		lidx, ridx := rng.Perm(8192)[:n], rng.Perm(8192)[:n]
 		clear(g.cbuf)
 		id := g.read(t, lidx, ridx, nil)
 		require.NoError(t, waitXfer(t, g.cons, id, 10*time.Second, g.prod))
@@ -155,13 +159,115 @@ func TestGatherBuffersReused(t *testing.T) {
 		require.NoError(t, g.cons.ReleaseXfer(id))
 	}
 	ps := g.prod.GatherCounts()
-	require.Equal(t, uint64(reads*9), ps.Served)
+	require.Equal(t, uint64(reads*2), ps.Served)
+	_, copied := g.prod.answerChunks()
+	require.Positive(t, copied, "no answer was copied: the buffers were not used")
 	allocs, kept := g.prod.gbufStats()
 	t.Logf("%d requests served from %d buffers, %d kept", ps.Served, allocs, kept)
 	// One consumer has at most ECX_GATHER_WINDOW requests answered at
 	// once; twice the cache leaves room for sends that complete late.
 	require.LessOrEqual(t, allocs, uint64(2*gbufCache))
 	require.LessOrEqual(t, kept, uint32(gbufCache))
+}
+
+// TestGatherAnswersOutOfRegisteredMemory: an answer whose bytes lie in
+// at most 15 pieces goes out of the producer's registered memory as a
+// vector, with no copy of ecxfer's; one of more pieces is copied into an
+// answer buffer first (a longer vector would reach the reader in
+// fragments that its UCX copies together). The bytes land either way.
+// Each READ is one request of one block in two of the producer's (no two
+// of its blocks adjacent, so each is a piece of its own), in 60 KiB
+// answers: 4,096-byte blocks lie in 15 pieces an answer, 3,840-byte ones
+// in 16. With UCX_TCP_MAX_IOV=2 a vector carries one piece: 32 KiB blocks
+// two apart are copied.
+func TestGatherAnswersOutOfRegisteredMemory(t *testing.T) {
+	leakcheck.Check(t)
+	for _, c := range []struct {
+		name     string
+		bs, n    int
+		maxIOV   string
+		zeroCopy bool
+	}{
+		{"32KiB", 32768, 100, "", true},
+		{"5120B", 5120, 700, "", true},
+		{"15-pieces", 4096, 880, "", true},
+		{"16-pieces", 3840, 880, "", false},
+		{"max-iov-2", 32768, 100, "2", false},
+		{"max-iov-6", 4096, 880, "6", false},
+		{"max-iov-6-fits", 32768, 100, "6", true},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Setenv("UCX_TLS", "tcp")
+			if c.maxIOV != "" {
+				t.Setenv("UCX_TCP_MAX_IOV", c.maxIOV)
+			}
+			g := buildGatherPair(t, c.bs, 2*c.n, Config{}, Config{})
+			ridx := make([]int, c.n)
+			for i := range ridx {
+				ridx[i] = 2 * i
+			}
+			id := g.read(t, seq(0, c.n), ridx, nil)
+			require.NoError(t, waitXfer(t, g.cons, id, 10*time.Second, g.prod))
+			g.check(t, seq(0, c.n), ridx)
+			require.NoError(t, g.cons.ReleaseXfer(id))
+			require.Equal(t, uint64(1), g.prod.GatherCounts().Served)
+			chunks := uint64((c.n*c.bs + gatherChunk - 1) / gatherChunk)
+			zc, copied := g.prod.answerChunks()
+			t.Logf("%d answers: %d out of registered memory, %d copied", chunks, zc, copied)
+			if c.zeroCopy {
+				require.Equal(t, [2]uint64{chunks, 0}, [2]uint64{zc, copied})
+			} else {
+				// The last answer may be short enough to go as a vector.
+				require.GreaterOrEqual(t, copied, chunks-1)
+				require.Equal(t, chunks, zc+copied)
+			}
+			require.False(t, g.prod.answersReading(addrOf(g.pbuf), uint64(len(g.pbuf))))
+		})
+	}
+}
+
+// TestDeregisterMemWaitsForAnswers: answers sent out of registered memory
+// read it until their sends call back. DeregisterMem of that memory drives
+// the engine until they have; when a reader stops taking its answers it
+// gives up within its bound and fails, the memory still registered, and
+// the READ lands intact once the reader goes on; then the memory goes,
+// and a READ of it is refused.
+func TestDeregisterMemWaitsForAnswers(t *testing.T) {
+	leakcheck.Check(t)
+	g := newGatherPair(t, 32768, 1024, Config{}, Config{})
+	// Connected both ways first, so the big READ's requests leave at once.
+	id := g.read(t, seq(0, 8), seq(0, 8), nil)
+	require.NoError(t, waitXfer(t, g.cons, id, 10*time.Second, g.prod))
+	require.NoError(t, g.cons.ReleaseXfer(id))
+	// 32 MiB, four requests of 3.75 MiB at a time; the consumer takes
+	// nothing, so the answers fill the sockets and the rest wait.
+	id = g.read(t, seq(0, 1024), seq(0, 1024), nil)
+	addr, n := addrOf(g.pbuf), uint64(len(g.pbuf))
+	for deadline := time.Now().Add(5 * time.Second); !g.prod.answersReading(addr, n); {
+		require.True(t, time.Now().Before(deadline), "the producer never answered")
+		_, err := g.prod.Progress()
+		require.NoError(t, err)
+	}
+	for range 1000 {
+		_, err := g.prod.Progress()
+		require.NoError(t, err)
+	}
+	require.True(t, g.prod.answersReading(addr, n), "every answer went out: this tests nothing")
+	start := time.Now()
+	err := g.prod.DeregisterMem(g.pmem)
+	require.ErrorIs(t, err, nixl.ErrNotAllowed)
+	require.Less(t, time.Since(start), closeWait+time.Second)
+	require.True(t, g.prod.answersReading(addr, n))
+	require.NoError(t, waitXfer(t, g.cons, id, 10*time.Second, g.prod))
+	g.check(t, seq(0, 1024), seq(0, 1024))
+	require.NoError(t, g.cons.ReleaseXfer(id))
+	require.Zero(t, g.prod.GatherCounts().Refused)
+	require.NoError(t, g.prod.DeregisterMem(g.pmem))
+	require.False(t, g.prod.answersReading(addr, n))
+	id = g.read(t, seq(0, 8), seq(0, 8), nil)
+	require.Error(t, waitXfer(t, g.cons, id, 10*time.Second, g.prod))
+	require.NoError(t, g.cons.ReleaseXfer(id))
+	require.Positive(t, g.prod.GatherCounts().Refused)
 }
 
 // TestGatherEndpointFailsInSend: UCX fails an endpoint inside a send

@@ -7,6 +7,8 @@ package ucx
 import "C"
 
 import (
+	"fmt"
+	"time"
 	"unsafe"
 
 	"github.com/ecxfer/ecxfer/nixl"
@@ -93,12 +95,39 @@ func (a *Agent) DeregisterMem(id nixl.MemID) error {
 	if err != nil {
 		return err
 	}
-	a.mems.Remove(id)
 	// Gather requests read it no more from here on (they are answered
-	// inside the engine's progress, on this goroutine).
+	// inside the engine's progress, on this goroutine). Answers already
+	// sent out of it may still be read by their sends: the engine is
+	// driven until they have called back, for closeWait at most; after
+	// that the region stays registered and the call fails (a reader that
+	// stopped taking its answers holds them).
 	C.ecx_region_del(a.c, C.uint64_t(m.Addr))
+	if !a.answersDone(m.Addr, m.Len) {
+		if st := C.ecx_region_add(a.c, C.uint64_t(m.Addr), C.uint64_t(m.Len)); st != 0 {
+			return ucsErr(st, "ucx: region")
+		}
+		return fmt.Errorf("%w: answers to a reader's gathered READ still being sent out of region %d",
+			nixl.ErrNotAllowed, id)
+	}
+	a.mems.Remove(id)
 	if st := C.ecx_mem_unmap(a.c, m.memh); st != 0 {
 		return ucsErr(st, "ucx: mem_unmap")
 	}
 	return nil
+}
+
+// answersDone drives the engine until no gather answer sent out of
+// registered memory reads [addr, addr+n), within closeWait; whether none
+// does.
+func (a *Agent) answersDone(addr, n uint64) bool {
+	deadline := time.Now().Add(closeWait)
+	for C.ecx_region_busy(a.c, C.uint64_t(addr), C.uint64_t(n)) != 0 {
+		if !time.Now().Before(deadline) {
+			return false
+		}
+		if _, err := a.Progress(); err != nil {
+			return false
+		}
+	}
+	return true
 }
