@@ -97,12 +97,9 @@ typedef struct ecx_gbuf {
 } ecx_gbuf_t;
 
 /* The data of a buffer that holds any request's answers: the headers of
- * every chunk, the pieces of those sent out of registered memory, then
- * the bytes of those copied. A chunk is one or the other. */
-#define ECX_GBUF_FULL                                                                     \
-    ((size_t)(ECX_GATHER_REQ_BYTES / ECX_GATHER_CHUNK) *                                 \
-         (ECX_GDATA_HDR + (ECX_ZC_MAX_IOV - 1) * sizeof(ucp_dt_iov_t)) +                  \
-     ECX_GATHER_REQ_BYTES)
+ * every chunk, then the bytes of those copied. */
+#define ECX_GBUF_FULL \
+    ((size_t)(ECX_GATHER_REQ_BYTES / ECX_GATHER_CHUNK) * ECX_GDATA_HDR + ECX_GATHER_REQ_BYTES)
 
 /* Gathered READs (ECX_OP_GATHER; defined with the posting code below). */
 static int data_done(const ecx_post_t *p);
@@ -631,26 +628,6 @@ static int context_has_shm(ucp_context_h context)
     return found || resources == 0;
 }
 
-/* The pieces a gather answer may be sent in out of registered memory,
- * given tcp's MAX_IOV as set in the environment (NULL: UCX's 6): one
- * entry is UCX's for the answer's header, and UCP sends at most
- * ECX_ZC_MAX_IOV. */
-static uint32_t zc_pieces_of(const char *max_iov)
-{
-    unsigned long v = 6;
-    if (max_iov != NULL) {
-        char *end;
-        v = strtoul(max_iov, &end, 0);
-        if (end == max_iov || *end != 0) {
-            return 0;
-        }
-    }
-    if (v > ECX_ZC_MAX_IOV) {
-        v = ECX_ZC_MAX_IOV;
-    }
-    return v > 1 ? (uint32_t)v - 1 : 0;
-}
-
 int ecx_create(const char *name, uint32_t name_len, ecx_ctx_t **out)
 {
     ucp_params_t params;
@@ -694,21 +671,6 @@ int ecx_create(const char *name, uint32_t name_len, ecx_ctx_t **out)
             ucp_config_release(cfg);
             goto err;
         }
-    }
-    /* Gather answers go out of registered memory as vectors of up to
-     * ECX_ZC_MAX_IOV entries: tcp takes 6 by default. The only other
-     * transports with a MAX_IOV (cma, knem) have 16 already; one set in
-     * the environment wins, and then tcp's decides. */
-    if (getenv("UCX_TCP_MAX_IOV") == NULL && getenv("UCX_SCOPY_MAX_IOV") == NULL &&
-        getenv("UCX_CMA_MAX_IOV") == NULL && getenv("UCX_KNEM_MAX_IOV") == NULL) {
-        st = ucp_config_modify(cfg, "MAX_IOV", ECX_ZC_MAX_IOV_STR);
-        if (st != UCS_OK) {
-            ucp_config_release(cfg);
-            goto err;
-        }
-        c->zc_pieces = ECX_ZC_MAX_IOV - 1;
-    } else {
-        c->zc_pieces = zc_pieces_of(getenv("UCX_TCP_MAX_IOV"));
     }
     memset(&params, 0, sizeof(params));
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_REQUEST_SIZE |
@@ -1747,10 +1709,14 @@ static void gsend_cb(void *request, ucs_status_t status, void *user_data)
 }
 
 /* Sends one answer of b (which it holds a reference of while the send
- * runs): n bytes at bytes, or with iov the n pieces at bytes (a vector b
- * holds). 0 once the send failed. */
-static int gather_answer(ecx_gbuf_t *b, ucp_ep_h ep, const void *hdr, const void *bytes, size_t n,
-                         int iov)
+ * runs): n bytes at bytes. They go on UCX's short path, as a 60 KiB
+ * answer fits a 64 KiB tcp segment: UCX hands them to the socket at once
+ * and copies what the socket did not take, or, while the endpoint is
+ * busy, keeps the request and reads them when it sends it. Never UCX's
+ * zero-copy path: UCX 1.13's tcp transport completes a zero-copy send
+ * twice, and aborts, when the socket fails in the middle of it (a
+ * reader that went away). 0 once the send failed. */
+static int gather_answer(ecx_gbuf_t *b, ucp_ep_h ep, const void *hdr, const void *bytes, size_t n)
 {
     ucp_request_param_t prm;
     ucs_status_ptr_t sp;
@@ -1760,10 +1726,6 @@ static int gather_answer(ecx_gbuf_t *b, ucp_ep_h ep, const void *hdr, const void
     prm.cb.send = gsend_cb;
     prm.user_data = b;
     prm.flags = UCP_AM_SEND_FLAG_EAGER;
-    if (iov) {
-        prm.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
-        prm.datatype = ucp_dt_make_iov();
-    }
     sp = ucp_am_send_nbx(ep, ECX_AM_GATHER_DATA, hdr, ECX_GDATA_HDR, bytes, n, &prm);
     if (UCS_PTR_IS_ERR(sp)) {
         return 0;
@@ -1788,7 +1750,7 @@ static void gather_refuse(ecx_ctx_t *c, ucp_ep_h ep, uint64_t id, uint64_t off, 
     put_le64(h + 8, off);
     put_le32(h + 16, (uint32_t)(int32_t)st);
     put_le32(h + 20, 0);
-    gather_answer(b, ep, h, NULL, 0, 0);
+    gather_answer(b, ep, h, NULL, 0);
     gbuf_unref(b);
 }
 
@@ -1855,27 +1817,23 @@ typedef struct ecx_gcur {
 } ecx_gcur_t;
 
 /* Moves k over the next len bytes (which the ranges hold: gather_check
- * saw them add up) and returns in how many pieces they lie; with iov it
- * puts the pieces there and widens b's span over them, with to it copies
- * the bytes there. */
-static uint32_t gcur_take(ecx_gcur_t *k, uint64_t len, ucp_dt_iov_t *iov, ecx_gbuf_t *b, char *to)
+ * saw them add up) and returns in how many pieces of the owner's memory
+ * they lie (ranges that follow each other there, as the reader's cuts of
+ * a long one at 1 MiB do, are one piece); with to it copies the bytes
+ * there. */
+static uint32_t gcur_take(ecx_gcur_t *k, uint64_t len, char *to)
 {
     uint32_t np = 0;
+    uint64_t end = 0;
     while (len > 0) {
         uint64_t a = get_le64(k->rp + (size_t)k->i * 16), l = get_le64(k->rp + (size_t)k->i * 16 + 8);
         uint64_t take = l - k->off < len ? l - k->off : len;
-        char *from = (char *)(uintptr_t)(a + k->off);
-        if (iov != NULL) {
-            iov[np].buffer = from;
-            iov[np].length = take;
-            b->lo = a + k->off < b->lo ? a + k->off : b->lo;
-            b->hi = a + k->off + take > b->hi ? a + k->off + take : b->hi;
-        }
         if (to != NULL) {
-            memcpy(to, from, take);
+            memcpy(to, (const void *)(uintptr_t)(a + k->off), take);
             to += take;
         }
-        np++;
+        np += np == 0 || a + k->off != end;
+        end = a + k->off + take;
         len -= take;
         k->off += take;
         if (k->off == l) {
@@ -1886,6 +1844,12 @@ static uint32_t gcur_take(ecx_gcur_t *k, uint64_t len, ucp_dt_iov_t *iov, ecx_gb
     return np;
 }
 
+/* Where the next bytes of k lie in the owner's memory. */
+static uint64_t gcur_addr(const ecx_gcur_t *k)
+{
+    return get_le64(k->rp + (size_t)k->i * 16) + k->off;
+}
+
 /* Chunk j's length in a request of bytes bytes. */
 static uint32_t chunk_len(uint64_t bytes, uint32_t j)
 {
@@ -1894,15 +1858,15 @@ static uint32_t chunk_len(uint64_t bytes, uint32_t j)
 }
 
 /* A request: checked against this agent's registered memory, then
- * answered from inside the handler. A chunk whose bytes lie in at most
- * c->zc_pieces pieces is sent out of the registered memory itself (the
- * kernel's copy into the socket is the only one); a chunk of more pieces
- * is copied once into the answers' buffer first. Until the sends of the
- * former have called back, they still read that memory: DeregisterMem
- * waits for them (ecx_region_busy). Nothing of the request or the reply
- * endpoint is kept after the handler returns: UCX may destroy an endpoint
- * it created for a peer that failed, and the sends' callbacks hold only
- * the buffer. */
+ * answered from inside the handler. A chunk whose bytes lie in one piece
+ * of the registered memory (every chunk of a contiguous READ, most of one
+ * of large blocks) is sent out of that memory itself; a chunk of several
+ * pieces is copied once into the answers' buffer first (UCX's vectors go
+ * on its zero-copy path, see gather_answer). A send UCX keeps for later
+ * reads the memory until it calls back: DeregisterMem waits for those
+ * (ecx_region_busy). Nothing of the request or the reply endpoint is kept
+ * after the handler returns: UCX may destroy an endpoint it created for
+ * a peer that failed, and the sends' callbacks hold only the buffer. */
 static ucs_status_t gather_req_cb(void *arg, const void *header, size_t header_length,
                                   void *data, size_t length,
                                   const ucp_am_recv_param_t *param)
@@ -1910,14 +1874,12 @@ static ucs_status_t gather_req_cb(void *arg, const void *header, size_t header_l
     ecx_ctx_t *c = arg;
     const unsigned char *h = header, *rp = data;
     uint64_t id, base, bytes, copied = 0;
-    uint32_t n, nch, j, niov = 0;
+    uint32_t n, nch, j;
     ucp_ep_h ep;
     ecx_gbuf_t *b;
     ecx_gcur_t k;
-    ucp_dt_iov_t *iov;
     unsigned char *hdrs;
     char *body;
-    size_t hsz;
     int st;
     if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) || param->reply_ep == NULL ||
         (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || header_length != ECX_GREQ_HDR) {
@@ -1942,48 +1904,44 @@ static ucs_status_t gather_req_cb(void *arg, const void *header, size_t header_l
         gather_refuse(c, ep, id, base, UCS_ERR_NO_RESOURCE);
         return UCS_OK;
     }
-    /* Which chunks go out of registered memory, and the room the buffer
-     * needs for their pieces and for the bytes of the others. */
+    /* The room the buffer needs for the chunks that are copied. */
     nch = (uint32_t)((bytes + ECX_GATHER_CHUNK - 1) / ECX_GATHER_CHUNK);
     k.rp = rp;
     k.i = 0;
     k.off = 0;
     for (j = 0; j < nch; j++) {
-        uint32_t np = gcur_take(&k, chunk_len(bytes, j), NULL, NULL, NULL);
-        if (np <= c->zc_pieces) {
-            niov += np;
-        } else {
+        if (gcur_take(&k, chunk_len(bytes, j), NULL) > 1) {
             copied += chunk_len(bytes, j);
         }
     }
-    hsz = (size_t)nch * ECX_GDATA_HDR; /* a multiple of 8, as iov needs */
-    b = gbuf_new(c, hsz + (size_t)niov * sizeof(ucp_dt_iov_t) + copied, bytes, copied);
+    b = gbuf_new(c, (size_t)nch * ECX_GDATA_HDR + copied, bytes, copied);
     if (b == NULL) {
         c->gstats.dropped++;
         return UCS_OK;
     }
     hdrs = (unsigned char *)b->data;
-    iov = (ucp_dt_iov_t *)(void *)(b->data + hsz);
-    body = (char *)(iov + niov);
+    body = b->data + (size_t)nch * ECX_GDATA_HDR;
     k.i = 0;
     k.off = 0;
     for (j = 0; j < nch; j++) {
         unsigned char *hj = hdrs + (size_t)j * ECX_GDATA_HDR;
-        uint32_t len = chunk_len(bytes, j), np;
+        uint32_t len = chunk_len(bytes, j);
         ecx_gcur_t at = k;
         int ok;
         put_le64(hj, id);
         put_le64(hj + 8, base + (uint64_t)j * ECX_GATHER_CHUNK);
         put_le32(hj + 16, 0);
         put_le32(hj + 20, len);
-        if (gcur_take(&at, len, NULL, NULL, NULL) <= c->zc_pieces) {
-            np = gcur_take(&k, len, iov, b, NULL);
-            ok = gather_answer(b, ep, hj, iov, np, 1);
-            iov += np;
+        if (gcur_take(&at, len, NULL) == 1) {
+            uint64_t from = gcur_addr(&k);
+            gcur_take(&k, len, NULL);
+            b->lo = from < b->lo ? from : b->lo;
+            b->hi = from + len > b->hi ? from + len : b->hi;
+            ok = gather_answer(b, ep, hj, (const void *)(uintptr_t)from, len);
             c->gstats.zc_chunks++;
         } else {
-            gcur_take(&k, len, NULL, NULL, body);
-            ok = gather_answer(b, ep, hj, body, len, 0);
+            gcur_take(&k, len, body);
+            ok = gather_answer(b, ep, hj, body, len);
             body += len;
             c->gstats.copy_chunks++;
         }

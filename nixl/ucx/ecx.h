@@ -112,16 +112,6 @@
  * and given back at every free. */
 #define ECX_GBUF_CACHE 4u
 #define ECX_GBUF_KEEP_MIN (128u << 10)
-/* Answers are sent out of the owner's registered memory, without a copy
- * of ecxfer's, when a chunk's bytes lie in at most this many pieces (UCX
- * adds the answer's header as one more; UCP sends at most 16 entries of a
- * vector in one message, and tcp at most its MAX_IOV, which ecxfer sets
- * to 16 unless a *_MAX_IOV variable is set). Chunks in more pieces (small
- * scattered blocks) are copied into an answer buffer, as a vector longer
- * than that would be sent in fragments that the reader's UCX reassembles
- * with a copy of its own. */
-#define ECX_ZC_MAX_IOV 16u
-#define ECX_ZC_MAX_IOV_STR "16"
 /* How long a reader waits before asking again after UCS_ERR_NO_RESOURCE. */
 #define ECX_GATHER_RETRY_NS 200000ull
 /* The reader's table of READs waiting for answers, by id. */
@@ -247,8 +237,6 @@ typedef struct ecx_ctx {
     struct ecx_gbuf *gfree; /* full-size buffers kept for reuse */
     uint32_t ngfree;
     uint64_t gbuf_allocs;   /* full-size buffers allocated (tests) */
-    uint32_t zc_pieces;     /* most pieces of an answer sent out of
-                               registered memory (0: every answer copied) */
     ecx_post_t *gtab[ECX_GATHER_BUCKETS];
     ecx_post_t *gretry;
     uint64_t gseq;
