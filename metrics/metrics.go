@@ -127,6 +127,7 @@ type collector struct {
 	notifsDropped, readsDirect, readsInline            *prometheus.Desc
 	copyWorkers, copyBusy                              *prometheus.Desc
 	gatherRequests, gatherAnswers, gatherRetries       *prometheus.Desc
+	gatherSent                                         *prometheus.Desc
 	peerDone, peerFailed, peerBytes, peerOmitted       *prometheus.Desc
 }
 
@@ -166,6 +167,7 @@ func NewCollector(t *ecxfer.Transport, opts ...Option) prometheus.Collector {
 	c.copyBusy = d("ecxfer_copy_busy_seconds_total", "Time the copy workers spent copying, summed over them; its rate over ecxfer_copy_workers is their busy fraction.")
 	c.gatherRequests = d("ecxfer_gather_requests_total", "Gathered READs' requests this producer received, by outcome: served, busy (refused while its answers in flight were at their bound; the consumer asks again), refused (malformed or outside its registered memory), dropped (not answered).", "outcome")
 	c.gatherAnswers = d("ecxfer_gather_answers_dropped_total", "Answers to this consumer's gathered READs it dropped, by reason: late (the READ was released), bad (it did not fit the READ, which failed).", "reason")
+	c.gatherSent = d("ecxfer_gather_answers_sent_total", "Answers (up to 60 KiB each) this producer sent to gathered READs, by how: zero_copy (straight out of its registered memory: their bytes lay in one piece of it) or copied (into a buffer first: they lay in several, as scattered blocks of 60 KiB or less do).", "how")
 	c.gatherRetries = d("ecxfer_gather_retries_total", "Gathered READs' requests this consumer asked again after a busy producer refused them.")
 	c.peersDesc = d("ecxfer_peers", "Known peers by path and state.", "path", "state")
 	c.loopTurns = d("ecxfer_reactor_loop_turns_total", "Event loop turns.")
@@ -192,7 +194,7 @@ func (c *collector) Describe(ch chan<- *prometheus.Desc) {
 		c.notifsSent, c.notifsReceived, c.engineErrors,
 		c.peersDesc, c.loopTurns, c.parks, c.callerSteps, c.naps, c.busySeconds, c.cpu,
 		c.waitBlocks, c.crowdSleeps, c.duration, c.notifsDropped, c.readsDirect, c.readsInline,
-		c.copyWorkers, c.copyBusy, c.gatherRequests, c.gatherAnswers, c.gatherRetries,
+		c.copyWorkers, c.copyBusy, c.gatherRequests, c.gatherAnswers, c.gatherRetries, c.gatherSent,
 	} {
 		ch <- d
 	}
@@ -239,6 +241,8 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	counter(c.gatherRequests, float64(g.Dropped), "dropped")
 	counter(c.gatherAnswers, float64(g.Late), "late")
 	counter(c.gatherAnswers, float64(g.Bad), "bad")
+	counter(c.gatherSent, float64(g.ZeroCopy), "zero_copy")
+	counter(c.gatherSent, float64(g.Copied), "copied")
 	counter(c.gatherRetries, float64(g.Retries))
 	counter(c.readsDirect, float64(s.DirectReads))
 	counter(c.readsInline, float64(s.InlineReads))

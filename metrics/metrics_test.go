@@ -125,6 +125,7 @@ func TestScrapeOverHTTP(t *testing.T) {
 		"ecxfer_gather_requests_total":        "counter",
 		"ecxfer_gather_answers_dropped_total": "counter",
 		"ecxfer_gather_retries_total":         "counter",
+		"ecxfer_gather_answers_sent_total":    "counter",
 	}
 	for n, typ := range types {
 		f := before[n]
@@ -534,5 +535,83 @@ func TestExporterCloseWithIdleClient(t *testing.T) {
 	// above is no guarantee on a loaded machine).
 	if !errors.Is(err, syscall.ECONNRESET) {
 		require.ErrorIs(t, err, io.EOF, "the server side of the connection is still open")
+	}
+}
+
+// TestGatherMetrics: two transports that reach each other over tcp alone
+// (error mode PEER, READs gathered, as peers on two hosts), the engine
+// path: the producer's metrics count the requests it served and how it
+// sent their answers, straight out of its memory for adjacent 32 KiB
+// blocks (one piece per 60 KiB answer) and copied for every other block
+// (two or three pieces).
+func TestGatherMetrics(t *testing.T) {
+	warmPoller()
+	leakcheck.Check(t)
+	t.Setenv("UCX_TLS", "tcp")
+	const bs = 32768
+	for _, c := range []struct {
+		step int
+		how  string
+	}{{1, "zero_copy"}, {2, "copied"}} {
+		t.Run(c.how, func(t *testing.T) {
+			pn, cn := name("gprod"), name("gcons")
+			cfg := func(cf *ecxfer.Config) { cf.Direct, cf.BlockSize, cf.NumBlocks = ecxfer.DirectOff, bs, 256 }
+			prod := newTransport(t, "ucx", pn, cfg)
+			cons := newTransport(t, "ucx", cn, cfg)
+			region := prod.Region()
+			for i := range region {
+				region[i] = byte(i*13 + i>>10)
+			}
+			_, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+			require.NoError(t, err)
+			reg := prometheus.NewRegistry()
+			require.NoError(t, reg.Register(metrics.NewCollector(prod)))
+			// 128 of the producer's blocks, adjacent or every other one,
+			// into the consumer's first 128.
+			local, remote := make([]int, 128), make([]int, 128)
+			for i := range local {
+				local[i], remote[i] = i, c.step*i
+			}
+			h, err := cons.PostRead(local, pn, remote, nil)
+			require.NoError(t, err)
+			require.NoError(t, cons.Wait(context.Background(), h))
+			require.NoError(t, cons.ReleaseXferHandle(h))
+			got := cons.Region()
+			for i := range local {
+				require.Equal(t, region[remote[i]*bs:(remote[i]+1)*bs], got[i*bs:(i+1)*bs], "block %d", i)
+			}
+			// The producer's reactor publishes the engine's counts in its
+			// loop turns.
+			var sent, served map[string]float64
+			require.Eventually(t, func() bool {
+				mfs, err := reg.Gather()
+				require.NoError(t, err)
+				sent, served = map[string]float64{}, map[string]float64{}
+				for _, mf := range mfs {
+					for _, m := range mf.GetMetric() {
+						var l string
+						if len(m.GetLabel()) > 1 {
+							l = m.GetLabel()[1].GetValue() // after "agent"
+						}
+						switch mf.GetName() {
+						case "ecxfer_gather_answers_sent_total":
+							sent[l] = m.GetCounter().GetValue()
+						case "ecxfer_gather_requests_total":
+							served[l] = m.GetCounter().GetValue()
+						}
+					}
+				}
+				return served["served"] > 0 && sent[c.how] > 0
+			}, 10*time.Second, time.Millisecond, "sent %v, requests %v", sent, served)
+			t.Logf("requests %v, answers %v", served, sent)
+			// Two requests (at most 3.75 MiB each), in 60 KiB answers.
+			chunks := float64((15*(4<<20)/16+60<<10-1)/(60<<10) + ((4<<20)/16+60<<10-1)/(60<<10))
+			require.Equal(t, chunks, sent["zero_copy"]+sent["copied"])
+			if c.how == "zero_copy" {
+				require.Zero(t, sent["copied"])
+			} else {
+				require.GreaterOrEqual(t, sent["copied"], chunks-1, "the last answer may be short enough to go as it is")
+			}
+		})
 	}
 }

@@ -136,4 +136,9 @@ type GatherCounts struct {
 	// READ fails); requests asked again after a producer refused them as
 	// busy.
 	Late, Bad, Retries uint64
+	// As producer: answers (of up to 60 KiB each) sent straight out of the
+	// registered memory, their bytes in one piece of it, and answers
+	// copied into a buffer first because their bytes lay in several
+	// (scattered blocks of 60 KiB or less).
+	ZeroCopy, Copied uint64
 }

@@ -13,7 +13,7 @@ type counters struct {
 	bytes                          atomic.Uint64
 	notifsSent, notifsReceived     atomic.Uint64
 	notifsDroppedByEngine          atomic.Uint64
-	gathers                        [7]atomic.Uint64 // nixl.GatherCounts, in its order
+	gathers                        [9]atomic.Uint64 // nixl.GatherCounts, in its order
 	notifsUndeliveredByEngine      atomic.Uint64
 	notifsOversized                atomic.Uint64
 	engineErrors                   atomic.Uint64
@@ -204,12 +204,12 @@ func gatherCounter(agent nixl.Agent) nixl.GatherCounter {
 func (s *counters) gatherCounts() nixl.GatherCounts {
 	g := &s.gathers
 	return nixl.GatherCounts{Served: g[0].Load(), Busy: g[1].Load(), Refused: g[2].Load(), Dropped: g[3].Load(),
-		Late: g[4].Load(), Bad: g[5].Load(), Retries: g[6].Load()}
+		Late: g[4].Load(), Bad: g[5].Load(), Retries: g[6].Load(), ZeroCopy: g[7].Load(), Copied: g[8].Load()}
 }
 
 func (s *counters) storeGatherCounts(c nixl.GatherCounts) {
 	// Every loop turn: loads, and a store only where a count moved.
-	for i, v := range [7]uint64{c.Served, c.Busy, c.Refused, c.Dropped, c.Late, c.Bad, c.Retries} {
+	for i, v := range [9]uint64{c.Served, c.Busy, c.Refused, c.Dropped, c.Late, c.Bad, c.Retries, c.ZeroCopy, c.Copied} {
 		if s.gathers[i].Load() != v {
 			s.gathers[i].Store(v)
 		}

@@ -21,7 +21,8 @@ func (a *Agent) GatherCounts() nixl.GatherCounts {
 
 func gatherCountsOf(s *C.ecx_gather_stats_t) nixl.GatherCounts {
 	return nixl.GatherCounts{Served: uint64(s.served), Busy: uint64(s.busy), Refused: uint64(s.refused),
-		Dropped: uint64(s.dropped), Late: uint64(s.late), Bad: uint64(s.bad), Retries: uint64(s.retries)}
+		Dropped: uint64(s.dropped), Late: uint64(s.late), Bad: uint64(s.bad), Retries: uint64(s.retries),
+		ZeroCopy: uint64(s.zc_chunks), Copied: uint64(s.copy_chunks)}
 }
 
 // gbufCache is how many answer buffers of a full request's size an owner
