@@ -63,8 +63,10 @@ func (t *Transport) startDirect() error {
 	// lifeword); its descriptor travels in the notification socket's
 	// token. Without one (no memfd, a seccomp filter) they poll.
 	life := -1
-	if h, err := lifeword.Hold(); err == nil {
-		t.life, life = h, h.FD()
+	if !cfg.noLifewordForTest {
+		if h, err := lifeword.Hold(); err == nil {
+			t.life, life = h, h.FD()
+		}
 	}
 	// Same-host notifications travel over a socket of ours (see the
 	// reactor package); without one they go through the engine.
@@ -76,7 +78,9 @@ func (t *Transport) startDirect() error {
 	return nil
 }
 
-// stopLife stops the lifeword: consumers go back to polling our pidfd.
+// stopLife retires the lifeword: same-host consumers' direct READs of this
+// transport's region fail from then on (it is called first thing in
+// Deregister), though the process lives on.
 func (t *Transport) stopLife() {
 	if t.life != nil {
 		_ = t.life.Stop()

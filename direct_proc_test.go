@@ -14,6 +14,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/ecxfer/ecxfer/internal/ctrl"
 	"github.com/ecxfer/ecxfer/internal/leakcheck"
 	"github.com/ecxfer/ecxfer/internal/pattern"
 	"github.com/ecxfer/ecxfer/internal/shmview"
@@ -421,4 +422,43 @@ func TestDirectLifewordForgedFallsBack(t *testing.T) {
 		st, err := wait(t, cons, h)
 		return st == StateErr && errors.Is(err, ErrRemoteDisconnect)
 	}, 10*time.Second, time.Millisecond)
+}
+
+// TestDirectProducerDeregisteredTwoProcess: a producer process closes its
+// transport and lives on; the consumer's READs of it end in
+// ErrRemoteDisconnect from then on, on the caller's goroutine and on the
+// copy workers, for every kind of region. Before, they ended DONE with
+// whatever the region held (its lifeword went quiet at close and the
+// producer's pidfd said it was alive).
+func TestDirectProducerDeregisteredTwoProcess(t *testing.T) {
+	for _, c := range directRegions {
+		t.Run(c.region, func(t *testing.T) {
+			leakcheck.Check(t)
+			const bs, nb, seed = 5120, 1024, 23
+			pname := uniqueName("dd-prod")
+			p, _ := startDirectProducer(t, pname, c.region, bs, nb, seed)
+			cons := ucxEnv(t).transport(uniqueName("dd-cons"), bs, nb, direct)
+			_, err := cons.AddRemotePeer(p.hello.Metadata, p.hello.MemDesc)
+			require.NoError(t, err)
+			require.Equal(t, c.path, cons.PeerPath(pname))
+			rng := rand.New(rand.NewSource(seed))
+			for _, n := range []int{1, 880} { // in PostRead, on the copy workers
+				remote, local := rng.Perm(nb)[:n], rng.Perm(nb)[:n]
+				require.NoError(t, directReadVerify(cons, pname, local, remote, seed, bs, nil))
+			}
+			_, err = p.request(ctrl.Message{Kind: "deregister"}, "deregistered")
+			require.NoError(t, err)
+			for _, n := range []int{1, 880, 1} {
+				remote, local := rng.Perm(nb)[:n], rng.Perm(nb)[:n]
+				err := directReadVerify(cons, pname, local, remote, seed, bs, nil)
+				require.ErrorIs(t, err, ErrRemoteDisconnect, "a READ of %d blocks after the producer closed", n)
+			}
+			select {
+			case <-p.exited:
+				t.Fatal("the producer process exited; the test is about one that lives on")
+			default:
+			}
+			require.Equal(t, int64(0), cons.Stats().InFlight)
+		})
+	}
 }

@@ -1304,16 +1304,19 @@ func TestDirectInlineNotifSentByCaller(t *testing.T) {
 // counted as one that waited and was dropped unsent: in NotifsSent and in
 // NotifsUndelivered, besides the engine error. It used to be only an
 // engine error, while the same loss a moment after the producer was seen
-// to exit counted in both.
+// to exit counted in both. (A producer that advertises a lifeword retires
+// it at close, and the READ then fails: the producer here advertises none,
+// as one of an older build, so its process's pidfd answers, alive.)
 func TestDirectInlineNotifToClosedProducerCounted(t *testing.T) {
 	leakcheck.Check(t)
 	e := env{t: t, backend: "ucx"}
 	const bs, nb = 4096, 8
-	prod := e.transport(uniqueName("uprod"), bs, nb, direct)
+	prod := e.transport(uniqueName("uprod"), bs, nb, direct, func(c *Config) { c.noLifewordForTest = true })
 	cons := e.transport(uniqueName("ucons"), bs, nb, direct)
 	pname, err := cons.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
 	require.NoError(t, err)
 	require.Equal(t, "direct-sysv", cons.PeerPath(pname))
+	require.Equal(t, "pidfd", cons.r.PeerLiveness(pname))
 	require.NoError(t, prod.Deregister())
 	before := cons.Stats()
 	h, err := cons.PostRead([]int{0}, pname, []int{1}, []byte("sess:mm"))
@@ -1389,4 +1392,98 @@ func TestDirectStatsPartsWithinWholes(t *testing.T) {
 	require.Greater(t, s.DirectReads, s.InlineReads, "no READ on the copy workers")
 	require.Zero(t, bad, "%d of %d snapshots with a part above its whole; first: inline %d, direct %d, done %d",
 		bad, n, first.InlineReads, first.DirectReads, first.ReadsDone)
+}
+
+// A same-host producer that closes its transport (Deregister) and lives
+// on: READs of it end in ErrRemoteDisconnect from then on, copied in
+// PostRead or on the copy workers, and so does one whose copy was running
+// when the producer closed (its region, which the producer may now reuse,
+// was overwritten meanwhile); the peer is reported dead once, "closed its
+// transport". Before, such READs ended DONE from memory the producer no
+// longer registered: its lifeword went quiet at close, and the pidfd said
+// the process was alive.
+func TestDirectProducerDeregistered(t *testing.T) {
+	for _, k := range regionKinds {
+		t.Run(k.name, func(t *testing.T) {
+			leakcheck.Check(t)
+			e := env{t: t, backend: "ucx"}
+			const bs, nb = 32768, 64
+			var region []byte
+			name := uniqueName("leaving")
+			prod := e.transport(name, bs, nb, direct, func(c *Config) {
+				if k.region != nil {
+					region = k.region(t, bs*nb)
+					c.Region = region
+				}
+			})
+			pattern.FillRegion(prod.Region(), 3, bs)
+			log := newEventLog()
+			inline := e.transport(uniqueName("icons"), bs, nb, direct, func(c *Config) { c.Logger = slog.New(log) })
+			workers := e.transport(uniqueName("wcons"), bs, nb, direct, func(c *Config) { c.InlineBytes = -1 })
+			for _, c := range []*Transport{inline, workers} {
+				_, err := c.AddRemotePeer(prod.AgentMetadata(), prod.MemDescriptor())
+				require.NoError(t, err)
+				require.Equal(t, k.path, c.PeerPath(name))
+			}
+			read := func(c *Transport, blocks int) error {
+				idx := make([]int, blocks)
+				for i := range idx {
+					idx[i] = (i * 5) % nb
+				}
+				clear(c.Region())
+				h, err := c.PostRead(idx, name, idx, nil)
+				require.NoError(t, err)
+				_, err = wait(t, c, h)
+				require.NoError(t, c.ReleaseXferHandle(h))
+				if err == nil {
+					for _, i := range idx {
+						ok, at := pattern.Check(block(c, bs, i), 3, i)
+						require.True(t, ok, "block %d differs at word %d", i, at)
+					}
+				}
+				return err
+			}
+			require.NoError(t, read(inline, 2))
+			require.NoError(t, read(workers, 16))
+
+			// One READ on the copy workers is held inside its copy while
+			// the producer closes.
+			gate := make(chan struct{})
+			var entered atomic.Int64
+			hold := func() {
+				entered.Add(1)
+				<-gate
+			}
+			testhook.DirectChunk.Store(&hold)
+			let := sync.OnceFunc(func() {
+				close(gate)
+				testhook.DirectChunk.Store(nil)
+			})
+			defer let()
+			idx := []int{1, 2, 3, 40, 41, 42}
+			h, err := workers.PostRead(idx, name, idx, nil)
+			require.NoError(t, err)
+			require.Eventually(t, func() bool { return entered.Load() > 0 }, 5*time.Second, 100*time.Microsecond, "no chunk started")
+			require.NoError(t, prod.Deregister())
+			for i := range region {
+				region[i] = 0xab // the producer's memory is its own again
+			}
+			let()
+			st, err := wait(t, workers, h)
+			require.Equal(t, StateErr, st, "a READ whose copy ended after its producer closed")
+			require.ErrorIs(t, err, ErrRemoteDisconnect)
+			require.NoError(t, workers.ReleaseXferHandle(h))
+
+			require.ErrorIs(t, read(inline, 2), ErrRemoteDisconnect, "copied in PostRead")
+			require.ErrorIs(t, read(inline, 1), ErrRemoteDisconnect)
+			require.ErrorIs(t, read(workers, 16), ErrRemoteDisconnect, "on the copy workers")
+			dead := log.eventually(t, EventPeerDead, 1)
+			require.Equal(t, name, dead[0].attrs["peer"].String())
+			require.Equal(t, "closed its transport", dead[0].attrs["why"].String())
+			require.Len(t, log.named(EventPeerDead), 1, "dead is logged once")
+			require.Equal(t, 1, inline.Stats().Peers, "the peer stays until it is removed")
+			require.NoError(t, inline.RemoveRemotePeer(name))
+			require.NoError(t, workers.RemoveRemotePeer(name))
+		})
+	}
 }

@@ -146,6 +146,9 @@ type Config struct {
 	// sharedQueueForTest lifts AddRemotePeer's refusal of shared-queue
 	// peers (see DirectOff); for tests only.
 	sharedQueueForTest bool
+	// noLifewordForTest makes the transport advertise no lifeword, as a
+	// producer of an older build: consumers poll its pidfd.
+	noLifewordForTest bool
 }
 
 // DirectMode says whether READs of same-host peers bypass the engine.
@@ -597,6 +600,9 @@ func (t *Transport) Deregister() error {
 		return nil
 	}
 	defer close(t.deregistered)
+	// The lifeword first: a same-host consumer's direct READ that ends
+	// from here on fails, before the region goes or changes hands.
+	t.stopLife()
 	err := t.r.Close()
 	t.closePool()
 	t.region.Store(nil)

@@ -30,6 +30,11 @@ func producerCommand(tr *Transport, m ctrl.Message, seed uint64, bs int) ctrl.Me
 	switch m.Kind {
 	case "stats":
 		return ctrl.Message{Kind: "stats", Ints: statsInts(tr.Stats())}
+	case "deregister":
+		if err := tr.Deregister(); err != nil {
+			return errMsg(err)
+		}
+		return ctrl.Message{Kind: "deregistered"}
 	case "verify":
 		bad := int64(-1)
 		region := tr.Region()

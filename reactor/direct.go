@@ -58,6 +58,8 @@ type Direct struct {
 	// exited, so its notifications have nobody to go to; a producer
 	// whose file was truncated still gets those of READs that were DONE.
 	dead, exitSeen atomic.Bool
+	// retired: the producer closed its transport (its lifeword says so).
+	retired atomic.Bool
 	// copyFailed is why an inline copy (on a caller's goroutine) found
 	// the producer gone; the loop reports the peer dead with it.
 	copyFailed atomic.Pointer[string]
@@ -194,26 +196,36 @@ func (d *Direct) Liveness() string {
 	return d.liveness
 }
 
-// exited reports whether the producer has exited, after the copy of every
-// direct READ and before it is published: a READ is DONE only if its
-// producer was alive when its copy ended, so no READ reports what a dead
-// producer left behind as data. The producer's lifeword answers with a
-// load when it has one (the kernel marks it before the pidfd turns
-// readable); else, or once the producer has stopped its word (it closed
-// its transport but may live on), its pidfd does: one poll(2), 0.2-2 µs
-// here. The caller holds a reference.
-func (d *Direct) exited() bool {
+// gone says whether the producer is gone, after the copy of every direct
+// READ and before it is published: a READ is DONE only if its producer was
+// alive, with its transport open, when its copy ended, so no READ reports
+// what a dead producer left behind, or memory a producer no longer
+// registers, as data. It returns errPeerExited or errPeerRetired, or nil.
+// The producer's lifeword answers with a load when it has one (the kernel
+// marks it before the pidfd turns readable; the producer retires it when
+// it closes its transport, before it lets its region go); else its pidfd
+// does: one poll(2), 0.2-2 µs here. The caller holds a reference.
+func (d *Direct) gone() error {
 	if d.dead.Load() {
-		return true
+		if d.retired.Load() && !d.exitSeen.Load() {
+			return errPeerRetired
+		}
+		return errPeerExited
 	}
 	if d.life != nil {
 		switch d.life.State() {
 		case lifeword.Alive:
-			return false
+			return nil
 		case lifeword.Died:
 			d.exitSeen.Store(true)
 			d.dead.Store(true)
-			return true
+			return errPeerExited
+		case lifeword.Retired:
+			// Not exitSeen: the process may still take the notifications
+			// of READs that were DONE before (its teardown drains them).
+			d.retired.Store(true)
+			d.dead.Store(true)
+			return errPeerRetired
 		}
 	}
 	testhook.Run(&testhook.PidfdPoll)
@@ -221,9 +233,9 @@ func (d *Direct) exited() bool {
 	if n, _ := unix.Poll(fds[:], 0); n > 0 {
 		d.exitSeen.Store(true)
 		d.dead.Store(true)
-		return true
+		return errPeerExited
 	}
-	return false
+	return nil
 }
 
 // readers are the batches of kernel copies; pooled so a READ allocates
@@ -613,10 +625,7 @@ func (r *Reactor) copyInline(p *Peer, localIdx, remoteIdx []int) error {
 			return err
 		}
 	}
-	if pd.exited() {
-		return errPeerExited
-	}
-	return nil
+	return pd.gone()
 }
 
 var (
@@ -628,6 +637,9 @@ var (
 	// its copy ended: what was copied may be what a dying producer left
 	// half written, so the READ is not reported DONE.
 	errPeerExited = errors.New("process exited")
+	// errPeerRetired ends a direct READ whose producer had closed its
+	// transport when its copy ended: its region may hold anything now.
+	errPeerRetired = errors.New("closed its transport")
 )
 
 // newJob builds the copy of a READ of a direct peer, with its runs merged.
@@ -1132,11 +1144,11 @@ func (r *Reactor) endJob(j *dirJob) {
 		r.inflight.Add(-1)
 	}
 	p := j.peer
-	if j.err == nil && j.endCode == 0 && p.direct.exited() {
+	if j.err == nil && j.endCode == 0 {
 		// Checked after the copy, not when it was posted: a READ is DONE
 		// only if its producer outlived the whole copy. (The caller's
 		// Post does not pay the check; the reactor does, once per job.)
-		j.err = errPeerExited
+		j.err = p.direct.gone()
 	}
 	p.direct.release()
 	h := j.h
@@ -1285,7 +1297,7 @@ func (r *Reactor) pollPeers() bool {
 	// peer's word alive (a consumer of many same-host producers) a turn
 	// makes no system call here.
 	d.pollFDs, d.polled = d.pollFDs[:0], d.polled[:0]
-	var dead []*Peer
+	var dead, retired []*Peer
 	for _, p := range d.watched {
 		if w := p.direct.life; w != nil {
 			switch w.State() {
@@ -1293,6 +1305,9 @@ func (r *Reactor) pollPeers() bool {
 				continue
 			case lifeword.Died:
 				dead = append(dead, p)
+				continue
+			case lifeword.Retired:
+				retired = append(retired, p)
 				continue
 			}
 		}
@@ -1310,12 +1325,12 @@ func (r *Reactor) pollPeers() bool {
 		}
 	}
 	clear(d.polled)
-	if len(dead) == 0 {
+	if len(dead)+len(retired) == 0 {
 		return false
 	}
 	kept := d.watched[:0]
 	for _, p := range d.watched {
-		if !slices.Contains(dead, p) {
+		if !slices.Contains(dead, p) && !slices.Contains(retired, p) {
 			kept = append(kept, p)
 		}
 	}
@@ -1323,12 +1338,26 @@ func (r *Reactor) pollPeers() bool {
 	d.watched = kept
 	for _, p := range dead {
 		p.direct.exitSeen.Store(true)
-		p.direct.dead.Store(true)
-		p.gone.CompareAndSwap(0, codeRemoteDisconnect)
-		_ = unix.EpollCtl(r.epollFD, unix.EPOLL_CTL_DEL, p.direct.pidfd, nil)
-		r.peerDead(p, "process exited")
+		r.unwatch(p, errPeerExited)
+	}
+	// A producer that closed its transport is gone as one that exited
+	// is, but for its notifications: the process may still take them
+	// (they go on over its socket while it is open, counted undelivered
+	// once it is not). Its exit is no longer watched.
+	for _, p := range retired {
+		p.direct.retired.Store(true)
+		r.unwatch(p, errPeerRetired)
 	}
 	return true
+}
+
+// unwatch ends a direct peer found gone by pollPeers: its READs fail from
+// now on, and its pidfd leaves the epoll set. Loop only.
+func (r *Reactor) unwatch(p *Peer, why error) {
+	p.direct.dead.Store(true)
+	p.gone.CompareAndSwap(0, codeRemoteDisconnect)
+	_ = unix.EpollCtl(r.epollFD, unix.EPOLL_CTL_DEL, p.direct.pidfd, nil)
+	r.peerDead(p, why.Error())
 }
 
 // waitDirect waits until no copy is running (teardown: the local region

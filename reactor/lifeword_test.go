@@ -45,8 +45,8 @@ func selfAdvert(t *testing.T, lifeFD int) *shmview.Advert {
 
 // TestDirectLifewordAnswers: with the producer's lifeword watched, the
 // check after each copy polls nothing while the word says Alive; once the
-// producer stops its word (it closed its transport and lives on) the
-// pidfd answers again, and says alive.
+// producer stops its word (it closed its transport and lives on) the word
+// says so, and READs of it fail, though its process is alive.
 func TestDirectLifewordAnswers(t *testing.T) {
 	leakcheck.Check(t)
 	polls := countPidfdPolls(t)
@@ -58,12 +58,13 @@ func TestDirectLifewordAnswers(t *testing.T) {
 	defer d.Close()
 	require.Equal(t, "lifeword", d.Liveness())
 	for range 1000 {
-		require.False(t, d.exited())
+		require.NoError(t, d.gone())
 	}
 	require.Zero(t, polls.Load(), "a watched word was not trusted")
 	require.NoError(t, h.Stop())
-	require.False(t, d.exited(), "this process is alive")
-	require.Equal(t, int64(1), polls.Load(), "a stopped word must send the check to the pidfd")
+	require.ErrorIs(t, d.gone(), errPeerRetired, "a READ ended after the producer closed its transport")
+	require.ErrorIs(t, d.gone(), errPeerRetired, "and every one after it")
+	require.Zero(t, polls.Load(), "the retired word answers without the pidfd")
 }
 
 // TestDirectLifewordRefusedFallsBack: a token that names a descriptor
@@ -80,7 +81,7 @@ func TestDirectLifewordRefusedFallsBack(t *testing.T) {
 		require.NoError(t, err, name)
 		require.Equal(t, "pidfd", d.Liveness(), name)
 		before := polls.Load()
-		require.False(t, d.exited(), name)
+		require.NoError(t, d.gone(), name)
 		require.Equal(t, before+1, polls.Load(), name)
 		d.Close()
 	}

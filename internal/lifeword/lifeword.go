@@ -18,9 +18,14 @@
 // pidfd vouches only for the process it names: it is a liveness check,
 // not a security boundary.
 //
-// Hold's Stop puts the thread's own robust list (glibc's) back and writes
-// Closed into the word: a Watcher then cannot tell from the word and must
-// ask the kernel again.
+// Hold's Stop writes Retired into the word, for good, and puts the
+// thread's own robust list (glibc's) back: the producer closed what the
+// word vouched for (its transport) and may live on, and a Watcher learns
+// that from the same load. Retired carries no thread id, so the kernel
+// never marks it, and a reader that knows only thread ids and
+// FUTEX_OWNER_DIED (an older build) takes it for a word that says nothing
+// and asks the kernel (the pidfd) instead, as it did before words were
+// retired.
 package lifeword
 
 import (
@@ -52,9 +57,12 @@ const (
 const (
 	tidMask   = 0x3fffffff // FUTEX_TID_MASK
 	ownerDied = 0x40000000 // FUTEX_OWNER_DIED
-	// Closed: the holder stopped (Stop); the word says nothing more.
-	// It has no thread id, so the kernel never marks it.
+	// Closed: the word says nothing (a page no thread holds yet).
 	Closed = 0
+	// wordRetired: the holder stopped (Stop): its process closed the
+	// transport the word vouched for. FUTEX_WAITERS with no thread id,
+	// which the kernel never marks and older readers take for Closed.
+	wordRetired = 0x80000000
 
 	futexWait = 0 // FUTEX_WAIT
 	futexWake = 1 // FUTEX_WAKE
@@ -72,7 +80,7 @@ var ErrNotLifeword = errors.New("lifeword: not a lifeword")
 type State uint8
 
 const (
-	// Unknown: the holder stopped, or the word holds no thread id; ask
+	// Unknown: the word holds no thread id (and is not Retired); ask
 	// the kernel (the pidfd).
 	Unknown State = iota
 	// Alive: the holding thread has not exited.
@@ -80,6 +88,9 @@ const (
 	// Died: the kernel marked the word: the holding thread, and with it
 	// the process, is gone.
 	Died
+	// Retired: the holder stopped: the process closed the transport the
+	// word vouched for, and may live on.
+	Retired
 )
 
 func (s State) String() string {
@@ -88,12 +99,16 @@ func (s State) String() string {
 		return "alive"
 	case Died:
 		return "died"
+	case Retired:
+		return "retired"
 	}
 	return "unknown"
 }
 
 func stateOf(w uint32) State {
 	switch {
+	case w == wordRetired:
+		return Retired
 	case w&ownerDied != 0:
 		return Died
 	case w&tidMask != 0:
@@ -183,8 +198,9 @@ func (h *Holder) hold(ready chan<- error) {
 		// stores 1 and wakes it; EINTR and spurious wake-ups loop.
 		_, _, _ = unix.Syscall6(unix.SYS_FUTEX, uintptr(unsafe.Pointer(stop)), futexWait, 0, 0, 0, 0)
 	}
-	// The word first: from here on the thread's exit must not mark it.
-	atomic.StoreUint32(h.u32(offWord), Closed)
+	// The word first: from here on the thread's exit must not mark it,
+	// and watchers learn the transport is closed.
+	atomic.StoreUint32(h.u32(offWord), wordRetired)
 	if _, _, e := unix.RawSyscall(unix.SYS_SET_ROBUST_LIST, oldHead, oldLen, 0); e != 0 {
 		// The list is still ours: returning while locked ends the thread
 		// instead of handing it back to the pool with it.
@@ -204,7 +220,7 @@ func (h *Holder) TID() int { return h.tid }
 // State is what the word says now (Alive until Stop).
 func (h *Holder) State() State { return stateOf(atomic.LoadUint32(h.u32(offWord))) }
 
-// Stop writes Closed into the word, gives the thread back and closes the
+// Stop writes Retired into the word, gives the thread back and closes the
 // memfd here (readers keep their mappings). It returns once the thread has
 // let go. Idempotent; the error says if the thread's robust list could not
 // be put back (the thread then ends with its goroutine).

@@ -181,11 +181,11 @@ func TestExecingHolderMarked(t *testing.T) {
 	require.NoError(t, p.cmd.Process.Signal(syscall.Signal(0)))
 }
 
-// TestStoppedHolderUnknown: after Stop the word says nothing (the reader
-// must ask the kernel), and the thread that held it, which goes back to
-// the runtime, no longer marks it when it exits: killing the process
-// leaves it Unknown.
-func TestStoppedHolderUnknown(t *testing.T) {
+// TestStoppedHolderRetired: after Stop the word says Retired (the process
+// closed its transport and lives on), and the thread that held it, which
+// goes back to the runtime, no longer marks it when it exits: killing the
+// process leaves it Retired.
+func TestStoppedHolderRetired(t *testing.T) {
 	p := startHolders(t, 4, "stop")
 	ws := p.watch(t)
 	requireStates(t, ws, Alive)
@@ -193,10 +193,22 @@ func TestStoppedHolderUnknown(t *testing.T) {
 	line, err := p.out.ReadString('\n')
 	require.NoError(t, err)
 	require.Equal(t, "stopped\n", line)
-	requireStates(t, ws, Unknown)
+	requireStates(t, ws, Retired)
 	require.NoError(t, p.cmd.Process.Signal(syscall.SIGKILL))
 	_ = p.cmd.Wait()
-	requireStates(t, ws, Unknown)
+	requireStates(t, ws, Retired)
+}
+
+// TestRetiredWordOldReaders: a retired word holds neither a thread id nor
+// FUTEX_OWNER_DIED, the only bits a reader of an older build looks at, so
+// such a reader asks the pidfd about a retired producer, as it did about
+// any stopped one; and a word that says nothing is not taken for retired.
+func TestRetiredWordOldReaders(t *testing.T) {
+	require.Zero(t, uint32(wordRetired)&(tidMask|ownerDied))
+	require.Equal(t, Retired, stateOf(wordRetired))
+	require.Equal(t, Unknown, stateOf(Closed))
+	require.Equal(t, Died, stateOf(wordRetired|ownerDied), "a mark the kernel made is never read as retired")
+	require.Equal(t, Alive, stateOf(wordRetired|1234), "FUTEX_WAITERS on a held word is still held")
 }
 
 // TestHoldInProcess: a holder and a watcher in one process; Stop gives the
@@ -219,7 +231,7 @@ func TestHoldInProcess(t *testing.T) {
 		require.Equal(t, Alive, w.State())
 		require.NoError(t, h.Stop())
 		require.NoError(t, h.Stop(), "Stop is idempotent")
-		require.Equal(t, Unknown, w.State())
+		require.Equal(t, Retired, w.State())
 		w.Close()
 		w.Close()
 	}
