@@ -41,6 +41,20 @@ func startDirectProducer(t *testing.T, name, region string, bs, nb int, seed uin
 	return p, path
 }
 
+// directProcPair starts a direct producer process of region's kind and
+// a consumer that knows it, and checks the consumer reads it by path.
+func directProcPair(t *testing.T, prefix, region, path string, bs, nb int, seed uint64) (p *roleProc, cons *Transport, pname string) {
+	t.Helper()
+	pname = uniqueName(prefix + "-prod")
+	p, _ = startDirectProducer(t, pname, region, bs, nb, seed)
+	cons = ucxEnv(t).transport(uniqueName(prefix+"-cons"), bs, nb, direct)
+	got, err := cons.AddRemotePeer(p.hello.Metadata, p.hello.MemDesc)
+	require.NoError(t, err)
+	require.Equal(t, pname, got)
+	require.Equal(t, path, cons.PeerPath(pname))
+	return p, cons, pname
+}
+
 func directReadVerify(cons *Transport, peer string, local, remote []int, seed uint64, bs int, notif []byte) error {
 	h, err := cons.PostRead(local, peer, remote, notif)
 	if err != nil {
@@ -68,13 +82,7 @@ func TestDirectTwoProcess(t *testing.T) {
 		t.Run(c.region, func(t *testing.T) {
 			leakcheck.Check(t)
 			const bs, nb, seed = 5120, 1024, 21
-			pname := uniqueName("dx-prod")
-			p, _ := startDirectProducer(t, pname, c.region, bs, nb, seed)
-			cons := ucxEnv(t).transport(uniqueName("dx-cons"), bs, nb, direct)
-			got, err := cons.AddRemotePeer(p.hello.Metadata, p.hello.MemDesc)
-			require.NoError(t, err)
-			require.Equal(t, pname, got)
-			require.Equal(t, c.path, cons.PeerPath(pname))
+			p, cons, pname := directProcPair(t, "dx", c.region, c.path, bs, nb, seed)
 			rng := rand.New(rand.NewSource(seed))
 			for _, n := range []int{1, 12, 880} {
 				remote, local := rng.Perm(nb)[:n], rng.Perm(nb)[:n]
@@ -355,12 +363,7 @@ func TestDirectLifewordTwoProcess(t *testing.T) {
 		t.Run(c.region, func(t *testing.T) {
 			leakcheck.Check(t)
 			const bs, nb, seed = 5120, 1024, 33
-			pname := uniqueName("dl-prod")
-			p, _ := startDirectProducer(t, pname, c.region, bs, nb, seed)
-			cons := ucxEnv(t).transport(uniqueName("dl-cons"), bs, nb, direct)
-			_, err := cons.AddRemotePeer(p.hello.Metadata, p.hello.MemDesc)
-			require.NoError(t, err)
-			require.Equal(t, c.path, cons.PeerPath(pname))
+			p, cons, pname := directProcPair(t, "dl", c.region, c.path, bs, nb, seed)
 			require.Equal(t, "lifeword", cons.r.PeerLiveness(pname))
 			polls := countPidfdPolls(t)
 			rng := rand.New(rand.NewSource(seed))
@@ -435,18 +438,13 @@ func TestDirectProducerDeregisteredTwoProcess(t *testing.T) {
 		t.Run(c.region, func(t *testing.T) {
 			leakcheck.Check(t)
 			const bs, nb, seed = 5120, 1024, 23
-			pname := uniqueName("dd-prod")
-			p, _ := startDirectProducer(t, pname, c.region, bs, nb, seed)
-			cons := ucxEnv(t).transport(uniqueName("dd-cons"), bs, nb, direct)
-			_, err := cons.AddRemotePeer(p.hello.Metadata, p.hello.MemDesc)
-			require.NoError(t, err)
-			require.Equal(t, c.path, cons.PeerPath(pname))
+			p, cons, pname := directProcPair(t, "dd", c.region, c.path, bs, nb, seed)
 			rng := rand.New(rand.NewSource(seed))
 			for _, n := range []int{1, 880} { // in PostRead, on the copy workers
 				remote, local := rng.Perm(nb)[:n], rng.Perm(nb)[:n]
 				require.NoError(t, directReadVerify(cons, pname, local, remote, seed, bs, nil))
 			}
-			_, err = p.request(ctrl.Message{Kind: "deregister"}, "deregistered")
+			_, err := p.request(ctrl.Message{Kind: "deregister"}, "deregistered")
 			require.NoError(t, err)
 			for _, n := range []int{1, 880, 1} {
 				remote, local := rng.Perm(nb)[:n], rng.Perm(nb)[:n]

@@ -61,6 +61,23 @@ func anonRegion(t testing.TB, size int) []byte {
 
 func direct(c *Config) { c.Direct = DirectOn }
 
+// holdDirectChunks holds every chunk of a direct READ on the copy workers
+// before it is copied (testhook.DirectChunk), counting them in entered,
+// until let is called (idempotent).
+func holdDirectChunks() (entered *atomic.Int64, let func()) {
+	gate := make(chan struct{})
+	entered = new(atomic.Int64)
+	hold := func() {
+		entered.Add(1)
+		<-gate
+	}
+	testhook.DirectChunk.Store(&hold)
+	return entered, sync.OnceFunc(func() {
+		close(gate)
+		testhook.DirectChunk.Store(nil)
+	})
+}
+
 // directPair makes a producer and a consumer on the direct path, named
 // with prefix, the consumer knowing the producer.
 func directPair(e env, prefix string, bs, nb int, opts ...func(*Config)) (prod, cons *Transport, pname string) {
@@ -983,17 +1000,7 @@ func TestDirectCopyNap(t *testing.T) {
 			// finisher for certain.
 			const reads = 5
 			for k := range reads {
-				gate := make(chan struct{})
-				var entered atomic.Int64
-				hold := func() {
-					entered.Add(1)
-					<-gate
-				}
-				testhook.DirectChunk.Store(&hold)
-				let := sync.OnceFunc(func() {
-					close(gate)
-					testhook.DirectChunk.Store(nil)
-				})
+				entered, let := holdDirectChunks()
 				defer let()
 				idx := make([]int, c.blocks)
 				for i := range idx {
@@ -1448,17 +1455,7 @@ func TestDirectProducerDeregistered(t *testing.T) {
 
 			// One READ on the copy workers is held inside its copy while
 			// the producer closes.
-			gate := make(chan struct{})
-			var entered atomic.Int64
-			hold := func() {
-				entered.Add(1)
-				<-gate
-			}
-			testhook.DirectChunk.Store(&hold)
-			let := sync.OnceFunc(func() {
-				close(gate)
-				testhook.DirectChunk.Store(nil)
-			})
+			entered, let := holdDirectChunks()
 			defer let()
 			idx := []int{1, 2, 3, 40, 41, 42}
 			h, err := workers.PostRead(idx, name, idx, nil)
