@@ -215,19 +215,41 @@ func TestMergeRounds(t *testing.T) {
 	require.InDelta(t, (10*8+30*10)/40.0, f.BlocksPerRead, 1e-9)
 	require.InDelta(t, float64(10*8+30*10)*5120/2/1e9, f.GBPerSec, 1e-9)
 	require.Equal(t, int64(2), f.Early)
+	require.Equal(t, []float64{100, 150}, m.RoundReadsPerSec)
+	require.Equal(t, []float64{10, 30}, f.RoundReadsPerSec)
 	require.Equal(t, other, got[1], "a row of one round is kept as it is")
+	require.Nil(t, got[1].RoundReadsPerSec)
+	// Merged rows merge on: their rounds follow each other.
+	c := a
+	c.Reads, c.Seconds, c.ReadsPerSec = 50, 1, 50
+	again := mergeRounds([]Result{m, c})
+	require.Len(t, again, 1)
+	require.Equal(t, []float64{100, 150, 50}, again[0].RoundReadsPerSec)
+}
+
+func TestRoundsAhead(t *testing.T) {
+	r := &Result{RoundReadsPerSec: []float64{3, 1, 5, 7}}
+	l := &Result{RoundReadsPerSec: []float64{2, 2, 5, 8}}
+	require.Equal(t, "2/4", roundsAhead(r, l), "ahead in round 1, level in round 3")
+	require.Equal(t, "3/4", roundsAhead(l, r), "a level round counts for both")
+	require.Equal(t, "-", roundsAhead(&Result{RoundReadsPerSec: []float64{3}}, &Result{RoundReadsPerSec: []float64{2}}), "one round")
+	require.Equal(t, "-", roundsAhead(r, &Result{RoundReadsPerSec: []float64{1, 1}}), "rounds that do not pair up")
+	require.Equal(t, "-", roundsAhead(&Result{}, &Result{}))
 }
 
 func sampleReport() *Report {
 	rep := &Report{Machine: Machine{CPUModel: "cpu", Cores: 2, GoVersion: "go", UCXVersion: "1.13.1", Kernel: "Linux", Backend: "ucx"}}
 	for _, m := range []struct {
-		mode string
-		rps  float64
-		p99  float64
-	}{{"reactor", 300000, 10}, {"locked", 100000, 40}, {"raw", 400000, 8}} {
+		mode   string
+		rps    float64
+		p99    float64
+		rounds []float64
+	}{{"reactor", 300000, 10, []float64{350000, 250000, 300000}}, {"locked", 100000, 40, []float64{100000, 300000, 100000}},
+		{"raw", 400000, 8, []float64{400000, 400000, 400000}}} {
 		r := Result{Workload: "fanin", Mode: m.mode, Backend: "ucx", BlockSize: 5120, BlocksPerRead: 8.5, Submitters: 16,
 			Reads: int64(m.rps), Seconds: 1, ReadsPerSec: m.rps, GBPerSec: m.rps * 8.5 * 5120 / 1e9, P50us: 2, P99us: m.p99, P999us: m.p99 * 2}
 		summarize(&r, durs(1000, 2000, 3000, 40000))
+		r.RoundReadsPerSec = m.rounds
 		r.P99us = m.p99
 		r.Samples = 100 // enough for a p99 (the image rows' 3 are not)
 		rep.Results = append(rep.Results, r)
@@ -250,6 +272,7 @@ func TestWriteTable(t *testing.T) {
 	require.Contains(t, lines[0], "workload")
 	require.Contains(t, lines[0], "r/s vs locked")
 	require.Contains(t, lines[0], "p99 vs locked")
+	require.Contains(t, lines[0], "rounds ≥ locked")
 	require.Contains(t, lines[0], "% memcpy")
 	// Rows are right-aligned: the table's lines all have the same width.
 	w := len([]rune(lines[0]))
@@ -265,10 +288,14 @@ func TestWriteTable(t *testing.T) {
 	require.Contains(t, lines[4], "3.00x")
 	require.Contains(t, lines[4], "0.25") // p99 10/40
 	require.Contains(t, lines[6], "4.00x")
+	// Round by round: the reactor behind locked in the second of three.
+	require.Contains(t, lines[4], " 2/3 ")
+	require.Contains(t, lines[6], " 3/3 ")
+	require.NotContains(t, lines[5], "/3", "locked is not compared with itself")
 	require.Contains(t, lines[1], "20%") // 2.88/14.4
 	// Three samples make no p99 or p99.9 (nor a p99 ratio); 100 make no
 	// p99.9.
-	require.Equal(t, 3, strings.Count(lines[1], " - "), "%q", lines[1]) // p99, p99.9, p99 vs locked
+	require.Equal(t, 4, strings.Count(lines[1], " - "), "%q", lines[1]) // p99, p99.9, rounds (one), p99 vs locked
 	require.NotContains(t, lines[4], " 20 ", "a p99.9 from 100 samples: %q", lines[4])
 	require.Contains(t, out, "memcpy")
 	require.Contains(t, out, "note: a note")

@@ -32,6 +32,9 @@ type Result struct {
 	// Early counts notif READs whose notification the producer saw before
 	// the reader saw DONE.
 	Early int64 `json:"early,omitempty"`
+	// RoundReadsPerSec is each round's reads/s, in round order, for a row
+	// measured in more than one round (nil for one).
+	RoundReadsPerSec []float64 `json:"round_reads_per_sec,omitempty"`
 
 	// Samples is how many latencies the percentiles come from.
 	Samples int `json:"samples"`
@@ -116,6 +119,14 @@ func mergeRounds(rs []Result) []Result {
 			continue
 		}
 		m := &out[i]
+		if len(m.RoundReadsPerSec) == 0 {
+			m.RoundReadsPerSec = []float64{m.ReadsPerSec}
+		}
+		if len(r.RoundReadsPerSec) > 0 {
+			m.RoundReadsPerSec = append(m.RoundReadsPerSec, r.RoundReadsPerSec...)
+		} else {
+			m.RoundReadsPerSec = append(m.RoundReadsPerSec, r.ReadsPerSec)
+		}
 		blocks := m.BlocksPerRead*float64(m.Reads) + r.BlocksPerRead*float64(r.Reads)
 		bytes := m.GBPerSec*m.Seconds + r.GBPerSec*r.Seconds
 		allocs := m.AllocsPerRead*float64(m.Reads) + r.AllocsPerRead*float64(r.Reads)
@@ -222,20 +233,41 @@ func fcount(v float64) string {
 	return fmt.Sprintf("%.0f", v)
 }
 
+// roundsAhead is how many of r's rounds had reads/s at least l's in the
+// same round, as "k/n"; "-" for a row of one round or rounds that do not
+// pair up. Within a round the modes run one after the other, so a pair
+// meets the same state of the machine, which on a noisy one moves more
+// between rounds than between modes: the count says whether a ratio of
+// the whole run holds round by round or comes from a few rounds.
+func roundsAhead(r, l *Result) string {
+	n := len(r.RoundReadsPerSec)
+	if n < 2 || n != len(l.RoundReadsPerSec) {
+		return "-"
+	}
+	k := 0
+	for i, v := range r.RoundReadsPerSec {
+		if v >= l.RoundReadsPerSec[i] {
+			k++
+		}
+	}
+	return fmt.Sprintf("%d/%d", k, n)
+}
+
 // WriteTable prints the results as an aligned table with the ratio columns,
 // then the references and the notes.
 func WriteTable(w io.Writer, rep *Report) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "workload\tmode\tblock B\tblk/read\tlayout\tsubm\treads/s\tGB/s\tp50 µs\tp99 µs\tp99.9 µs\tr/s vs locked\tp99 vs locked\t% memcpy\tallocs/read\t")
+	fmt.Fprintln(tw, "workload\tmode\tblock B\tblk/read\tlayout\tsubm\treads/s\tGB/s\tp50 µs\tp99 µs\tp99.9 µs\tr/s vs locked\trounds ≥ locked\tp99 vs locked\t% memcpy\tallocs/read\t")
 	for i := range rep.Results {
 		r := &rep.Results[i]
 		// A notif READ includes a random wait and a control round trip:
 		// its rate is not throughput, so neither it nor its ratio is shown.
 		notif := r.Workload == "notif"
-		ratio, p99ratio := "-", "-"
+		ratio, ahead, p99ratio := "-", "-", "-"
 		if l := rep.locked(r); l != nil && r.Mode != "locked" {
 			if l.ReadsPerSec > 0 && !notif {
 				ratio = fmt.Sprintf("%.2fx", r.ReadsPerSec/l.ReadsPerSec)
+				ahead = roundsAhead(r, l)
 			}
 			if l.P99us > 0 && hasQuantile(r, 0.99) && hasQuantile(l, 0.99) {
 				p99ratio = fmt.Sprintf("%.2f", r.P99us/l.P99us)
@@ -260,10 +292,10 @@ func WriteTable(w io.Writer, rep *Report) error {
 		if r.Workload == "fanin" {
 			bpr = fmt.Sprintf("1-%d", FaninMaxBlocks)
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%.2f\t\n",
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%.2f\t\n",
 			r.Workload, r.Mode, r.BlockSize, bpr, r.Layout(), r.Submitters,
 			rps, gbps, fnum(r.P50us), p99, p999,
-			ratio, p99ratio, pct, r.AllocsPerRead)
+			ratio, ahead, p99ratio, pct, r.AllocsPerRead)
 	}
 	if err := tw.Flush(); err != nil {
 		return err
