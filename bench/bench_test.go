@@ -107,6 +107,8 @@ func TestParseRunFlags(t *testing.T) {
 			require.Equal(t, reactor.IdleHybrid, c.Reactor.Idle)
 			require.Equal(t, reactor.IdleHybrid, c.ProducerIdle)
 			require.True(t, c.References)
+			require.Empty(t, c.Producer)
+			require.Equal(t, "reactor", c.producerFor("reactor"))
 			require.Equal(t, "poll", c.Wait)
 			require.Equal(t, 2, c.Rounds)
 		}},
@@ -137,6 +139,12 @@ func TestParseRunFlags(t *testing.T) {
 			require.Equal(t, "block", c.Wait)
 			require.Equal(t, 150*time.Microsecond, c.Reactor.WaitSpin)
 		}},
+		{name: "producer", args: []string{"--producer", "raw"}, check: func(t *testing.T, c Config) {
+			require.Equal(t, "raw", c.Producer)
+			require.Equal(t, "raw", c.producerFor("reactor"))
+			require.Equal(t, "direct", c.producerFor("direct"))
+		}},
+		{name: "bad producer", args: []string{"--producer", "direct"}, err: `--producer "direct" (want reactor, locked, raw)`},
 		{name: "connect", args: []string{"--connect", "10.0.0.2:7000"}, check: func(t *testing.T, c Config) {
 			require.Equal(t, "10.0.0.2:7000", c.Connect)
 		}},
@@ -584,6 +592,63 @@ func TestServeRefusesImpossibleRegions(t *testing.T) {
 	_, err = cons.Expect("bye")
 	require.NoError(t, err)
 	require.NoError(t, stop())
+}
+
+// The producer a setup asks for is the one the serve opens and names in
+// its hello; a kind it does not have, or one for direct READs, gets an
+// error reply, and the serve goes on.
+func TestServeOpensTheProducerAskedFor(t *testing.T) {
+	cons, stop := inProcessProducer()
+	setup := func(mode, kind string) ctrl.Message {
+		strs := map[string]string{"mode": mode}
+		if kind != "" {
+			strs["producer"] = kind
+		}
+		require.NoError(t, cons.Send(ctrl.Message{Kind: "setup", Strs: strs,
+			Ints: map[string]int64{"block": SmallBlock, "blocks": 64, "seed": 1}}))
+		m, err := cons.Recv()
+		require.NoError(t, err)
+		return m
+	}
+	for _, c := range [][3]string{{"reactor", "", "reactor"}, {"reactor", "raw", "raw"}, {"raw", "reactor", "reactor"},
+		{"locked", "raw", "raw"}, {"raw", "locked", "locked"}} {
+		m := setup(c[0], c[1])
+		require.Equal(t, "hello", m.Kind, "%v: %v", c, m.Strs)
+		require.Equal(t, c[2], m.Name, "%v", c)
+		require.NotEmpty(t, m.Metadata)
+		require.NoError(t, cons.Send(ctrl.Message{Kind: "teardown"}))
+		_, err := cons.Expect("bye")
+		require.NoError(t, err)
+	}
+	for _, c := range [][2]string{{"reactor", "direct"}, {"reactor", "fast"}, {"direct", "raw"}} {
+		m := setup(c[0], c[1])
+		require.Equal(t, "error", m.Kind, "%v", c)
+		require.Contains(t, m.Strs["error"], "want one of reactor, locked, raw", "%v", c)
+	}
+	require.NoError(t, stop())
+}
+
+// With --producer every reactor, locked and raw row reads from that
+// producer, and the report says so.
+func TestRunWithOneProducer(t *testing.T) {
+	cfg := DefaultConfig()
+	cfg.Modes = []string{"reactor", "locked", "raw"}
+	cfg.Backend = "loopback"
+	cfg.Workloads = []string{"latency"}
+	cfg.Duration = 50 * time.Millisecond
+	cfg.Warmup = 10 * time.Millisecond
+	cfg.References = false
+	cfg.RemoteRegion = 0
+	cfg.Producer = "raw"
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	rep, err := Run(ctx, cfg)
+	require.NoError(t, err)
+	require.Equal(t, map[string]int{"reactor": 2, "locked": 2, "raw": 2}, modesOf(rep))
+	for _, r := range rep.Results {
+		require.Greater(t, r.Reads, int64(0), "%s %s: no reads", r.Workload, r.Mode)
+	}
+	require.Contains(t, rep.Notes, "producer: every reactor, locked and raw row read from a raw producer (--producer); direct rows from their own")
 }
 
 func TestRunLoopback(t *testing.T) {

@@ -34,6 +34,9 @@ var (
 	AllBackends  = []string{"ucx", "loopback", "nixl"}
 )
 
+// producerKinds are the producers --producer may name.
+var producerKinds = []string{"reactor", "locked", "raw"}
+
 // Block sizes: one token's embedding for a 2,560-wide bf16 model, and for
 // Qwen3-VL-8B with deepstack.
 const (
@@ -102,6 +105,15 @@ type Config struct {
 	// that carry notifications (run fanin with --producer-idle park to
 	// compare).
 	ProducerIdle reactor.IdleStrategy
+	// Producer is the producer every reactor, locked and raw row reads
+	// from (flag --producer): "reactor", "locked" or "raw"; empty for each
+	// mode's own (a reactor consumer reads from a reactor producer, a
+	// locked one from a locked producer, a raw one from a raw producer).
+	// Direct rows always read from their own. With one producer for all,
+	// the rows compare the consumers alone: across hosts, where the
+	// producer serves every get, a mode's figures are as much its
+	// producer's as its consumer's.
+	Producer string
 	// References turns the memcpy and ucx_perftest references on.
 	References bool
 	// CPUProfile and MemProfile, when set, receive pprof profiles of the
@@ -203,6 +215,9 @@ func (c *Config) Validate() error {
 	if c.Warmup < 0 {
 		return fmt.Errorf("%w: --warmup %v must not be negative", ErrUsage, c.Warmup)
 	}
+	if c.Producer != "" && !slices.Contains(producerKinds, c.Producer) {
+		return fmt.Errorf("%w: --producer %q (want %s)", ErrUsage, c.Producer, strings.Join(producerKinds, ", "))
+	}
 	if c.Wait != "poll" && c.Wait != "block" {
 		return fmt.Errorf("%w: --wait %q (want poll or block)", ErrUsage, c.Wait)
 	}
@@ -259,6 +274,7 @@ func ParseRunFlags(args []string, stderr io.Writer) (Config, error) {
 	cpu := fs.Int("reactor-cpu", -1, "pin the consumer's reactor thread to this CPU (-1: not pinned)")
 	node := fs.Int("numa-node", -1, "bind the consumer's reactor and region to this NUMA node (-1: no binding)")
 	idle := fs.String("idle", "hybrid", "reactor idle strategy: hybrid, spin, yield or park")
+	fs.StringVar(&c.Producer, "producer", "", "the producer every reactor, locked and raw row reads from: "+strings.Join(producerKinds, ", ")+" (default: each mode's own; direct rows always read from their own)")
 	pidle := fs.String("producer-idle", "hybrid", "the producer reactor's idle strategy: hybrid, spin, yield or park")
 	fs.IntVar(&c.Reactor.BatchSize, "batch", 0, "reactor batch size, submissions per loop turn (0: the reactor's default)")
 	fs.IntVar(&c.CopyWorkers, "copy-workers", 0, fmt.Sprintf("direct mode: copy threads for READs above --inline-bytes (0: %d)", ecxfer.DefaultCopyWorkers))
@@ -345,4 +361,13 @@ func checkOutPath(path string) error {
 		return fmt.Errorf("cannot write in %s: %w", dir, err)
 	}
 	return nil
+}
+
+// producerFor is the producer a mode's rows read from: --producer, or the
+// mode's own.
+func (c *Config) producerFor(mode string) string {
+	if c.Producer == "" || mode == "direct" {
+		return mode
+	}
+	return c.Producer
 }

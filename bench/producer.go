@@ -6,6 +6,8 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -184,6 +186,14 @@ func openProducer(m ctrl.Message, backend string, send func(ctrl.Message) error)
 	// DefaultMaxDescs blocks, as ecxfer.New requires).
 	if bs <= 0 || nb <= 0 || bs > 1<<31 || nb > descriptors.DefaultMaxDescs || bs*nb > 1<<31 {
 		return nil, helloMsg{}, fmt.Errorf("producer: bad region %d×%d (at most %d blocks, 2 GiB)", nb, bs, descriptors.DefaultMaxDescs)
+	}
+	if k, ok := m.Strs["producer"]; ok {
+		// The consumer's --producer: one producer for every mode it
+		// compares (a direct consumer needs a direct producer).
+		if !slices.Contains(producerKinds, k) || mode == "direct" {
+			return nil, helloMsg{}, fmt.Errorf("producer: a %q producer for %s READs: want one of %s, for reactor, locked or raw READs", k, mode, strings.Join(producerKinds, ", "))
+		}
+		mode = k
 	}
 	p := &producer{mode: mode, stop: make(chan struct{}), done: make(chan struct{}), send: send}
 	var hello helloMsg

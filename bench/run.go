@@ -200,6 +200,10 @@ func (s *session) addNotes() {
 			s.rep.Notes = append(s.rep.Notes, "reactor: a caller polling one READ alone takes the engine's steps itself while the reactor thread stands aside (-reactor-only turns it off)")
 		}
 	}
+	if cfg.Producer != "" {
+		s.rep.Notes = append(s.rep.Notes, fmt.Sprintf(
+			"producer: every reactor, locked and raw row read from a %s producer (--producer); direct rows from their own", cfg.Producer))
+	}
 	if cfg.Rounds > 1 {
 		s.rep.Notes = append(s.rep.Notes, fmt.Sprintf(
 			"each row: %d rounds of %v after a %v warm-up each, the modes in turn, in reverse order every other round", cfg.Rounds, cfg.Duration/time.Duration(cfg.Rounds), cfg.Warmup))
@@ -505,11 +509,22 @@ func (s *session) runAll(ctx context.Context) error {
 
 func (s *session) runMode(ctx context.Context, mode string, bs int, seed int64, round int, cells []cell) error {
 	s.progress(fmt.Sprintf("setting up %s, %d B blocks", mode, bs))
-	h, err := s.request(ctrl.Message{Kind: "setup", Strs: map[string]string{"mode": mode},
+	kind := s.cfg.producerFor(mode)
+	strs := map[string]string{"mode": mode}
+	if kind != mode {
+		strs["producer"] = kind
+	}
+	h, err := s.request(ctrl.Message{Kind: "setup", Strs: strs,
 		Ints: map[string]int64{"block": int64(bs), "blocks": int64(s.cfg.remoteBlocks(bs)), "seed": seed,
 			"idle": int64(s.cfg.ProducerIdle), "batch": int64(s.cfg.Reactor.BatchSize)}}, "hello")
 	if err != nil {
 		return err
+	}
+	if h.Name != kind {
+		// A producer of an older build ignores "producer" and opens the
+		// mode's own: the rows would not be what --producer says.
+		_, _ = s.request(ctrl.Message{Kind: "teardown"}, "bye")
+		return fmt.Errorf("asked the producer for a %s producer and it opened a %q one (a build without --producer?)", kind, h.Name)
 	}
 	opts := ecxfer.Config{Reactor: s.cfg.Reactor, CopyWorkers: s.cfg.CopyWorkers, InlineBytes: s.cfg.InlineBytes}
 	d, err := openDriver(mode, s.cfg.Backend, bs, opts, s.cfg.Wait == "block", helloMsg{md: h.Metadata, memDesc: h.MemDesc})

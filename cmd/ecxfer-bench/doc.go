@@ -7,7 +7,8 @@
 //	ecxfer-bench run [--workloads latency,image,fanin,notif] [--modes reactor,direct,locked,raw]
 //	                 [--backend ucx|loopback|nixl] [--duration D] [--warmup D] [--rounds N]
 //	                 [--reactor-cpu N] [--numa-node N] [--idle spin|yield|park|hybrid]
-//	                 [--batch N] [--producer-idle S] [--wait poll|block] [--wait-spin D]
+//	                 [--batch N] [--producer reactor|locked|raw] [--producer-idle S]
+//	                 [--wait poll|block] [--wait-spin D]
 //	                 [--copy-workers N] [--inline-bytes N]
 //	                 [--connect HOST:PORT] [--no-refs] [--json FILE] [--svg FILE]
 //	                 [--cpuprofile FILE] [--memprofile FILE] [--quiet]
@@ -15,7 +16,9 @@
 //	                   [--handshake-wait D]
 //
 // run measures each workload×mode cell for --duration, in --rounds rounds
-// (default 2) with a --warmup before each, the modes in alternating order. With
+// (default 2) with a --warmup before each, the modes in alternating order.
+// Each mode reads from a producer of its own design unless --producer names
+// one for every reactor, locked and raw row (direct rows keep theirs). With
 // the ucx backend it starts the producer as a child process (this binary,
 // re-executed) and swaps metadata with it over a pipe; with loopback both
 // sides live in this process, which measures the reactor alone. With
