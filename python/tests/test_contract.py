@@ -128,19 +128,43 @@ def test_index_out_of_range(pair):
     assert cons.stats()["reads_posted"] == 0
 
 
-def test_states_and_errors(pair):
+def test_states_and_errors(pair, region):
     prod, _, cons, _, peer, _ = pair
-    # PROC: a READ of all 64 blocks is in flight when first checked, at
-    # least once in a few tries (the reactor has to pick it up first).
-    seen = set()
-    for _ in range(50):
-        h = cons.post_read(list(range(64)), peer, list(range(64)), b"")
-        seen.add(cons.check_xfer_state(h))
-        assert cons.wait(h, 10) == "DONE"
-        cons.release_xfer_handle(h)
-        if "PROC" in seen:
-            break
-    assert "PROC" in seen
+    # PROC: a READ of 64 blocks of 1 MiB is in flight when first checked,
+    # at least once in a few tries. (The pair's 64 x 4 KiB READ is copied
+    # by the copy workers within microseconds, and a check copies a piece
+    # of it too: on a quiet machine most first checks found it DONE, and
+    # now and then all 50.)
+    big, bs = 64, 1 << 20
+    tall = []
+    try:
+        for role in ("prod", "cons"):
+            r = region(big * bs)
+            tall.append(
+                EcxferDataTransport(
+                    agent_name=f"{role}-big-{uuid.uuid4().hex[:6]}",
+                    base_ptr=r.addr,
+                    num_blocks=big,
+                    block_size_bytes=bs,
+                    total_size_bytes=big * bs,
+                )
+            )
+        bpeer = tall[1].add_remote_peer(tall[0].get_agent_metadata(), tall[0].get_mem_descriptor())
+        seen = set()
+        for _ in range(50):
+            h = tall[1].post_read(list(range(big)), bpeer, list(range(big)), b"")
+            seen.add(tall[1].check_xfer_state(h))
+            assert tall[1].wait(h, 10) == "DONE"
+            tall[1].release_xfer_handle(h)
+            if "PROC" in seen:
+                break
+        assert "PROC" in seen
+    finally:
+        for t in tall:
+            t.deregister()
+    h = cons.post_read(list(range(64)), peer, list(range(64)), b"")
+    assert cons.wait(h, 10) == "DONE"
+    cons.release_xfer_handle(h)
     # ERR: a released handle, a handle never issued, things that are not handles.
     assert cons.check_xfer_state(h) == "ERR"
     assert isinstance(cons.xfer_error(h), ecxfer.BadHandleError)
