@@ -664,8 +664,9 @@ int ecx_create(const char *name, uint32_t name_len, ecx_ctx_t **out)
      * the serving side's CPU per byte halved. The receiving side's buffer
      * (RX_SEG_SIZE) is 64 KiB by default, so peers on UCX's defaults take
      * these pieces. Only tcp has a TX_SEG_SIZE here; a
-     * UCX_TCP_TX_SEG_SIZE in the environment wins. */
-    if (getenv("UCX_TCP_TX_SEG_SIZE") == NULL) {
+     * UCX_TCP_TX_SEG_SIZE in the environment wins, and a UCX_TLS that
+     * leaves tcp out leaves the key unset. */
+    if (getenv("UCX_TCP_TX_SEG_SIZE") == NULL && ecx_tls_has_tcp(getenv("UCX_TLS"))) {
         st = ucp_config_modify(cfg, "TX_SEG_SIZE", ECX_TCP_TX_SEG);
         if (st != UCS_OK) {
             ucp_config_release(cfg);
@@ -794,6 +795,33 @@ int ecx_flush_running(void *req)
 void ecx_flush_end(void *req)
 {
     ucp_request_free(req);
+}
+
+/* Whether a UCX_TLS value lets UCX open its tcp transport: unset or empty,
+ * a list naming tcp or all, or a "^" list that does not name tcp. A key
+ * set for a transport UCX does not open makes it print an "invalid
+ * configuration" warning for every agent. */
+int ecx_tls_has_tcp(const char *tls)
+{
+    const char *p, *e;
+    size_t n;
+    int exclude, named = 0;
+    if (tls == NULL || *tls == 0) {
+        return 1;
+    }
+    exclude = *tls == '^';
+    for (p = tls + exclude; *p != 0; p = *e != 0 ? e + 1 : e) {
+        e = strchr(p, ',');
+        if (e == NULL) {
+            e = p + strlen(p);
+        }
+        n = (size_t)(e - p);
+        if ((n == 3 && strncmp(p, "tcp", 3) == 0) ||
+            (!exclude && n == 3 && strncmp(p, "all", 3) == 0)) {
+            named = 1;
+        }
+    }
+    return exclude ? !named : named;
 }
 
 static uint64_t mono_ns(void)

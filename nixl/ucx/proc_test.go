@@ -38,6 +38,20 @@ func TestMain(m *testing.M) {
 		}
 		os.Exit(0)
 	}
+	if os.Getenv(roleEnv) == "new-agent" {
+		// Makes one agent and closes it; TestNoConfigWarnings reads
+		// what UCX printed.
+		a, err := New(Config{Name: "config-check"})
+		if err == nil {
+			err = a.Close()
+		}
+		FlushCStdio()
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "new-agent:", err)
+			os.Exit(2)
+		}
+		os.Exit(0)
+	}
 	os.Exit(m.Run())
 }
 

@@ -2,8 +2,12 @@ package ucx
 
 /*
 #include <stdio.h>
+#include <stdlib.h>
+#include "ecx.h"
 */
 import "C"
+
+import "unsafe"
 
 // FlushCStdio flushes the C library's output streams. UCX logs through
 // stdio to standard output and flushes only after errors; when standard
@@ -13,4 +17,12 @@ import "C"
 // soak) flushes before it counts.
 func FlushCStdio() {
 	C.fflush(nil)
+}
+
+// tlsHasTCP reports whether a UCX_TLS value lets UCX open its tcp
+// transport, as New decides before it sets tcp's TX_SEG_SIZE.
+func tlsHasTCP(tls string) bool {
+	cs := C.CString(tls)
+	defer C.free(unsafe.Pointer(cs))
+	return C.ecx_tls_has_tcp(cs) != 0
 }
