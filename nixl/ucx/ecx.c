@@ -2390,6 +2390,7 @@ static int ecx_has_work(const ecx_ctx_t *c)
 int ecx_arm(ecx_ctx_t *c)
 {
     ucs_status_t st;
+    uint64_t since = 0;
     int i;
     if (ecx_has_work(c)) {
         return 0;
@@ -2404,13 +2405,31 @@ int ecx_arm(ecx_ctx_t *c)
      * interface's wake-up datagram and stays registered (progress returns
      * 0); only the next one arms the interface. ucp_worker_arm does not
      * look at the callback: it returns OK once the async thread's signal
-     * has been read (by an earlier arm). Then nothing watches the interface, and a
-     * caller asleep on the descriptor sleeps until its timeout at every
-     * later message. So progress until ECX_ARM_QUIET calls in a row find
-     * nothing before arming. */
-    for (i = 0; i < ECX_ARM_QUIET; i++) {
+     * has been read (by an earlier arm). Then nothing watches the
+     * interface, and a caller asleep on the descriptor sleeps until its
+     * timeout at every later message. So progress until ECX_ARM_QUIET
+     * calls in a row find nothing before arming.
+     *
+     * The callback also stays registered, its calls returning 0, while a
+     * sender has claimed the next slot of the shared-memory queue but not
+     * yet marked it written: it cannot arm the interface (the queue's head
+     * moved) and finds no message to handle. The sender's wake-up
+     * datagram then goes to a socket nobody watches. Three idle calls can
+     * take less time than a sender on another core needs between those two
+     * stores, so the calls must also find nothing for ECX_ARM_QUIET_NS. A
+     * sender descheduled between them for longer can still go unseen
+     * until the sleeper's timeout. */
+    for (i = 0;; i++) {
         if (ucp_worker_progress(c->worker) != 0 || ecx_has_work(c)) {
             return 0;
+        }
+        if (i + 1 < ECX_ARM_QUIET) {
+            continue;
+        }
+        if (since == 0) {
+            since = mono_ns();
+        } else if (mono_ns() - since >= ECX_ARM_QUIET_NS) {
+            break;
         }
     }
     st = ucp_worker_arm(c->worker);

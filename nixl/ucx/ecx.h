@@ -30,6 +30,10 @@
  * worker (see there): the re-arming callback of a deactivated interface
  * needs two after a wake-up; one more for a datagram queued behind. */
 #define ECX_ARM_QUIET 3
+/* And how long, in nanoseconds, those calls must keep finding nothing: the
+ * time a sender takes between claiming a slot of a shared-memory queue and
+ * marking it written, unless it is descheduled in between (see ecx_arm). */
+#define ECX_ARM_QUIET_NS 5000
 /* UCX tcp transport's TX_SEG_SIZE unless UCX_TCP_TX_SEG_SIZE is set. */
 #define ECX_TCP_TX_SEG "64k"
 
