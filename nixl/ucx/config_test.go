@@ -35,31 +35,55 @@ func TestTLSHasTCP(t *testing.T) {
 	}
 }
 
+func TestDevicesHaveTCP(t *testing.T) {
+	for devs, want := range map[string]bool{
+		"":                    true,
+		"all":                 true,
+		"eth0":                true,
+		"lo":                  true,
+		"mlx5_0:1,eth0":       true,
+		"mlx5_0:1":            false,
+		"mlx5_0:1,mlx5_1:1":   false,
+		",mlx5_0:1,":          false,
+		"mlx5_0:1,all":        true,
+		"allx:1":              false,
+		"memory,mlx5_0:1":     true, // "memory" counts: no port
+		"mlx5_0:1,,mlx5_2:1,": false,
+	} {
+		require.Equal(t, want, devicesHaveTCP(devs), "UCX_NET_DEVICES=%q", devs)
+	}
+}
+
 // UCX prints an "invalid configuration" warning for every context whose
 // configuration sets a key for a transport it does not open. New sets
-// tcp's TX_SEG_SIZE only when UCX_TLS lets tcp in, so a process limited
-// to shared memory makes agents without that line; with tcp allowed the
-// key is taken, and no warning either.
+// tcp's TX_SEG_SIZE only when UCX_TLS lets tcp in and UCX_NET_DEVICES
+// leaves it a device, so a process limited to shared memory (or to RDMA
+// ports) makes agents without that line; with tcp in use the key is
+// taken, and no warning either.
 func TestNoConfigWarnings(t *testing.T) {
 	self, err := os.Executable()
 	require.NoError(t, err)
 	var env []string
 	for _, kv := range os.Environ() {
-		if !strings.HasPrefix(kv, "UCX_TLS=") && !strings.HasPrefix(kv, "UCX_LOG_LEVEL=") {
+		if !strings.HasPrefix(kv, "UCX_TLS=") && !strings.HasPrefix(kv, "UCX_NET_DEVICES=") &&
+			!strings.HasPrefix(kv, "UCX_LOG_LEVEL=") {
 			env = append(env, kv)
 		}
 	}
 	env = append(env, roleEnv+"=new-agent", "UCX_LOG_LEVEL=warn")
-	// "" stands for UCX_TLS unset (UCX refuses an empty list).
-	for _, tls := range []string{"shm", "tcp", "shm,tcp", "^tcp", ""} {
+	for _, set := range [][]string{
+		{"UCX_TLS=shm"}, {"UCX_TLS=tcp"}, {"UCX_TLS=shm,tcp"}, {"UCX_TLS=^tcp"},
+		nil, // neither set (UCX refuses an empty UCX_TLS)
+		// No such port here: UCX warns that it is missing, and tcp
+		// has no device.
+		{"UCX_NET_DEVICES=mlx5_0:1"},
+		{"UCX_NET_DEVICES=lo", "UCX_TLS=tcp"},
+	} {
 		cmd := exec.Command(self, "-test.run=^$")
-		cmd.Env = env
-		if tls != "" {
-			cmd.Env = append(slices.Clone(env), "UCX_TLS="+tls)
-		}
+		cmd.Env = append(slices.Clone(env), set...)
 		out, err := cmd.CombinedOutput()
-		require.NoError(t, err, "UCX_TLS=%q: %s", tls, out)
-		require.NotContains(t, string(out), "invalid configuration", "UCX_TLS=%q", tls)
-		require.NotContains(t, string(out), "TX_SEG_SIZE", "UCX_TLS=%q", tls)
+		require.NoError(t, err, "%v: %s", set, out)
+		require.NotContains(t, string(out), "invalid configuration", "%v", set)
+		require.NotContains(t, string(out), "TX_SEG_SIZE", "%v", set)
 	}
 }

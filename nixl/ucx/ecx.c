@@ -665,8 +665,10 @@ int ecx_create(const char *name, uint32_t name_len, ecx_ctx_t **out)
      * (RX_SEG_SIZE) is 64 KiB by default, so peers on UCX's defaults take
      * these pieces. Only tcp has a TX_SEG_SIZE here; a
      * UCX_TCP_TX_SEG_SIZE in the environment wins, and a UCX_TLS that
-     * leaves tcp out leaves the key unset. */
-    if (getenv("UCX_TCP_TX_SEG_SIZE") == NULL && ecx_tls_has_tcp(getenv("UCX_TLS"))) {
+     * leaves tcp out, or a UCX_NET_DEVICES that names no network
+     * interface, leaves the key unset. */
+    if (getenv("UCX_TCP_TX_SEG_SIZE") == NULL && ecx_tls_has_tcp(getenv("UCX_TLS")) &&
+        ecx_devices_have_tcp(getenv("UCX_NET_DEVICES"))) {
         st = ucp_config_modify(cfg, "TX_SEG_SIZE", ECX_TCP_TX_SEG);
         if (st != UCS_OK) {
             ucp_config_release(cfg);
@@ -822,6 +824,35 @@ int ecx_tls_has_tcp(const char *tls)
         }
     }
     return exclude ? !named : named;
+}
+
+/* Whether a UCX_NET_DEVICES value leaves UCX's tcp transport a device:
+ * unset or empty, all, or a list with a name that is not an RDMA port
+ * ("mlx5_0:1"); tcp's devices are network interfaces, whose names UCX
+ * lists without a port. */
+int ecx_devices_have_tcp(const char *devs)
+{
+    const char *p, *e, *colon;
+    if (devs == NULL || *devs == 0) {
+        return 1;
+    }
+    for (p = devs; *p != 0; p = *e != 0 ? e + 1 : e) {
+        e = strchr(p, ',');
+        if (e == NULL) {
+            e = p + strlen(p);
+        }
+        if (e == p) {
+            continue;
+        }
+        if ((e - p == 3 && strncmp(p, "all", 3) == 0)) {
+            return 1;
+        }
+        colon = memchr(p, ':', (size_t)(e - p));
+        if (colon == NULL) {
+            return 1;
+        }
+    }
+    return 0;
 }
 
 static uint64_t mono_ns(void)

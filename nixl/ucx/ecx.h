@@ -354,6 +354,7 @@ void ecx_err_free(ecx_peer_err_t *e);
 
 /* Arm: 1 armed, 0 busy (events pending), negative status on error. */
 int ecx_tls_has_tcp(const char *tls);
+int ecx_devices_have_tcp(const char *devs);
 int ecx_arm(ecx_ctx_t *c);
 
 /* ecx_progress and ecx_arm with the context's address as an integer, for

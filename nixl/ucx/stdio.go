@@ -19,10 +19,17 @@ func FlushCStdio() {
 	C.fflush(nil)
 }
 
-// tlsHasTCP reports whether a UCX_TLS value lets UCX open its tcp
-// transport, as New decides before it sets tcp's TX_SEG_SIZE.
+// tlsHasTCP and devicesHaveTCP report whether a UCX_TLS and a
+// UCX_NET_DEVICES value let UCX open its tcp transport, as New decides
+// before it sets tcp's TX_SEG_SIZE.
 func tlsHasTCP(tls string) bool {
 	cs := C.CString(tls)
 	defer C.free(unsafe.Pointer(cs))
 	return C.ecx_tls_has_tcp(cs) != 0
+}
+
+func devicesHaveTCP(devs string) bool {
+	cs := C.CString(devs)
+	defer C.free(unsafe.Pointer(cs))
+	return C.ecx_devices_have_tcp(cs) != 0
 }
