@@ -120,7 +120,16 @@ func TestParkedProducerWokenByNotifs(t *testing.T) {
 					} else {
 						require.NoError(t, c.a.SendNotif(c.peer, msg))
 					}
-					name, got := ch.nextNotif(c.a, 10*time.Second)
+					name, got, ok := ch.tryNotif(c.a, 10*time.Second)
+					if !ok {
+						// Tell a lost wake-up (the message waits in the
+						// child's queue) from a lost message.
+						ch.wake()
+						if _, late, ok := ch.tryNotif(c.a, 2*time.Second); ok {
+							t.Fatalf("notification %d (%q) arrived only once the parked child was woken by a command: its wake-up was lost", i, late)
+						}
+						t.Fatalf("notification %d never arrived, not even after waking the child", i)
+					}
 					require.Equal(t, "cons", name)
 					require.Equal(t, msg, got)
 					if i%4 < 2 {

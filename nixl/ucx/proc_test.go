@@ -220,6 +220,10 @@ func runProducer() error {
 			}
 		case 'Q':
 			return nil
+		case 'W':
+			// The frame woke a parked child (child.wake): progress
+			// before arming again.
+			woken = false
 		}
 		if woken {
 			woken = false
@@ -375,6 +379,16 @@ func (c *child) command(typ byte, payload []byte, a *Agent) {
 // nextNotif waits for one notification from the child, progressing a.
 func (c *child) nextNotif(a *Agent, timeout time.Duration) (string, []byte) {
 	c.t.Helper()
+	name, msg, ok := c.tryNotif(a, timeout)
+	if !ok {
+		c.t.Fatalf("no notification within %v", timeout)
+	}
+	return name, msg
+}
+
+// tryNotif is nextNotif reporting a timeout instead of failing.
+func (c *child) tryNotif(a *Agent, timeout time.Duration) (string, []byte, bool) {
+	c.t.Helper()
 	deadline := time.Now().Add(timeout)
 	for time.Now().Before(deadline) {
 		select {
@@ -382,7 +396,7 @@ func (c *child) nextNotif(a *Agent, timeout time.Duration) (string, []byte) {
 			require.True(c.t, ok, "child exited")
 			for i, b := range f.b {
 				if b == 0 {
-					return string(f.b[:i]), f.b[i+1:]
+					return string(f.b[:i]), f.b[i+1:], true
 				}
 			}
 			c.t.Fatalf("bad notification frame")
@@ -394,8 +408,14 @@ func (c *child) nextNotif(a *Agent, timeout time.Duration) (string, []byte) {
 			time.Sleep(time.Millisecond)
 		}
 	}
-	c.t.Fatalf("no notification within %v", timeout)
-	return "", nil
+	return "", nil, false
+}
+
+// wake sends the child a frame it ignores; it wakes a child asleep on its
+// descriptors (park), which then progresses its agent.
+func (c *child) wake() {
+	c.t.Helper()
+	require.NoError(c.t, writeFrame(c.stdin, 'W', nil))
 }
 
 // noNotif asserts that no notification arrives within d.
