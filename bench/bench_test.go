@@ -437,7 +437,38 @@ func TestConnectSharedClockRunsNotif(t *testing.T) {
 	require.Equal(t, "notif", rep.Results[0].Workload)
 	require.Greater(t, rep.Results[0].Reads, int64(0))
 	require.True(t, slices.ContainsFunc(rep.Notes, func(n string) bool { return strings.Contains(n, "same boot id") }))
+	// The producer runs in this process: its CPU is this process's
+	// already, and is not taken out twice.
+	require.Zero(t, rep.Machine.ProducerCPU)
 	require.NoError(t, <-served)
+}
+
+// A producer at --connect on this kernel, in another process, tells its
+// CPU time in its hellos and byes; the run counts it as its own from the
+// first hello to the last bye, and nothing else: not a producer on
+// another kernel, not one of an older build that says nothing, not a
+// bye from another process.
+func TestNotePeerCPU(t *testing.T) {
+	other := int64(os.Getpid()) + 1
+	msg := func(clock string, pid, cpu int64) ctrl.Message {
+		return ctrl.Message{Strs: map[string]string{"clock": clock}, Ints: map[string]int64{"pid": pid, "cpu_ns": cpu}}
+	}
+	run := func(connect string, ms ...ctrl.Message) float64 {
+		s := newSession(Config{Connect: connect})
+		for i, m := range ms {
+			s.notePeerCPU(m, i%2 == 0)
+		}
+		return float64(s.peer.cpu1-s.peer.cpu0) / 1e9
+	}
+	me := clockID()
+	require.NotEmpty(t, me)
+	require.InDelta(t, 2.5, run("h:1", msg(me, other, 1e9), msg("", other, 2e9), msg(me, other, 2.2e9), msg("", other, 3.5e9)), 1e-9)
+	require.Zero(t, run("h:1", msg("another-kernel", other, 1e9), msg("", other, 2e9)), "another kernel's CPU is not this machine's")
+	require.Zero(t, run("h:1", ctrl.Message{}, ctrl.Message{}), "an older producer says nothing")
+	require.Zero(t, run("h:1", msg(me, int64(os.Getpid()), 1e9), msg("", int64(os.Getpid()), 2e9)), "a producer in this process")
+	require.InDelta(t, 1.0, run("h:1", msg(me, other, 1e9), msg("", other, 2e9), msg(me, other, 2e9), msg("", other+1, 9e9)), 1e-9,
+		"a bye from another process is not the producer's")
+	require.Zero(t, run("", msg(me, other, 1e9), msg("", other, 2e9)), "a forked producer counts as a child")
 }
 
 func runShort(t *testing.T, backend string, workloads ...string) *Report {

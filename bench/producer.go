@@ -144,7 +144,8 @@ func ServeHooked(c *ctrl.Conn, backend string, hook TransportHook) error {
 				}
 				continue
 			}
-			if err := send(ctrl.Message{Kind: "hello", Name: hello.name, Metadata: hello.md, MemDesc: hello.memDesc}); err != nil {
+			if err := send(ctrl.Message{Kind: "hello", Name: hello.name, Metadata: hello.md, MemDesc: hello.memDesc,
+				Strs: map[string]string{"clock": clockID()}, Ints: selfCPUInts()}); err != nil {
 				return err
 			}
 		case "clock":
@@ -164,7 +165,7 @@ func ServeHooked(c *ctrl.Conn, backend string, hook TransportHook) error {
 				cerr = p.close()
 				p = nil
 			}
-			reply := ctrl.Message{Kind: "bye"}
+			reply := ctrl.Message{Kind: "bye", Ints: selfCPUInts()}
 			if cerr != nil {
 				reply = ctrl.Message{Kind: "error", Strs: map[string]string{"error": cerr.Error()}}
 			}

@@ -93,6 +93,12 @@ type Machine struct {
 	// OtherCPU is the CPU time other processes used during the run, in
 	// core-seconds: when it is large, the numbers were disturbed.
 	OtherCPU float64 `json:"other_cpu_seconds"`
+	// ProducerCPU is the CPU time of the producer at --connect between its
+	// first and last cell, when it runs on this machine's kernel in
+	// another process (make bench-hosts), in core-seconds: the run's own,
+	// not counted in OtherCPU. 0 otherwise (a forked producer is counted
+	// with this process's children).
+	ProducerCPU float64 `json:"producer_cpu_seconds"`
 }
 
 // Report is a whole run.

@@ -89,6 +89,13 @@ type session struct {
 	// ctx ends the run: a pass in progress stops its submitters when it
 	// is done (nil: never).
 	ctx context.Context
+	// peer is the producer process at --connect when it runs on this
+	// machine's kernel, in another process: its CPU time is the run's
+	// own, not a disturbance (producerCPU).
+	peer struct {
+		pid        int64
+		cpu0, cpu1 int64 // ns: at its first hello, at its last bye
+	}
 }
 
 // Run measures every configured cell and reference and returns the report.
@@ -238,14 +245,37 @@ func (s *session) addNotes() {
 	}
 }
 
+// notePeerCPU takes the producer's pid and CPU time from its hello (first)
+// or bye: a producer at --connect that says it runs on this machine's
+// kernel (its clock's id is this process's), in another process, uses the
+// machine's CPU for the run (make bench-hosts: two network namespaces).
+// Producers of older builds say nothing, and count as other processes.
+func (s *session) notePeerCPU(m ctrl.Message, hello bool) {
+	pid, cpu := m.Ints["pid"], m.Ints["cpu_ns"]
+	if s.cfg.Connect == "" || pid <= 0 || pid == int64(os.Getpid()) {
+		return
+	}
+	switch {
+	case hello && s.peer.pid == 0:
+		if id := clockID(); id == "" || m.Strs["clock"] != id {
+			return
+		}
+		s.peer.pid, s.peer.cpu0, s.peer.cpu1 = pid, cpu, cpu
+	case pid == s.peer.pid && cpu > s.peer.cpu1:
+		s.peer.cpu1 = cpu
+	}
+}
+
 // noteDisturbance records the run's wall time and the CPU time other
-// processes took since cpu0, and flags the report when that was more than
-// 5% of the machine.
+// processes took since cpu0 (the producer at --connect on this kernel is
+// not one of them), and flags the report when that was more than 5% of
+// the machine.
 func (s *session) noteDisturbance(cpu0 cpuSample) {
 	m := &s.rep.Machine
 	m.WallSecs = time.Since(s.start).Seconds()
 	cpu1 := sampleCPU()
-	other := max(0, (cpu1.busy-cpu0.busy)-(cpu1.ours-cpu0.ours))
+	m.ProducerCPU = float64(s.peer.cpu1-s.peer.cpu0) / 1e9
+	other := max(0, (cpu1.busy-cpu0.busy)-(cpu1.ours-cpu0.ours)-m.ProducerCPU)
 	m.OtherCPU = other
 	if share := other / (m.WallSecs * float64(m.Cores)); share > 0.05 {
 		s.rep.Notes = append(s.rep.Notes, fmt.Sprintf("DISTURBED: other processes used %.1f CPU-seconds during the run (%.0f%% of the machine); rerun on a quiet machine", other, 100*share))
@@ -520,6 +550,7 @@ func (s *session) runMode(ctx context.Context, mode string, bs int, seed int64, 
 	if err != nil {
 		return err
 	}
+	s.notePeerCPU(h, true)
 	if h.Name != kind {
 		// A producer of an older build ignores "producer" and opens the
 		// mode's own: the rows would not be what --producer says.
@@ -548,7 +579,10 @@ func (s *session) runMode(ctx context.Context, mode string, bs int, seed int64, 
 		s.rep.Results = append(s.rep.Results, r)
 	}
 	cerr := d.close()
-	if _, err := s.request(ctrl.Message{Kind: "teardown"}, "bye"); runErr == nil && err != nil {
+	bye, err := s.request(ctrl.Message{Kind: "teardown"}, "bye")
+	if err == nil {
+		s.notePeerCPU(bye, false)
+	} else if runErr == nil {
 		runErr = err
 	}
 	if runErr == nil && cerr != nil {

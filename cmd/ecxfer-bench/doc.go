@@ -34,7 +34,10 @@
 // the run reports how much CPU other processes used meanwhile: the reactor
 // mode needs two threads running at once (caller and reactor), so on a
 // small machine it is the first to suffer from anything else running, and
-// a run marked DISTURBED should be repeated on a quiet machine.
+// a run marked DISTURBED should be repeated on a quiet machine. A producer
+// at --connect that runs on the same kernel (make bench-hosts: another
+// network namespace) tells its CPU time, which the run reports apart and
+// does not count as other processes'.
 //
 // Modes: reactor is ecxfer's Transport on the engine path; direct is the
 // same Transport reading a same-host producer's region directly (copy

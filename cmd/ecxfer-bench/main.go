@@ -79,8 +79,12 @@ func runCmd(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "ecxfer-bench run: %v\n", err)
 		return 1
 	}
-	fmt.Fprintf(stdout, "wall time %.1fs; other processes used %.1f CPU-s meanwhile (%s, %s, %d cores, ucx %s, %s)\n", time.Since(start).Seconds(),
-		rep.Machine.OtherCPU, rep.Machine.CPUModel, rep.Machine.Kernel, rep.Machine.Cores, rep.Machine.UCXVersion, rep.Machine.GoVersion)
+	prod := ""
+	if rep.Machine.ProducerCPU > 0 {
+		prod = fmt.Sprintf(" (the producer at --connect, on this kernel, used %.1f and is not counted)", rep.Machine.ProducerCPU)
+	}
+	fmt.Fprintf(stdout, "wall time %.1fs; other processes used %.1f CPU-s meanwhile%s (%s, %s, %d cores, ucx %s, %s)\n", time.Since(start).Seconds(),
+		rep.Machine.OtherCPU, prod, rep.Machine.CPUModel, rep.Machine.Kernel, rep.Machine.Cores, rep.Machine.UCXVersion, rep.Machine.GoVersion)
 	return 0
 }
 

@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"encoding/json"
 	"net"
 	"os"
 	"os/exec"
@@ -103,9 +104,23 @@ func TestServeMetrics(t *testing.T) {
 
 	// Fan-in READs carry notifications, which the producer counts.
 	var out, errOut syncBuf
+	jsonFile := t.TempDir() + "/run.json"
 	rc := run([]string{"run", "--connect", laddr, "--workloads", "fanin", "--modes", "reactor",
-		"--duration", "200ms", "--warmup", "20ms", "--no-refs", "--quiet"}, &out, &errOut)
+		"--duration", "200ms", "--warmup", "20ms", "--no-refs", "--quiet", "--json", jsonFile}, &out, &errOut)
 	require.Equal(t, 0, rc, "run: %s\n%s\nserve: %s", out.String(), errOut.String(), serveErr.String())
+
+	// The producer is another process on this kernel: its CPU time is
+	// the run's own, reported apart and not counted as other processes'.
+	var rep struct {
+		Machine struct {
+			ProducerCPU float64 `json:"producer_cpu_seconds"`
+		} `json:"machine"`
+	}
+	j, err := os.ReadFile(jsonFile)
+	require.NoError(t, err)
+	require.NoError(t, json.Unmarshal(j, &rep))
+	require.Greater(t, rep.Machine.ProducerCPU, 0.0, "the producer served READs")
+	require.Contains(t, out.String(), "the producer at --connect, on this kernel, used")
 
 	after := scrapeURL(t, url)
 	for name, typ := range map[string]string{
