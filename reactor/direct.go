@@ -1030,7 +1030,7 @@ func (r *Reactor) copyNap() {
 		return
 	}
 	r.st.parks.Add(1)
-	r.sleepNapping(min(time.Duration(r.parkMillis())*time.Millisecond, copyNapMax))
+	r.sleepNapping(min(time.Duration(r.parkMillis())*time.Millisecond, copyNapMax), 0)
 }
 
 // done is called by whoever finished the last chunk: a copy worker, or a

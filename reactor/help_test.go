@@ -452,3 +452,99 @@ func BenchmarkCheckSteppingIn(b *testing.B) {
 	b.ReportMetric(float64(p.cons.Stats().CallerSteps-before)/float64(b.N), "steps/op")
 	require.NoError(b, p.cons.Release(h))
 }
+
+// While a caller polls one READ, the reactor thread naps on at the end of
+// each napTurn instead of taking the token for a turn of its own; the
+// READ lands all the same.
+func TestNapGoesOnWhileCallersStep(t *testing.T) {
+	leakcheck.Check(t)
+	turn := napTurn
+	napTurn = 2 * time.Millisecond
+	t.Cleanup(func() { napTurn = turn })
+	p := newPair(t, 16, Options{})
+	// Many napTurns long, however slowly the machine runs the caller.
+	p.consEng.SetDelay(200 * time.Millisecond)
+	before := p.cons.st.napTurnsSkipped.Load()
+	h, err := p.cons.Post(p.pname, []int{3}, []int{5}, nil)
+	require.NoError(t, err)
+	st, err := pollDone(t, p.cons, h)
+	require.NoError(t, err)
+	require.Equal(t, StateDone, st)
+	require.NoError(t, p.cons.Release(h))
+	require.NotZero(t, p.cons.st.napTurnsSkipped.Load()-before, "the reactor thread never napped on while the caller stepped in")
+}
+
+// When a nap may go on (napOn): only while the callers' streak stands,
+// their last wish is within napTurn, they may step in, and nothing waits
+// for the reactor thread.
+func TestNapOn(t *testing.T) {
+	leakcheck.Check(t)
+	p := newPair(t, 16, Options{})
+	r := p.cons
+	// The loop's own turns and naps would move the state under the test:
+	// hold the token, as a caller's step does, while the loop sleeps.
+	require.Eventually(t, func() bool { return r.sleeping.Load() && r.engine.CompareAndSwap(false, true) },
+		5*time.Second, 100*time.Microsecond)
+	defer r.releaseEngine()
+	stepping := func() {
+		r.streak.Store(helpStreak)
+		r.helpWant.Store(r.now())
+	}
+	stepping()
+	require.True(t, r.napOn(), "a caller stepping in")
+	r.streak.Store(helpStreak - 1)
+	require.False(t, r.napOn(), "a streak not built yet")
+	stepping()
+	r.helpWant.Store(r.now() - int64(napTurn))
+	require.False(t, r.napOn(), "the last wish a napTurn ago")
+	stepping()
+	r.inflight.Store(r.helpMax + 1)
+	require.False(t, r.napOn(), "more READs in flight than callers step in for")
+	r.inflight.Store(0)
+	stepping()
+	require.True(t, r.cancel.TryPush(1))
+	require.False(t, r.napOn(), "a cancel waiting for the thread")
+	var buf [1]uint64
+	require.Equal(t, 1, r.cancel.Drain(buf[:]))
+	stepping()
+	r.closing.Store(true)
+	require.False(t, r.napOn(), "closing")
+	r.closing.Store(false)
+}
+
+// A READ that never completes times out while a caller polls it and the
+// reactor thread naps on: the nap goes on no longer than the READ's
+// timeout. So does a READ posted after the nap began (its deadline is the
+// timeout from its post).
+func TestNapOnEndsAtTimeouts(t *testing.T) {
+	leakcheck.Check(t)
+	turn := napTurn
+	napTurn = 2 * time.Millisecond
+	t.Cleanup(func() { napTurn = turn })
+	p := newPair(t, 16, Options{})
+	p.cons.SetTimeout(100 * time.Millisecond)
+	// A first READ that completes while the caller polls: the reactor
+	// thread naps from then on.
+	p.consEng.SetDelay(20 * time.Millisecond)
+	h, err := p.cons.Post(p.pname, []int{1}, []int{1}, nil)
+	require.NoError(t, err)
+	st, err := pollDone(t, p.cons, h)
+	require.NoError(t, err)
+	require.Equal(t, StateDone, st)
+	require.NoError(t, p.cons.Release(h))
+	// Then READs that never complete, posted and polled back to back.
+	p.consEng.SetDelay(time.Hour)
+	for i := range 3 {
+		posted := time.Now()
+		h, err := p.cons.Post(p.pname, []int{2 + i}, []int{2 + i}, nil)
+		require.NoError(t, err)
+		st, err := pollDone(t, p.cons, h)
+		took := time.Since(posted)
+		require.ErrorIs(t, err, ErrTimeout, "READ %d", i)
+		require.Equal(t, StateErr, st)
+		require.NoError(t, p.cons.Release(h))
+		// Not a measure of speed: a nap that ignored the deadline went on
+		// for seconds, until the caller happened to pause for a napTurn.
+		require.Less(t, took, 2*time.Second, "READ %d timed out %v after its post, its timeout 100ms", i, took)
+	}
+}

@@ -19,6 +19,7 @@ type counters struct {
 	engineErrors                   atomic.Uint64
 	loops, parks                   atomic.Uint64
 	callerSteps, naps              atomic.Uint64
+	napTurnsSkipped                atomic.Uint64 // napOn (tests)
 	finisherEnds                   atomic.Uint64
 	latency                        Histogram
 
