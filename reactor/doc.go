@@ -26,9 +26,9 @@
 // one caller polling one READ (see Options.ReactorOnly for the bounds;
 // with many callers a step's thread that lost its CPU would hold up the
 // rest). While a caller polls that way in a loop, the reactor thread
-// stands aside: its turns leave
-// the engine's progress to them and it naps between turns instead of
-// spinning, so a caller polling its READ and the engine share one core,
+// stands aside: it naps, taking no turn while they go on (at most until
+// a READ's timeout is due), and its turns leave the engine's progress to
+// them, so a caller polling its READ and the engine share one core,
 // as with raw engine calls: on a 2-core machine the second core stays
 // for the peer's engine. Everything else (cancels, control operations,
 // timeouts, the direct path but the ends of its copies) stays with the

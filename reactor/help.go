@@ -40,14 +40,16 @@ const (
 // polled or posted at once.
 const crowdHold = 10 * time.Millisecond
 
-// napTurn is the longest the reactor thread stands aside without a turn
-// of its own while a caller steps in (a variable for tests). Each such turn takes the token from
-// the caller for a while (on this 2-core VM with 1 ms, one-block READs
-// across hosts had p99.9 of 0.2-1 ms against 0.1-0.2 with 10 ms), and
-// while a caller steps in for the only READ, what else the loop does
-// either wakes the nap (new READs, cancels, control operations, direct
-// READs) or is due rarely (timeouts, which also cut the nap short, and
-// folded events).
+// napTurn is how often the napping reactor thread looks whether callers
+// still step in (a variable for tests): it naps on while they do
+// (napOn), and takes a turn of its own once they stopped or something of
+// its own is due. Its turns used to come every napTurn, each taking the
+// token from the caller for a while (on this 2-core VM with 1 ms,
+// one-block READs across hosts had p99.9 of 0.2-1 ms against 0.1-0.2
+// with 10 ms); while a caller steps in for the only READ, what else the
+// loop does either wakes the nap (new READs, cancels, control
+// operations, direct READs) or is due rarely (timeouts, which also cut
+// the nap short, and folded events).
 var napTurn = 10 * time.Millisecond
 
 // lockEngine takes the token for the reactor thread. A caller's step

@@ -97,13 +97,14 @@ type Options struct {
 	// not within 10ms of seeing two READs polled in turn. While a caller
 	// does that in a loop (a few checks in a row, each within 200µs of
 	// the last), the reactor thread, unless its Idle strategy is
-	// IdleSpin, leaves the engine's progress to it and naps between its
-	// turns, up to 10ms at a time (less when a READ's timeout is due),
-	// so a polling caller and the engine share one core rather than two,
-	// as a caller of raw engine calls does. A READ whose caller stops
-	// polling it, and whatever else arrives for the engine after that
-	// (notifications, a peer's error), is taken over at the reactor
-	// thread's next turn, within those 10ms; a Wait that stops spinning
+	// IdleSpin, leaves the engine's progress to it and naps, looking
+	// every 10ms whether the caller still polls and taking no turn while
+	// it does (until a READ's timeout is due at the latest), so a polling
+	// caller and the engine share one core rather than two, as a caller
+	// of raw engine calls does. A READ whose caller stops polling it, and
+	// whatever else arrives for the engine after that (notifications, a
+	// peer's error), is taken over at the reactor thread's next turn,
+	// within 20ms; a Wait that stops spinning
 	// to sleep, a new READ, a release, a control operation and a second
 	// READ polled wake it at once.
 	ReactorOnly bool
