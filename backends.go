@@ -19,7 +19,8 @@ func newAgent(cfg Config) (nixl.Agent, error) {
 	testhook.Run(&testhook.NewAgent)
 	switch cfg.Backend {
 	case "ucx":
-		a, err := ucx.New(ucx.Config{Name: cfg.AgentName, MaxNotif: cfg.Reactor.MaxNotif, NoGather: cfg.NoGather})
+		a, err := ucx.New(ucx.Config{Name: cfg.AgentName, MaxNotif: cfg.Reactor.MaxNotif, NoGather: cfg.NoGather,
+			LargeTCPSegments: cfg.LargeTCPSegments})
 		if err != nil {
 			return nil, fmt.Errorf("%w: ucx: %v", ErrEngine, err)
 		}

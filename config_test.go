@@ -85,6 +85,32 @@ func TestNewRejectsBadDirectOptions(t *testing.T) {
 	}
 }
 
+// LargeTCPSegments is an option of the ucx backend alone, and conflicts
+// with UCX's own segment sizes in the environment: ErrConfig, found
+// before an engine starts.
+func TestNewRejectsLargeTCPSegmentsMisuse(t *testing.T) {
+	leakcheck.Check(t)
+	agents := countAgents(t)
+	try := func(t *testing.T, backend, want string) {
+		tr, err := New(Config{AgentName: uniqueName("cfg"), Backend: backend, BlockSize: 64, NumBlocks: 4, LargeTCPSegments: true})
+		if tr != nil {
+			_ = tr.Deregister()
+		}
+		require.ErrorIs(t, err, ErrConfig)
+		require.ErrorContains(t, err, want)
+		require.Zero(t, agents.Load(), "an engine was started")
+	}
+	for _, backend := range []string{"loopback", "nixl"} {
+		t.Run(backend, func(t *testing.T) { try(t, backend, "ucx backend") })
+	}
+	for _, v := range []string{"UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE"} {
+		t.Run(v, func(t *testing.T) {
+			t.Setenv(v, "64k")
+			try(t, "ucx", v)
+		})
+	}
+}
+
 // A notification of the largest size the options allow travels end to end
 // on the real engine.
 func TestMaxNotifLimitTravels(t *testing.T) {

@@ -551,6 +551,14 @@ func TestRemoveInFlightTCPAlone(t *testing.T) {
 	}
 }
 
+// TestConformanceLargeTCPSegments runs the suite over tcp alone (error
+// mode PEER, gathered READs) with LargeTCPSegments at both ends: UCX's
+// 256 KiB segments, answers of 252 KiB.
+func TestConformanceLargeTCPSegments(t *testing.T) {
+	t.Setenv("UCX_TLS", "tcp")
+	runConformance(t, "ucx", enginePath, func(c *Config) { c.LargeTCPSegments = true })
+}
+
 // TestConformanceDirectProc runs it on the kernel-copy direct path
 // (loopback regions are anonymous memory), with every READ on the copy
 // workers.

@@ -64,6 +64,9 @@ type Config struct {
 	Workloads []string
 	Modes     []string
 	Backend   string
+	// LargeTCPSegments: the ucx engines of both ends with
+	// Config.LargeTCPSegments.
+	LargeTCPSegments bool
 	// Duration is measured per workload×mode cell, after Warmup.
 	Duration time.Duration
 	Warmup   time.Duration
@@ -188,6 +191,9 @@ func (c *Config) Validate() error {
 	if err := checkNames("backend", []string{c.Backend}, AllBackends); err != nil {
 		return err
 	}
+	if c.LargeTCPSegments && c.Backend != "ucx" {
+		return fmt.Errorf("%w: --large-tcp-segments needs --backend ucx", ErrUsage)
+	}
 	if slices.Contains(c.Modes, "direct") && c.Backend == "nixl" {
 		return fmt.Errorf("%w: mode direct needs --backend ucx or loopback (NIXL's metadata cannot carry the region's advertisement)", ErrUsage)
 	}
@@ -280,6 +286,7 @@ func ParseRunFlags(args []string, stderr io.Writer) (Config, error) {
 	fs.IntVar(&c.CopyWorkers, "copy-workers", 0, fmt.Sprintf("direct mode: copy threads for READs above --inline-bytes (0: %d)", ecxfer.DefaultCopyWorkers))
 	fs.IntVar(&c.InlineBytes, "inline-bytes", 0, fmt.Sprintf("direct mode: largest READ copied inside PostRead (0: %d, -1: none)", ecxfer.DefaultInlineBytes))
 	fs.StringVar(&c.Wait, "wait", c.Wait, "how reactor-mode callers wait: poll (CheckXferState loop) or block (Transport.Wait)")
+	fs.BoolVar(&c.LargeTCPSegments, "large-tcp-segments", false, "ucx: UCX tcp segments of 256 KiB at both ends and 252 KiB answers to gathered READs (Config.LargeTCPSegments; the producer is told to use them too)")
 	fs.BoolVar(&c.Reactor.ReactorOnly, "reactor-only", false, "the consumer's engine is driven by its reactor thread alone: polling callers never step in for it")
 	fs.DurationVar(&c.Reactor.WaitSpin, "wait-spin", 0, "with --wait block: how long Transport.Wait checks the READ before it sleeps (0: the reactor's default, 50µs)")
 	noRefs := fs.Bool("no-refs", false, "skip the memcpy and ucx_perftest references")

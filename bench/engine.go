@@ -17,11 +17,12 @@ import (
 	"github.com/ecxfer/ecxfer/nixl/ucx"
 )
 
-// newAgent opens a bare engine agent for the locked and raw modes.
-func newAgent(backend, name string) (nixl.Agent, error) {
+// newAgent opens a bare engine agent for the locked and raw modes (large:
+// ucx's LargeTCPSegments).
+func newAgent(backend, name string, large bool) (nixl.Agent, error) {
 	switch backend {
 	case "ucx":
-		return ucx.New(ucx.Config{Name: name})
+		return ucx.New(ucx.Config{Name: name, LargeTCPSegments: large})
 	case "loopback":
 		return loopback.New(name)
 	case "nixl":
@@ -39,8 +40,8 @@ type bareSide struct {
 	descs  descriptors.List
 }
 
-func openBare(backend, name string, bs, nblocks int) (*bareSide, error) {
-	a, err := newAgent(backend, name)
+func openBare(backend, name string, bs, nblocks int, large bool) (*bareSide, error) {
+	a, err := newAgent(backend, name, large)
 	if err != nil {
 		return nil, err
 	}
@@ -198,7 +199,7 @@ func openDriver(mode, backend string, bs int, opts ecxfer.Config, block bool, he
 		}
 		return &reactorDriver{tr: tr, peer: peer, block: block}, nil
 	case "locked", "raw":
-		side, err := openBare(backend, agentName("cons"), bs, LocalBlocks)
+		side, err := openBare(backend, agentName("cons"), bs, LocalBlocks, opts.LargeTCPSegments)
 		if err != nil {
 			return nil, err
 		}

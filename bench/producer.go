@@ -197,6 +197,8 @@ func openProducer(m ctrl.Message, backend string, send func(ctrl.Message) error)
 		mode = k
 	}
 	p := &producer{mode: mode, stop: make(chan struct{}), done: make(chan struct{}), send: send}
+	// The consumer's -large-tcp-segments: both ends need the same.
+	large := m.Ints["large_tcp_segments"] != 0
 	var hello helloMsg
 	switch mode {
 	case "reactor", "direct":
@@ -205,7 +207,8 @@ func openProducer(m ctrl.Message, backend string, send func(ctrl.Message) error)
 		if mode == "direct" {
 			dm = ecxfer.DirectOn // advertise the region to same-host consumers
 		}
-		tr, err := ecxfer.New(ecxfer.Config{AgentName: agentName("prod"), Backend: backend, BlockSize: bs, NumBlocks: nb, Reactor: opts, Direct: dm})
+		tr, err := ecxfer.New(ecxfer.Config{AgentName: agentName("prod"), Backend: backend, BlockSize: bs, NumBlocks: nb, Reactor: opts, Direct: dm,
+			LargeTCPSegments: large})
 		if err != nil {
 			return nil, hello, err
 		}
@@ -213,7 +216,7 @@ func openProducer(m ctrl.Message, backend string, send func(ctrl.Message) error)
 		p.tr = tr
 		hello = helloMsg{md: tr.AgentMetadata(), memDesc: tr.MemDescriptor()}
 	case "locked", "raw":
-		side, err := openBare(backend, agentName("prod"), bs, nb)
+		side, err := openBare(backend, agentName("prod"), bs, nb, large)
 		if err != nil {
 			return nil, hello, err
 		}

@@ -207,6 +207,9 @@ func (s *session) addNotes() {
 			s.rep.Notes = append(s.rep.Notes, "reactor: a caller polling one READ alone takes the engine's steps itself while the reactor thread stands aside (-reactor-only turns it off)")
 		}
 	}
+	if cfg.LargeTCPSegments {
+		s.rep.Notes = append(s.rep.Notes, "-large-tcp-segments: UCX tcp segments of 256 KiB at both ends, gathered READs answered in 252 KiB messages (Config.LargeTCPSegments)")
+	}
 	if cfg.Producer != "" {
 		s.rep.Notes = append(s.rep.Notes, fmt.Sprintf(
 			"producer: every reactor, locked and raw row read from a %s producer (--producer); direct rows from their own", cfg.Producer))
@@ -546,7 +549,8 @@ func (s *session) runMode(ctx context.Context, mode string, bs int, seed int64, 
 	}
 	h, err := s.request(ctrl.Message{Kind: "setup", Strs: strs,
 		Ints: map[string]int64{"block": int64(bs), "blocks": int64(s.cfg.remoteBlocks(bs)), "seed": seed,
-			"idle": int64(s.cfg.ProducerIdle), "batch": int64(s.cfg.Reactor.BatchSize)}}, "hello")
+			"idle": int64(s.cfg.ProducerIdle), "batch": int64(s.cfg.Reactor.BatchSize),
+			"large_tcp_segments": b2i(s.cfg.LargeTCPSegments)}}, "hello")
 	if err != nil {
 		return err
 	}
@@ -557,7 +561,8 @@ func (s *session) runMode(ctx context.Context, mode string, bs int, seed int64, 
 		_, _ = s.request(ctrl.Message{Kind: "teardown"}, "bye")
 		return fmt.Errorf("asked the producer for a %s producer and it opened a %q one (a build without --producer?)", kind, h.Name)
 	}
-	opts := ecxfer.Config{Reactor: s.cfg.Reactor, CopyWorkers: s.cfg.CopyWorkers, InlineBytes: s.cfg.InlineBytes}
+	opts := ecxfer.Config{Reactor: s.cfg.Reactor, CopyWorkers: s.cfg.CopyWorkers, InlineBytes: s.cfg.InlineBytes,
+		LargeTCPSegments: s.cfg.LargeTCPSegments}
 	d, err := openDriver(mode, s.cfg.Backend, bs, opts, s.cfg.Wait == "block", helloMsg{md: h.Metadata, memDesc: h.MemDesc})
 	if err != nil {
 		_, _ = s.request(ctrl.Message{Kind: "teardown"}, "bye")
@@ -1005,4 +1010,12 @@ func startProfiles(cfg *Config) (func() error, error) {
 		}
 		return err
 	}, nil
+}
+
+// b2i is 1 for true, for control messages' ints.
+func b2i(b bool) int64 {
+	if b {
+		return 1
+	}
+	return 0
 }

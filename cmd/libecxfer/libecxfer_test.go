@@ -22,7 +22,7 @@ func TestParseOptions(t *testing.T) {
 		"xfer_timeout_s":1.5,"pin_cpu":0,"numa_node":0,"idle":"park","spin_for_us":10,"yield_for_us":20,
 		"park_timeout_us":30,"wait_spin_us":40,"batch_size":16,"submit_ring":128,"handles":256,
 		"wait_when_busy":true,"max_notif":99,"direct":"on","inline_bytes":-1,"copy_workers":3,
-		"reactor_only":true,"no_gather":true}`))
+		"reactor_only":true,"no_gather":true,"large_tcp_segments":true}`))
 	require.NoError(t, err)
 	r := cfg.Reactor
 	require.Equal(t, "a", cfg.AgentName)
@@ -48,6 +48,7 @@ func TestParseOptions(t *testing.T) {
 	require.Equal(t, -1, cfg.InlineBytes)
 	require.Equal(t, 3, cfg.CopyWorkers)
 	require.True(t, cfg.NoGather)
+	require.True(t, cfg.LargeTCPSegments)
 
 	cfg, err = parseOptions([]byte(`{"agent_name":"a","block_size":1,"num_blocks":1,"xfer_timeout_s":-1}`))
 	require.NoError(t, err)

@@ -53,6 +53,9 @@ type options struct {
 	// NoGather: READs of peers on other hosts go as UCX gets
 	// (Config.NoGather).
 	NoGather bool `json:"no_gather"`
+	// LargeTCPSegments: UCX tcp segments of 256 KiB, for a fleet whose
+	// every agent sets it (Config.LargeTCPSegments).
+	LargeTCPSegments bool `json:"large_tcp_segments"`
 }
 
 // directModes maps the option's values to Config.Direct.
@@ -177,7 +180,7 @@ func parseOptions(data []byte) (ecxfer.Config, error) {
 		return ecxfer.Config{}, fmt.Errorf("%w: direct %q (want auto, on or off)", ecxfer.ErrConfig, o.Direct)
 	}
 	cfg.Direct, cfg.InlineBytes, cfg.CopyWorkers = d, o.InlineBytes, o.CopyWorkers
-	cfg.NoGather = o.NoGather
+	cfg.NoGather, cfg.LargeTCPSegments = o.NoGather, o.LargeTCPSegments
 	return cfg, nil
 }
 

@@ -84,6 +84,16 @@ type Config struct {
 	// checks against its registered memory. With NoGather it does neither
 	// (it still answers requests that reach it).
 	NoGather bool
+	// LargeTCPSegments gives UCX's tcp transport 256 KiB segments both
+	// ways instead of 64 KiB sends and 64 KiB receives (ECX_TCP_SEG_BIG),
+	// and gathered READs between two such agents come in 252 KiB answers
+	// instead of 60 KiB ones. A peer that receives in 64 KiB segments
+	// cannot take a larger message, and UCX 1.13 does not tell a sender
+	// the peer's size, so every peer of such an agent must have it too:
+	// LoadRemoteMetadata refuses a peer whose metadata says otherwise
+	// (featBigSegments). It conflicts with UCX_TCP_TX_SEG_SIZE or
+	// UCX_TCP_RX_SEG_SIZE in the environment (New fails).
+	LargeTCPSegments bool
 
 	noPidfd        bool // tests: rely on UCX alone for same-host peers
 	rndvNotifs     bool // tests: send notifications by rendezvous (peers drop them)
@@ -135,10 +145,13 @@ type peer struct {
 	// messages over a shared-memory transport (nixl.SharedQueueGetter).
 	sharedGets bool
 	// gather: READs of this peer are gathered (ECX_OP_GATHER): it is
-	// reached in error mode PEER (another host) and answers gathers.
-	gather   bool
-	pidfd    int
-	inflight map[nixl.XferID]*xfer
+	// reached in error mode PEER (another host) and answers gathers;
+	// gatherBig, in chunks of ECX_GATHER_CHUNK_BIG (both ends have
+	// featBigSegments).
+	gather    bool
+	gatherBig bool
+	pidfd     int
+	inflight  map[nixl.XferID]*xfer
 }
 
 // abandonedEp is what Close frees of an endpoint it leaves to the worker.
@@ -262,6 +275,13 @@ func New(cfg Config) (*Agent, error) {
 	if cfg.ErrMode < ErrModeAuto || cfg.ErrMode > ErrModeNone {
 		return nil, nixl.Errorf(nixl.ErrInvalidParam, "ucx: unknown error mode %d", int(cfg.ErrMode))
 	}
+	if cfg.LargeTCPSegments {
+		for _, v := range []string{"UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE"} {
+			if _, ok := os.LookupEnv(v); ok {
+				return nil, nixl.Errorf(nixl.ErrInvalidParam, "ucx: LargeTCPSegments and %s in the environment: one or the other", v)
+			}
+		}
+	}
 	host, err := localHost()
 	if err != nil {
 		return nil, nixl.Errorf(nixl.ErrBackend, "ucx: host identity: %v", err)
@@ -294,11 +314,18 @@ func New(cfg Config) (*Agent, error) {
 	if !cfg.NoGather {
 		feats |= featGather
 	}
+	if cfg.LargeTCPSegments {
+		feats |= featBigSegments
+	}
 	a.ucxVer = ucxFeatures(uint64(ma), uint64(mi), feats)
 
 	cname := C.CString(cfg.Name)
 	enginekit.UCXInit.Lock() // see there: libnixl may be setting UCX_MODULES
-	st := C.ecx_create(cname, C.uint32_t(len(cfg.Name)), &a.c)
+	big := C.int(0)
+	if cfg.LargeTCPSegments {
+		big = 1
+	}
+	st := C.ecx_create(cname, C.uint32_t(len(cfg.Name)), big, &a.c)
 	enginekit.UCXInit.Unlock()
 	C.free(unsafe.Pointer(cname))
 	if st != 0 {

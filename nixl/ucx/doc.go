@@ -39,8 +39,9 @@
 // featGather is gathered instead (ECX_OP_GATHER, see ecx.h): it asks for
 // its ranges in a few active messages, the peer checks them against its
 // registered memory and answers with the bytes in 60 KiB active messages
-// sent from its handler, and the READ completes when every chunk has been
-// copied into place. UCX's answer path for emulated gets aborts the
+// sent from its handler (252 KiB ones between two agents with
+// Config.LargeTCPSegments, featBigSegments), and the READ completes when
+// every chunk has been copied into place. UCX's answer path for emulated gets aborts the
 // process when the reader's endpoint failed meanwhile; the gather's
 // answers are this package's own sends, whose failure it handles.
 //

@@ -24,9 +24,11 @@ enum { PH_DATA = 0, PH_AM = 1 };
 
 /* A gathered READ at the reader (see ECX_OP_GATHER in ecx.h). Its byte
  * stream is its ranges' bytes in order; request k asks for the stream's
- * bytes [req_at[k], req_at[k+1]), all chunks of it but the last whole. */
+ * bytes [req_at[k], req_at[k+1]), in chunks of chunk bytes, all but the
+ * last whole. */
 typedef struct ecx_gather {
     uint64_t id;
+    uint32_t chunk;              /* bytes per answer */
     struct ecx_post *tab_next;   /* c->gtab chain */
     struct ecx_post *retry_next; /* c->gretry */
     uint64_t total;              /* bytes of the READ */
@@ -113,7 +115,7 @@ static ucs_status_t gather_data_cb(void *arg, const void *header, size_t header_
                                    void *data, size_t length, const ucp_am_recv_param_t *param);
 static uint32_t gather_retries(ecx_ctx_t *c);
 static void gather_post_some(ecx_post_t *p);
-static ecx_gather_t *gather_new(ecx_ctx_t *c, const ecx_range_t *r, uint32_t n);
+static ecx_gather_t *gather_new(ecx_ctx_t *c, const ecx_range_t *r, uint32_t n, int big);
 
 struct ecx_close {
     ecx_close_t *next;
@@ -628,7 +630,7 @@ static int context_has_shm(ucp_context_h context)
     return found || resources == 0;
 }
 
-int ecx_create(const char *name, uint32_t name_len, ecx_ctx_t **out)
+int ecx_create(const char *name, uint32_t name_len, int big_segs, ecx_ctx_t **out)
 {
     ucp_params_t params;
     ucp_worker_params_t wp;
@@ -669,11 +671,18 @@ int ecx_create(const char *name, uint32_t name_len, ecx_ctx_t **out)
      * interface, leaves the key unset. */
     if (getenv("UCX_TCP_TX_SEG_SIZE") == NULL && ecx_tls_has_tcp(getenv("UCX_TLS")) &&
         ecx_devices_have_tcp(getenv("UCX_NET_DEVICES"))) {
-        st = ucp_config_modify(cfg, "TX_SEG_SIZE", ECX_TCP_TX_SEG);
+        /* With big_segs, both ways and only when the environment sets
+         * neither (see ECX_TCP_SEG_BIG). */
+        big_segs = big_segs && getenv("UCX_TCP_RX_SEG_SIZE") == NULL;
+        st = ucp_config_modify(cfg, "TX_SEG_SIZE", big_segs ? ECX_TCP_SEG_BIG : ECX_TCP_TX_SEG);
+        if (st == UCS_OK && big_segs) {
+            st = ucp_config_modify(cfg, "RX_SEG_SIZE", ECX_TCP_SEG_BIG);
+        }
         if (st != UCS_OK) {
             ucp_config_release(cfg);
             goto err;
         }
+        c->big_segs = big_segs;
     }
     memset(&params, 0, sizeof(params));
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_REQUEST_SIZE |
@@ -1373,9 +1382,12 @@ static void gather_free(ecx_post_t *p)
 /* Builds the requests of a READ of n ranges into g (NULL: counts only).
  * Returns the number of requests; *pieces gets the ranges of all requests
  * (a range split between two requests counts twice), *total the bytes. */
-static uint32_t gather_plan(const ecx_range_t *r, uint32_t n, ecx_gather_t *g, uint64_t id,
-                            uint64_t *pieces, uint64_t *total)
+static uint32_t gather_plan(const ecx_range_t *r, uint32_t n, uint32_t chunk, ecx_gather_t *g,
+                            uint64_t id, uint64_t *pieces, uint64_t *total)
 {
+    /* Requests end on a chunk boundary, so each starts its chunks where
+     * the one before ended. */
+    const uint64_t cap = ECX_GATHER_REQ_BYTES / chunk * chunk;
     uint32_t i = 0, k = 0, kr = 0;
     uint64_t in = 0, kb = 0, at = 0, np = 0, chunk0 = 0;
     unsigned char *hdr = NULL, *rp = NULL;
@@ -1385,8 +1397,8 @@ static uint32_t gather_plan(const ecx_range_t *r, uint32_t n, ecx_gather_t *g, u
     }
     while (i < n) {
         uint64_t take = r[i].len - in;
-        if (take > ECX_GATHER_REQ_BYTES - kb) {
-            take = ECX_GATHER_REQ_BYTES - kb;
+        if (take > cap - kb) {
+            take = cap - kb;
         }
         if (g != NULL) {
             if (kr == 0) {
@@ -1410,13 +1422,14 @@ static uint32_t gather_plan(const ecx_range_t *r, uint32_t n, ecx_gather_t *g, u
                 i++;
             } while (i < n && r[i].len == 0);
         }
-        if (kb == ECX_GATHER_REQ_BYTES || kr == ECX_GATHER_REQ_RANGES || i == n) {
+        if (kb == cap || kr == ECX_GATHER_REQ_RANGES || i == n) {
             if (g != NULL) {
-                uint32_t nch = (uint32_t)((kb + ECX_GATHER_CHUNK - 1) / ECX_GATHER_CHUNK);
+                uint32_t nch = (uint32_t)((kb + chunk - 1) / chunk);
                 put_le64(hdr, id);
                 put_le64(hdr + 8, g->req_at[k]);
                 put_le32(hdr + 16, kr);
-                put_le32(hdr + 20, 0);
+                /* 0 to an owner that takes no other size. */
+                put_le32(hdr + 20, chunk == ECX_GATHER_CHUNK ? 0 : chunk);
                 put_le64(hdr + 24, kb);
                 mpos += ECX_GREQ_HDR + kr * 16u;
                 g->req_chunk0[k] = (uint32_t)chunk0;
@@ -1438,16 +1451,20 @@ static uint32_t gather_plan(const ecx_range_t *r, uint32_t n, ecx_gather_t *g, u
     return k;
 }
 
-/* Allocates and fills p's gather state for its n ranges: one block. */
-static ecx_gather_t *gather_new(ecx_ctx_t *c, const ecx_range_t *r, uint32_t n)
+/* Allocates and fills p's gather state for its n ranges: one block. With
+ * big, its answers come in chunks of ECX_GATHER_CHUNK_BIG. */
+static ecx_gather_t *gather_new(ecx_ctx_t *c, const ecx_range_t *r, uint32_t n, int big)
 {
     uint64_t pieces, total, nchunks = 0;
-    uint32_t nreq = gather_plan(r, n, NULL, 0, &pieces, &total), k;
+    uint32_t chunk = c->test_gather_chunk ? c->test_gather_chunk
+                     : big                ? ECX_GATHER_CHUNK_BIG
+                                          : ECX_GATHER_CHUNK;
+    uint32_t nreq = gather_plan(r, n, chunk, NULL, 0, &pieces, &total), k;
     size_t sz, off;
     ecx_gather_t *g;
     char *m;
     /* Chunks: at most one partial per request. */
-    nchunks = total / ECX_GATHER_CHUNK + nreq;
+    nchunks = total / chunk + nreq;
     if (nreq == 0 || nchunks > UINT32_MAX || (uint64_t)nreq * ECX_GREQ_HDR + pieces * 16 > UINT32_MAX) {
         return NULL;
     }
@@ -1479,13 +1496,14 @@ static ecx_gather_t *gather_new(ecx_ctx_t *c, const ecx_range_t *r, uint32_t n)
     off += nchunks;
     g->msgs = m + off;
     g->id = ++c->gseq;
+    g->chunk = chunk;
     g->nreq = nreq;
     g->total = total;
     g->at[0] = 0;
     for (k = 0; k < n; k++) {
         g->at[k + 1] = g->at[k] + r[k].len;
     }
-    gather_plan(r, n, g, g->id, &pieces, &total);
+    gather_plan(r, n, chunk, g, g->id, &pieces, &total);
     g->nchunks = g->req_chunk0[nreq];
     return g;
 }
@@ -1635,13 +1653,13 @@ static ucs_status_t gather_data_cb(void *arg, const void *header, size_t header_
         return UCS_OK;
     }
     end = g->req_at[k + 1];
-    if ((off - g->req_at[k]) % ECX_GATHER_CHUNK != 0 || n != length ||
-        n != (end - off < ECX_GATHER_CHUNK ? end - off : ECX_GATHER_CHUNK)) {
+    if ((off - g->req_at[k]) % g->chunk != 0 || n != length ||
+        n != (end - off < g->chunk ? end - off : g->chunk)) {
         c->gstats.bad++;
         gather_fail(p, UCS_ERR_MESSAGE_TRUNCATED);
         return UCS_OK;
     }
-    idx = g->req_chunk0[k] + (uint32_t)((off - g->req_at[k]) / ECX_GATHER_CHUNK);
+    idx = g->req_chunk0[k] + (uint32_t)((off - g->req_at[k]) / g->chunk);
     if (g->bits[idx]) {
         c->gstats.bad++; /* a duplicate: the bytes are there */
         return UCS_OK;
@@ -1769,7 +1787,8 @@ static void gsend_cb(void *request, ucs_status_t status, void *user_data)
 
 /* Sends one answer of b (which it holds a reference of while the send
  * runs): n bytes at bytes. They go on UCX's short path, as a 60 KiB
- * answer fits a 64 KiB tcp segment: UCX hands them to the socket at once
+ * answer fits a 64 KiB tcp segment (a 252 KiB one, asked for only with
+ * big segments, one of ECX_TCP_SEG_BIG): UCX hands them to the socket at once
  * and copies what the socket did not take, or, while the endpoint is
  * busy, keeps the request and reads them when it sends it. Never UCX's
  * zero-copy path: UCX 1.13's tcp transport completes a zero-copy send
@@ -1909,15 +1928,16 @@ static uint64_t gcur_addr(const ecx_gcur_t *k)
     return get_le64(k->rp + (size_t)k->i * 16) + k->off;
 }
 
-/* Chunk j's length in a request of bytes bytes. */
-static uint32_t chunk_len(uint64_t bytes, uint32_t j)
+/* Chunk j's length in a request of bytes bytes in chunks of size. */
+static uint32_t chunk_len(uint64_t bytes, uint32_t size, uint32_t j)
 {
-    uint64_t at = (uint64_t)j * ECX_GATHER_CHUNK;
-    return (uint32_t)(bytes - at < ECX_GATHER_CHUNK ? bytes - at : ECX_GATHER_CHUNK);
+    uint64_t at = (uint64_t)j * size;
+    return (uint32_t)(bytes - at < size ? bytes - at : size);
 }
 
 /* A request: checked against this agent's registered memory, then
- * answered from inside the handler. A chunk whose bytes lie in one piece
+ * answered from inside the handler, in chunks of the size it names. A
+ * chunk whose bytes lie in one piece
  * of the registered memory (every chunk of a contiguous READ, most of one
  * of large blocks) is sent out of that memory itself; a chunk of several
  * pieces is copied once into the answers' buffer first (UCX's vectors go
@@ -1933,7 +1953,7 @@ static ucs_status_t gather_req_cb(void *arg, const void *header, size_t header_l
     ecx_ctx_t *c = arg;
     const unsigned char *h = header, *rp = data;
     uint64_t id, base, bytes, copied = 0;
-    uint32_t n, nch, j;
+    uint32_t n, nch, j, size;
     ucp_ep_h ep;
     ecx_gbuf_t *b;
     ecx_gcur_t k;
@@ -1949,8 +1969,17 @@ static ucs_status_t gather_req_cb(void *arg, const void *header, size_t header_l
     id = get_le64(h);
     base = get_le64(h + 8);
     n = get_le32(h + 16);
+    size = get_le32(h + 20);
     bytes = get_le64(h + 24);
-    st = length == (size_t)n * 16 ? gather_check(c, rp, n, bytes) : UCS_ERR_INVALID_PARAM;
+    if (size == 0) {
+        size = ECX_GATHER_CHUNK;
+    }
+    /* The big size only with big segments: in UCX's 64 KiB ones such an
+     * answer would go on its zero-copy path (see gather_answer). */
+    st = length != (size_t)n * 16 ||
+                 (size != ECX_GATHER_CHUNK && (size != ECX_GATHER_CHUNK_BIG || !c->big_segs))
+             ? UCS_ERR_INVALID_PARAM
+             : gather_check(c, rp, n, bytes);
     if (st != UCS_OK) {
         c->gstats.refused++;
         gather_refuse(c, ep, id, base, st);
@@ -1964,13 +1993,13 @@ static ucs_status_t gather_req_cb(void *arg, const void *header, size_t header_l
         return UCS_OK;
     }
     /* The room the buffer needs for the chunks that are copied. */
-    nch = (uint32_t)((bytes + ECX_GATHER_CHUNK - 1) / ECX_GATHER_CHUNK);
+    nch = (uint32_t)((bytes + size - 1) / size);
     k.rp = rp;
     k.i = 0;
     k.off = 0;
     for (j = 0; j < nch; j++) {
-        if (gcur_take(&k, chunk_len(bytes, j), NULL) > 1) {
-            copied += chunk_len(bytes, j);
+        if (gcur_take(&k, chunk_len(bytes, size, j), NULL) > 1) {
+            copied += chunk_len(bytes, size, j);
         }
     }
     b = gbuf_new(c, (size_t)nch * ECX_GDATA_HDR + copied, bytes, copied);
@@ -1984,11 +2013,11 @@ static ucs_status_t gather_req_cb(void *arg, const void *header, size_t header_l
     k.off = 0;
     for (j = 0; j < nch; j++) {
         unsigned char *hj = hdrs + (size_t)j * ECX_GDATA_HDR;
-        uint32_t len = chunk_len(bytes, j);
+        uint32_t len = chunk_len(bytes, size, j);
         ecx_gcur_t at = k;
         int ok;
         put_le64(hj, id);
-        put_le64(hj + 8, base + (uint64_t)j * ECX_GATHER_CHUNK);
+        put_le64(hj + 8, base + (uint64_t)j * size);
         put_le32(hj + 16, 0);
         put_le32(hj + 20, len);
         if (gcur_take(&at, len, NULL) == 1) {
@@ -2143,15 +2172,17 @@ int ecx_post(ecx_ctx_t *c, uint64_t id, ucp_ep_h ep, int op,
     ecx_gather_t *g = NULL;
     uint32_t nops = n;
 
-    if (op == ECX_OP_GATHER) {
+    if (op == ECX_OP_GATHER || op == ECX_OP_GATHER_BIG) {
         uint32_t i;
+        int big = op == ECX_OP_GATHER_BIG;
+        op = ECX_OP_GATHER;
         for (i = 0; i < n && r[i].len == 0; i++) {
         }
         if (i == n) {
             op = ECX_OP_READ; /* no byte to ask for: nothing to gather */
         } else {
             /* One request slot per gather request. */
-            g = gather_new(c, r, n);
+            g = gather_new(c, r, n, big);
             if (g == NULL) {
                 return UCS_ERR_NO_MEMORY;
             }

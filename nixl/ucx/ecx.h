@@ -21,6 +21,10 @@
  * are asked for in a few messages and answered with the bytes, instead of
  * one UCX get per range. */
 #define ECX_OP_GATHER 2
+/* ECX_OP_GATHER whose answers come in chunks of ECX_GATHER_CHUNK_BIG: a
+ * READ of a peer that, like this agent, runs with ECX_TCP_SEG_BIG
+ * segments (featBigSegments). */
+#define ECX_OP_GATHER_BIG 3
 
 /* Bytes of gets or puts posted per ecx_progress round, new posts and
  * continued ones together; a post always posts at least one range. */
@@ -77,16 +81,20 @@
  * A request (ECX_AM_GATHER_REQ, sent with UCP_AM_SEND_FLAG_REPLY) is an
  * ECX_GREQ_HDR-byte header, little-endian: the READ's id at the reader
  * (u64), the offset in the READ's byte stream where this request's bytes
- * start (u64, a multiple of ECX_GATHER_CHUNK), the number of ranges (u32),
- * 0 (u32), the bytes asked for (u64); then the ranges, each its address
- * (u64) and length (u64) in the owner's registered memory. The stream is
- * the ranges' bytes in order.
+ * start (u64), the number of ranges (u32), the chunk size the answers
+ * are cut in (u32: 0 for ECX_GATHER_CHUNK, or ECX_GATHER_CHUNK_BIG, which
+ * only an owner with ECX_TCP_SEG_BIG segments serves; builds before it
+ * send 0 and owners before it ignore the field, so a reader names the
+ * big size only to a peer that says it runs with big segments,
+ * featBigSegments), the bytes asked for (u64); then the
+ * ranges, each its address (u64) and length (u64) in the owner's
+ * registered memory. The stream is the ranges' bytes in order.
  *
  * An answer (ECX_AM_GATHER_DATA) is an ECX_GDATA_HDR-byte header: the
- * READ's id (u64), the stream offset of its bytes (u64, a multiple of
- * ECX_GATHER_CHUNK), a ucs_status_t (i32) and the length of its bytes
- * (u32); then ECX_GATHER_CHUNK bytes of the stream (fewer at the end of a
- * request). An answer with a status other than UCS_OK carries no bytes
+ * READ's id (u64), the stream offset of its bytes (u64: its request's
+ * offset plus a multiple of the chunk size), a ucs_status_t (i32) and the
+ * length of its bytes (u32); then a chunk of the stream (less at the end
+ * of a request). An answer with a status other than UCS_OK carries no bytes
  * and refuses the request at its offset: UCS_ERR_NO_RESOURCE while the
  * owner has ECX_GATHER_MAX_OUT bytes of answers in flight (the reader asks
  * again later), another error for a request it will not serve (ranges
@@ -99,6 +107,14 @@
 /* Bytes per answer: header and bytes stay within one 64 KiB tcp segment
  * (ECX_TCP_TX_SEG). */
 #define ECX_GATHER_CHUNK (60u << 10)
+/* UCX tcp segments (TX_SEG_SIZE and RX_SEG_SIZE) of an agent made with
+ * big_segs, and the chunks of the answers between two such agents: fewer,
+ * larger messages (each a system call at both ends and a trip through
+ * UCX) made READs across two network namespaces 5-35% faster. A peer with
+ * UCX's 64 KiB receive segments cannot take such a message, and UCX 1.13
+ * does not tell a sender the peer's size: both ends must use them. */
+#define ECX_TCP_SEG_BIG "256k"
+#define ECX_GATHER_CHUNK_BIG (252u << 10)
 /* The most a request asks for, in bytes and in ranges (its ranges then
  * fit one segment too). */
 #define ECX_GATHER_REQ_BYTES (64u * ECX_GATHER_CHUNK)
@@ -222,6 +238,9 @@ typedef struct ecx_ctx {
                                 their endpoint inside the send, as UCX
                                 does when the send finds the peer's
                                 connection gone (gather_send) */
+    uint32_t test_gather_chunk; /* tests: when not 0, the chunk size every
+                                   gathered READ asks its answers in */
+    int big_segs;            /* tcp segments of ECX_TCP_SEG_BIG both ways */
     uint64_t list_faults;    /* posts found on the ready list or the
                                 completion queue when put there again */
     int shm;                 /* a shared-memory transport is among the
@@ -248,7 +267,10 @@ typedef struct ecx_ctx {
 } ecx_ctx_t;
 
 /* Creation and teardown. */
-int ecx_create(const char *name, uint32_t name_len, ecx_ctx_t **out);
+/* big_segs: UCX tcp segments of ECX_TCP_SEG_BIG both ways, unless
+ * UCX_TCP_TX_SEG_SIZE or UCX_TCP_RX_SEG_SIZE is set (c->big_segs says
+ * whether they were set). */
+int ecx_create(const char *name, uint32_t name_len, int big_segs, ecx_ctx_t **out);
 void ecx_destroy(ecx_ctx_t *c);
 
 /* Worker address, copied into buf (caller gives capacity); returns the

@@ -41,6 +41,12 @@ const featFragNotifs = 1
 // gathered READs (ECX_AM_GATHER_REQ, see ecx.h).
 const featGather = 2
 
+// featBigSegments, in the feature bits of a peer's metadata: it runs with
+// Config.LargeTCPSegments, receives tcp segments of 256 KiB and answers
+// gather requests that name 252 KiB chunks (ecx.h). Its value follows
+// featTCPAlone and featModeRule (peers.go).
+const featBigSegments = 16
+
 // partial is one notification being reassembled.
 type partial struct {
 	token uint64

@@ -45,6 +45,11 @@ func (a *Agent) failSendsForTest(on bool) {
 	}
 }
 
+// gatherChunkForTest makes every gathered READ posted from now on ask
+// its answers in chunks of size bytes (0: as the two agents' segments
+// say), whatever the peer takes (tests).
+func (a *Agent) gatherChunkForTest(size uint32) { a.c.test_gather_chunk = C.uint32_t(size) }
+
 // listFaults counts posts found already queued when put on the ready list
 // or the completion queue again (tests: always 0).
 func (a *Agent) listFaults() uint64 { return uint64(a.c.list_faults) }

@@ -108,14 +108,24 @@ func FuzzGatherCheck(f *testing.F) {
 // FuzzGatherAnswers: whatever a producer answers (a hostile or broken
 // one), the consumer's handler writes nothing outside the local blocks of
 // the READ the answer names, and nothing into them but answer bytes; the
-// READ ends or waits, and the agent goes on.
+// READ ends or waits, and the agent goes on. With big, the READ is one
+// between two agents with LargeTCPSegments, whose answers come in 252 KiB
+// chunks (here two: ten 32 KiB blocks); else its answers are 60 KiB.
 func FuzzGatherAnswers(f *testing.F) {
-	g := newGatherPairTB(f, 4096, 64)
-	lidx, ridx := []int{3, 5, 6, 20, 40}, []int{9, 2, 30, 31, 63}
-	inRead := map[int]bool{}
-	for _, l := range lidx {
-		inRead[l] = true
+	type setup struct {
+		g          *gatherPair
+		lidx, ridx []int
+		inRead     map[int]bool
 	}
+	mk := func(bs, nb int, cfg Config, lidx, ridx []int) setup {
+		s := setup{g: newGatherPairTB(f, bs, nb, cfg), lidx: lidx, ridx: ridx, inRead: map[int]bool{}}
+		for _, l := range lidx {
+			s.inRead[l] = true
+		}
+		return s
+	}
+	small := mk(4096, 64, Config{}, []int{3, 5, 6, 20, 40}, []int{9, 2, 30, 31, 63})
+	large := mk(32768, 16, Config{LargeTCPSegments: true}, []int{1, 3, 4, 5, 6, 7, 8, 9, 11, 15}, []int{14, 0, 2, 3, 4, 12, 11, 10, 6, 8})
 	hdr := func(id, off uint64, st int32, n uint32) []byte {
 		h := make([]byte, 24)
 		binary.LittleEndian.PutUint64(h, id)
@@ -124,14 +134,22 @@ func FuzzGatherAnswers(f *testing.F) {
 		binary.LittleEndian.PutUint32(h[20:], n)
 		return h
 	}
-	f.Add(hdr(0, 0, 0, 4096), bytes.Repeat([]byte{1}, 4096), true)
-	f.Add(hdr(0, 0, 0, 5*4096), bytes.Repeat([]byte{2}, 5*4096), true)
-	f.Add(hdr(0, 4096, 0, 100), bytes.Repeat([]byte{3}, 100), true)
-	f.Add(hdr(0, 0, -2, 0), []byte{}, true)
-	f.Add(hdr(0, 0, -5, 0), []byte{}, true)
-	f.Add(hdr(7, 0, 0, 4096), bytes.Repeat([]byte{4}, 4096), false)
-	f.Add([]byte{1, 2, 3}, []byte{9}, true)
-	f.Fuzz(func(t *testing.T, header, data []byte, ours bool) {
+	f.Add(hdr(0, 0, 0, 4096), bytes.Repeat([]byte{1}, 4096), true, false)
+	f.Add(hdr(0, 0, 0, 5*4096), bytes.Repeat([]byte{2}, 5*4096), true, false)
+	f.Add(hdr(0, 4096, 0, 100), bytes.Repeat([]byte{3}, 100), true, false)
+	f.Add(hdr(0, 0, -2, 0), []byte{}, true, false)
+	f.Add(hdr(0, 0, -5, 0), []byte{}, true, false)
+	f.Add(hdr(7, 0, 0, 4096), bytes.Repeat([]byte{4}, 4096), false, false)
+	f.Add([]byte{1, 2, 3}, []byte{9}, true, false)
+	f.Add(hdr(0, 0, 0, 252<<10), bytes.Repeat([]byte{5}, 252<<10), true, true)
+	f.Add(hdr(0, 252<<10, 0, 68<<10), bytes.Repeat([]byte{6}, 68<<10), true, true)
+	f.Add(hdr(0, 60<<10, 0, 60<<10), bytes.Repeat([]byte{7}, 60<<10), true, true)
+	f.Fuzz(func(t *testing.T, header, data []byte, ours, big bool) {
+		s := small
+		if big {
+			s = large
+		}
+		g, lidx, ridx, inRead := s.g, s.lidx, s.ridx, s.inRead
 		for i := range g.cbuf {
 			g.cbuf[i] = 0xEE
 		}
@@ -172,8 +190,9 @@ func FuzzGatherAnswers(f *testing.F) {
 	})
 }
 
-// newGatherPairTB is newGatherPair for fuzz targets (no t.Setenv there).
-func newGatherPairTB(f *testing.F, bs, nb int) *gatherPair {
+// newGatherPairTB is newGatherPair for fuzz targets (no t.Setenv there),
+// both agents with cfg.
+func newGatherPairTB(f *testing.F, bs, nb int, cfg Config) *gatherPair {
 	f.Helper()
 	old, had := os.LookupEnv("UCX_TLS")
 	require.NoError(f, os.Setenv("UCX_TLS", "tcp"))
@@ -184,7 +203,7 @@ func newGatherPairTB(f *testing.F, bs, nb int) *gatherPair {
 			_ = os.Unsetenv("UCX_TLS")
 		}
 	}()
-	g := buildGatherPair(f, bs, nb, Config{}, Config{})
+	g := buildGatherPair(f, bs, nb, cfg, cfg)
 	// One READ answered, so the endpoint is wired up both ways.
 	id := g.read(f, []int{0}, []int{1}, nil)
 	require.NoError(f, waitXfer(f, g.cons, id, 10*time.Second, g.prod))

@@ -462,6 +462,98 @@ func TestGatherOutOfBounds(t *testing.T) {
 	require.Equal(t, uint64(3), ps.Refused)
 }
 
+// TestGatherLargeTCPSegments: between two agents with LargeTCPSegments a
+// gathered READ's answers come in 252 KiB chunks (each one message in
+// their 256 KiB tcp segments), out of the producer's memory when they lie
+// in one piece of it; the bytes land, with a notification too.
+func TestGatherLargeTCPSegments(t *testing.T) {
+	leakcheck.Check(t)
+	const bs, nb, big = 32768, 256, 252 << 10
+	on := Config{LargeTCPSegments: true}
+	g := newGatherPair(t, bs, nb, on, on)
+	require.NotZero(t, g.prod.c.big_segs)
+	require.NotZero(t, g.cons.c.big_segs)
+	require.True(t, g.cons.peers[g.name].gatherBig)
+	chunks := func(bytes int) uint64 { return uint64((bytes + big - 1) / big) }
+	// 128 contiguous blocks (4 MiB: two requests, the first of 15 whole
+	// chunks, 3.69 MiB), then 100 blocks apart.
+	id := g.read(t, seq(0, 128), seq(0, 128), []byte("n"))
+	require.NoError(t, waitXfer(t, g.cons, id, 10*time.Second, g.prod))
+	g.check(t, seq(0, 128), seq(0, 128))
+	require.NoError(t, g.cons.ReleaseXfer(id))
+	zc, copied := g.prod.answerChunks()
+	require.Equal(t, [2]uint64{15 + chunks(128*bs-15*big), 0}, [2]uint64{zc, copied})
+	apart := make([]int, 100)
+	for i := range apart {
+		apart[i] = nb - 1 - 2*i
+	}
+	id = g.read(t, seq(0, 100), apart, nil)
+	require.NoError(t, waitXfer(t, g.cons, id, 10*time.Second, g.prod))
+	g.check(t, seq(0, 100), apart)
+	require.NoError(t, g.cons.ReleaseXfer(id))
+	zc2, copied2 := g.prod.answerChunks()
+	require.Equal(t, [2]uint64{zc, chunks(100 * bs)}, [2]uint64{zc2, copied2})
+	require.Equal(t, uint64(3), g.prod.GatherCounts().Served)
+	require.Zero(t, g.prod.GatherCounts().Refused)
+}
+
+// TestLargeTCPSegmentsBothEnds: an agent with LargeTCPSegments and one
+// without refuse each other's metadata (one would send tcp messages the
+// other has no room for), and the option conflicts with UCX's own
+// segment settings in the environment.
+func TestLargeTCPSegmentsBothEnds(t *testing.T) {
+	leakcheck.Check(t)
+	t.Setenv("UCX_TLS", "tcp")
+	on := newTestAgent(t, Config{Name: "on", LargeTCPSegments: true, ErrMode: ErrModePeer})
+	off := newTestAgent(t, Config{Name: "off", ErrMode: ErrModePeer})
+	for _, c := range []struct{ from, to *Agent }{{on, off}, {off, on}} {
+		md, err := c.to.LocalMetadata()
+		require.NoError(t, err)
+		_, err = c.from.LoadRemoteMetadata(md)
+		require.ErrorIs(t, err, nixl.ErrInvalidParam)
+		require.ErrorContains(t, err, "LargeTCPSegments")
+	}
+	for _, v := range []string{"UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE"} {
+		t.Run(v, func(t *testing.T) {
+			t.Setenv(v, "64k")
+			_, err := New(Config{Name: "env", LargeTCPSegments: true})
+			require.ErrorIs(t, err, nixl.ErrInvalidParam)
+			require.ErrorContains(t, err, v)
+		})
+	}
+}
+
+// TestGatherChunkSizes: a producer answers requests naming 60 KiB chunks
+// (or 0, as builds before the field send), and 252 KiB ones only with
+// LargeTCPSegments; it refuses any other size, and the consumer's READ
+// fails; the agents go on.
+func TestGatherChunkSizes(t *testing.T) {
+	leakcheck.Check(t)
+	const bs, nb = 5120, 512
+	g := newGatherPair(t, bs, nb, Config{}, Config{})
+	require.False(t, g.cons.peers[g.name].gatherBig)
+	for _, size := range []uint32{0, gatherChunk} {
+		g.cons.gatherChunkForTest(size)
+		clear(g.cbuf)
+		id := g.read(t, seq(0, nb), seq(0, nb), nil)
+		require.NoError(t, waitXfer(t, g.cons, id, 10*time.Second, g.prod))
+		g.check(t, seq(0, nb), seq(0, nb))
+		require.NoError(t, g.cons.ReleaseXfer(id))
+	}
+	for i, size := range []uint32{252 << 10, 32 << 10, 1, gatherChunk + 1} {
+		g.cons.gatherChunkForTest(size)
+		id := g.read(t, seq(0, 4), seq(100, 104), nil)
+		require.Error(t, waitXfer(t, g.cons, id, 10*time.Second, g.prod), "chunks of %d", size)
+		require.NoError(t, g.cons.ReleaseXfer(id))
+		require.Equal(t, uint64(i+1), g.prod.GatherCounts().Refused)
+	}
+	g.cons.gatherChunkForTest(0)
+	id := g.read(t, seq(0, 4), seq(100, 104), nil)
+	require.NoError(t, waitXfer(t, g.cons, id, 10*time.Second, g.prod))
+	g.check(t, seq(0, 4), seq(100, 104))
+	require.NoError(t, g.cons.ReleaseXfer(id))
+}
+
 // gatherReq lays out a request's ranges as the wire carries them.
 func gatherReq(ranges ...uint64) []byte {
 	b := make([]byte, 8*len(ranges))

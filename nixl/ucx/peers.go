@@ -217,6 +217,11 @@ func (a *Agent) checkCompatible(m *metadata) error {
 		return nixl.Errorf(nixl.ErrInvalidParam, "ucx: peer %q runs UCX %d.%d, this is %d.%d",
 			m.Name, m.ucxMajor(), m.ucxMinor(), own.ucxMajor(), own.ucxMinor())
 	}
+	if mine, theirs := own.ucxFeatures()&featBigSegments != 0, m.ucxFeatures()&featBigSegments != 0; mine != theirs {
+		// One of them sends tcp messages the other has no room for.
+		return nixl.Errorf(nixl.ErrInvalidParam, "ucx: peer %q has LargeTCPSegments %v, this agent %v: both ends need the same",
+			m.Name, theirs, mine)
+	}
 	// The low nibble of a packed UCP worker address is its format version;
 	// a peer built against the same UCX writes the same one.
 	if m.Worker[0]&0xf != a.worker[0]&0xf {
@@ -289,6 +294,7 @@ func (a *Agent) connect(p *peer, m *metadata) error {
 	// failed meanwhile (UCX 1.13): READs of a peer in error mode PEER that
 	// answers gathers go as gathers (ecx.h, ECX_OP_GATHER).
 	p.gather = p.peerMode && !a.cfg.NoGather && m.ucxFeatures()&featGather != 0
+	p.gatherBig = p.gather && a.cfg.LargeTCPSegments && m.ucxFeatures()&featBigSegments != 0
 	if !p.peerMode && !a.cfg.rndvNotifs {
 		// An endpoint in error mode NONE cannot be force-closed, and one
 		// that ever sent an active message off UCX's short path stays

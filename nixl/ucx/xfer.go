@@ -207,6 +207,8 @@ func (a *Agent) post(x *xfer) error {
 	switch {
 	case x.op == nixl.Write:
 		op = C.ECX_OP_WRITE
+	case p.gatherBig:
+		op = C.ECX_OP_GATHER_BIG
 	case p.gather:
 		op = C.ECX_OP_GATHER
 	}

@@ -313,7 +313,9 @@ class EcxferDataTransport(_Base):
     reactor_only (callers never step in for the reactor thread), direct
     ("auto", "on", "off": same-host READs bypass the engine and copy from
     the peer's mapped region), inline_bytes, copy_workers, no_gather
-    (READs of peers on other hosts go as UCX gets, not gathered). The JSON
+    (READs of peers on other hosts go as UCX gets, not gathered),
+    large_tcp_segments (UCX tcp segments of 256 KiB: every peer must set
+    it too, README "Tuning"). The JSON
     object in $ECXFER_OPTIONS supplies defaults for them (that is how
     options reach a transport vLLM builds); keyword arguments win.
 
