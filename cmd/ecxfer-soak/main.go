@@ -85,6 +85,7 @@ var (
 	memProfile  string
 	metricsAddr string // serve the consumer's metrics here
 	logEvents   bool   // the consumer's structured events to stderr
+	largeSegs   bool   // every agent with Config.LargeTCPSegments
 )
 
 const (
@@ -114,6 +115,7 @@ func main() {
 	regions := flag.String("regions", "alloc,mmap", "producers' region kinds, round robin: alloc, mmap, shm")
 	flag.Int64Var(&maxRestarts, "restarts", 0, "end the run after this many producer replacements (0: run for --duration)")
 	flag.IntVar(&notifBytes, "notif-bytes", 0, "length of each READ's notification (0: about 8 bytes; vLLM 0.33's are 101)")
+	flag.BoolVar(&largeSegs, "large-tcp-segments", false, "every agent with Config.LargeTCPSegments (UCX tcp segments of 256 KiB; matters over tcp, UCX_TLS=tcp)")
 	flag.BoolVar(&checkMaps, "check-maps", true, "fail if more shared memory is mapped at the end than after warm-up")
 	flag.Parse()
 	var ok bool
@@ -168,7 +170,8 @@ func runProducer() int {
 	}
 	bs, _ := strconv.Atoi(os.Getenv("ECX_BS"))
 	seed, _ := strconv.ParseUint(os.Getenv("ECX_SEED"), 10, 64)
-	cfg := ecxfer.Config{AgentName: os.Getenv("ECX_NAME"), BlockSize: bs, NumBlocks: prodNB}
+	cfg := ecxfer.Config{AgentName: os.Getenv("ECX_NAME"), BlockSize: bs, NumBlocks: prodNB,
+		LargeTCPSegments: os.Getenv("ECX_LARGE_SEGS") == "1"}
 	switch os.Getenv("ECX_REGION") {
 	case "mmap":
 		region, err := unix.Mmap(-1, 0, bs*prodNB, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
@@ -245,7 +248,7 @@ func startProducer(name string, seed uint64, bs int, region string) (child, ctrl
 	cmd := exec.Command(exe)
 	cmd.Env = append(os.Environ(), roleEnv+"=producer", "ECX_NAME="+name,
 		"ECX_BS="+strconv.Itoa(bs), "ECX_SEED="+strconv.FormatUint(seed, 10), "ECX_REGION="+region,
-		"ECX_SHM_PATH="+shmPath(name))
+		"ECX_SHM_PATH="+shmPath(name), "ECX_LARGE_SEGS="+map[bool]string{true: "1", false: "0"}[largeSegs])
 	stdin, stdout, err := ctrl.StartPiped(cmd)
 	if err != nil {
 		return child{}, ctrl.Message{}, err
@@ -596,7 +599,7 @@ func soak(duration time.Duration, nprod, nwork int, restart time.Duration, bs, r
 // start creates the consumer and the first incarnation of every producer.
 func (s *soakRun) start(nprod int) error {
 	cfg := ecxfer.Config{AgentName: fmt.Sprintf("soak-consumer-%d", os.Getpid()), BlockSize: s.bs, NumBlocks: s.nwork * maxRead,
-		Direct: directMode}
+		Direct: directMode, LargeTCPSegments: largeSegs}
 	if logEvents {
 		cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, nil))
 	}
