@@ -151,10 +151,10 @@ type Config struct {
 	// receives in 64 KiB segments cannot take a larger message, and UCX
 	// 1.13 does not tell a sender the peer's size, so every peer of such a
 	// transport must set it too: AddRemotePeer refuses one whose metadata
-	// says otherwise, both ways (an older build's says nothing: refused by
-	// this end; such a peer reading this one with UCX gets, NoGather at
-	// either end, could be sent messages it cannot take). It conflicts
-	// with UCX_TCP_TX_SEG_SIZE or UCX_TCP_RX_SEG_SIZE in the environment.
+	// says otherwise, both ways, and builds from before the option refuse
+	// this transport's metadata whole (it is sent as version 2, they read
+	// version 1 alone). It conflicts with UCX_TCP_TX_SEG_SIZE or
+	// UCX_TCP_RX_SEG_SIZE in the environment.
 	LargeTCPSegments bool
 
 	// sharedQueueForTest lifts AddRemotePeer's refusal of shared-queue

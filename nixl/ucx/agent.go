@@ -91,7 +91,8 @@ type Config struct {
 	// cannot take a larger message, and UCX 1.13 does not tell a sender
 	// the peer's size, so every peer of such an agent must have it too:
 	// LoadRemoteMetadata refuses a peer whose metadata says otherwise
-	// (featBigSegments). It conflicts with UCX_TCP_TX_SEG_SIZE or
+	// (featBigSegments), and builds from before it refuse this agent's
+	// metadata (mdVersionBig). It conflicts with UCX_TCP_TX_SEG_SIZE or
 	// UCX_TCP_RX_SEG_SIZE in the environment (New fails).
 	LargeTCPSegments bool
 

@@ -78,7 +78,9 @@
 //
 // # Metadata
 //
-// A versioned msgpack blob: [magic, version, body, xxhash64(body)], the body
+// A versioned msgpack blob: [magic, version, body, xxhash64(body)] (version
+// 2 from an agent with LargeTCPSegments, so that builds from before it,
+// which read version 1 alone, refuse it; 1 from every other), the body
 // holding name, host identity (kernel boot id, network- and pid-namespace
 // inodes), pid and process start time, UCX version, worker address and
 // regions [addr, len, packed rkey]. Decoding is strict and bounded and pure

@@ -506,6 +506,16 @@ func TestLargeTCPSegmentsBothEnds(t *testing.T) {
 	t.Setenv("UCX_TLS", "tcp")
 	on := newTestAgent(t, Config{Name: "on", LargeTCPSegments: true, ErrMode: ErrModePeer})
 	off := newTestAgent(t, Config{Name: "off", ErrMode: ErrModePeer})
+	// Builds from before LargeTCPSegments read version 1 alone: they
+	// refuse the agent with it whole, and read the other.
+	for _, c := range []struct {
+		a   *Agent
+		ver uint64
+	}{{on, 2}, {off, 1}} {
+		md, err := c.a.LocalMetadata()
+		require.NoError(t, err)
+		require.Equal(t, c.ver, envelopeVersion(t, md), c.a.cfg.Name)
+	}
 	for _, c := range []struct{ from, to *Agent }{{on, off}, {off, on}} {
 		md, err := c.to.LocalMetadata()
 		require.NoError(t, err)

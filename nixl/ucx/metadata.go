@@ -17,7 +17,7 @@ import (
 //
 //	[magic str, version uint, body bin, checksum uint]
 //
-// checksum is xxhash64 of body. Version 1 body:
+// checksum is xxhash64 of body. Body (versions 1 and 2):
 //
 //	[name str, boot str, netns uint, pidns uint, pid uint, start uint,
 //	 ucx uint, worker bin, regions [[addr uint, len uint, rkey bin]...]]
@@ -26,11 +26,20 @@ import (
 // this build's features (featFragNotifs). Builds before features compare
 // the major alone, so they read the metadata of builds that have them.
 //
+// Version 2 is the same body from an agent with featBigSegments, and only
+// from one: its tcp messages can be larger than a 64 KiB receive segment,
+// and builds from before that feature, which would not see the bit and
+// could read such an agent with UCX gets (answered in messages they have
+// no room for), read version 1 alone and refuse it whole. A blob whose
+// version and bit disagree is refused.
+//
 // magic, version and checksum are checked before the body is parsed, so a
 // truncated or corrupted blob never reaches UCX.
 const (
 	mdMagic   = "ecxfer/ucx"
 	mdVersion = 1
+	// mdVersionBig is the version of an agent with featBigSegments.
+	mdVersionBig = 2
 
 	maxMetadata   = 16 << 20
 	maxNameLen    = 256
@@ -65,6 +74,15 @@ func ucxFeatures(major, minor, features uint64) uint64 {
 func (m *metadata) ucxMajor() uint64    { return m.UCX >> 16 }
 func (m *metadata) ucxMinor() uint64    { return m.UCX & 0xff }
 func (m *metadata) ucxFeatures() uint64 { return m.UCX >> 8 & 0xff }
+
+// version is the envelope version m is sent with: mdVersionBig for an
+// agent with featBigSegments, mdVersion for every other.
+func (m *metadata) version() uint64 {
+	if m.ucxFeatures()&featBigSegments != 0 {
+		return mdVersionBig
+	}
+	return mdVersion
+}
 
 type metadata struct {
 	Name   string
@@ -104,7 +122,7 @@ func encodeMetadata(m *metadata) ([]byte, error) {
 	e = msgpack.NewEncoder(&out)
 	must(e.EncodeArrayLen(4))
 	must(e.EncodeString(mdMagic))
-	must(e.EncodeUint(mdVersion))
+	must(e.EncodeUint(m.version()))
 	must(e.EncodeBytes(body.Bytes()))
 	must(e.EncodeUint(xxhash.Sum64(body.Bytes())))
 	if out.Len() > maxMetadata {
@@ -174,55 +192,62 @@ func (m mdReader) end(what string) error {
 // decodeMetadata parses a blob strictly. Errors wrap nixl.ErrInvalidParam.
 // It is pure Go: nothing here touches UCX.
 func decodeMetadata(blob []byte) (*metadata, error) {
-	body, err := openEnvelope(blob)
+	ver, body, err := openEnvelope(blob)
 	if err == nil {
 		var m *metadata
 		if m, err = decodeBody(body); err == nil {
-			return m, nil
+			if m.version() == ver {
+				return m, nil
+			}
+			// Version 2 without the bit would reach builds that
+			// refuse big segments; the bit in version 1 would reach
+			// builds that cannot take them.
+			err = fmt.Errorf("version %d does not match the peer's features %#x (version %d is that of LargeTCPSegments, and only of it)",
+				ver, m.ucxFeatures(), mdVersionBig)
 		}
 	}
 	return nil, nixl.Errorf(nixl.ErrInvalidParam, "metadata: %v", err)
 }
 
 // openEnvelope checks the blob's size, magic, version and checksum and
-// returns the body (aliasing blob).
-func openEnvelope(blob []byte) ([]byte, error) {
+// returns the version and the body (aliasing blob).
+func openEnvelope(blob []byte) (uint64, []byte, error) {
 	if len(blob) == 0 || len(blob) > maxMetadata {
-		return nil, fmt.Errorf("size %d, want 1..%d", len(blob), maxMetadata)
+		return 0, nil, fmt.Errorf("size %d, want 1..%d", len(blob), maxMetadata)
 	}
 	top := newMDReader(blob)
 	if _, err := top.arrayLen("envelope", 4, 4); err != nil {
-		return nil, err
+		return 0, nil, err
 	}
 	magic, err := top.r.Str(64)
 	if err != nil {
-		return nil, fmt.Errorf("magic: %w", err)
+		return 0, nil, fmt.Errorf("magic: %w", err)
 	}
 	if string(magic) != mdMagic {
-		return nil, fmt.Errorf("bad magic %q", magic)
+		return 0, nil, fmt.Errorf("bad magic %q", magic)
 	}
 	ver, err := top.uint("version")
 	if err != nil {
-		return nil, err
+		return 0, nil, err
 	}
-	if ver != mdVersion {
-		return nil, fmt.Errorf("version %d, this build reads %d", ver, mdVersion)
+	if ver != mdVersion && ver != mdVersionBig {
+		return 0, nil, fmt.Errorf("version %d, this build reads %d and %d", ver, mdVersion, mdVersionBig)
 	}
 	body, err := top.bin("body", 1, maxMetadata)
 	if err != nil {
-		return nil, err
+		return 0, nil, err
 	}
 	sum, err := top.uint("checksum")
 	if err != nil {
-		return nil, err
+		return 0, nil, err
 	}
 	if err := top.end("envelope"); err != nil {
-		return nil, err
+		return 0, nil, err
 	}
 	if xxhash.Sum64(body) != sum {
-		return nil, fmt.Errorf("checksum mismatch")
+		return 0, nil, fmt.Errorf("checksum mismatch")
 	}
-	return body, nil
+	return ver, body, nil
 }
 
 // decodeBody parses a checked body: the identity fields, then the regions.

@@ -49,13 +49,80 @@ func body(t testing.TB, fields ...any) []byte {
 	return b
 }
 
-func TestMetadataRoundTrip(t *testing.T) {
+// bigMetadata is sampleMetadata from an agent with LargeTCPSegments.
+func bigMetadata() *metadata {
 	m := sampleMetadata()
-	blob, err := encodeMetadata(m)
+	m.UCX = ucxFeatures(1, 13, featGather|featBigSegments)
+	return m
+}
+
+// envelopeVersion reads the version field of a blob's envelope with the
+// plain msgpack decoder, apart from the code under test.
+func envelopeVersion(t testing.TB, blob []byte) uint64 {
+	t.Helper()
+	var env []any
+	require.NoError(t, msgpack.Unmarshal(blob, &env))
+	require.Len(t, env, 4)
+	switch v := env[1].(type) {
+	case uint64:
+		return v
+	case int8:
+		return uint64(v)
+	case uint8:
+		return uint64(v)
+	case int64:
+		return uint64(v)
+	}
+	t.Fatalf("version %T %v", env[1], env[1])
+	return 0
+}
+
+func TestMetadataRoundTrip(t *testing.T) {
+	for name, m := range map[string]*metadata{"v1": sampleMetadata(), "big": bigMetadata()} {
+		t.Run(name, func(t *testing.T) {
+			blob, err := encodeMetadata(m)
+			require.NoError(t, err)
+			got, err := decodeMetadata(blob)
+			require.NoError(t, err)
+			require.Equal(t, m, got)
+		})
+	}
+}
+
+// TestMetadataVersionBig: an agent with featBigSegments sends version 2,
+// which builds from before the feature (version 1 alone) refuse whole;
+// every other sends version 1, which they read. A blob whose version and
+// bit disagree is refused.
+func TestMetadataVersionBig(t *testing.T) {
+	small, err := encodeMetadata(sampleMetadata())
 	require.NoError(t, err)
-	got, err := decodeMetadata(blob)
+	require.Equal(t, uint64(1), envelopeVersion(t, small))
+	big, err := encodeMetadata(bigMetadata())
 	require.NoError(t, err)
-	require.Equal(t, m, got)
+	require.Equal(t, uint64(2), envelopeVersion(t, big))
+
+	rebody := func(blob []byte) []byte {
+		var env []any
+		require.NoError(t, msgpack.Unmarshal(blob, &env))
+		return env[2].([]byte)
+	}
+	for name, blob := range map[string][]byte{
+		"bit in version 1":    envelope(t, mdMagic, 1, rebody(big)),
+		"version 2 no bit":    envelope(t, mdMagic, 2, rebody(small)),
+		"version 3 big":       envelope(t, mdMagic, 3, rebody(big)),
+		"version 0":           envelope(t, mdMagic, 0, rebody(small)),
+		"version 1<<32 small": envelope(t, mdMagic, 1<<32|1, rebody(small)),
+	} {
+		t.Run(name, func(t *testing.T) {
+			_, err := decodeMetadata(blob)
+			require.ErrorIs(t, err, nixl.ErrInvalidParam)
+			require.ErrorContains(t, err, "version")
+		})
+	}
+	for _, blob := range [][]byte{envelope(t, mdMagic, 1, rebody(small)), envelope(t, mdMagic, 2, rebody(big))} {
+		_, err := decodeMetadata(blob)
+		require.NoError(t, err)
+	}
 }
 
 func TestMetadataHostile(t *testing.T) {
@@ -82,7 +149,7 @@ func TestMetadataHostile(t *testing.T) {
 		"not msgpack":    []byte("hello world"),
 		"nil":            {0xc0},
 		"wrong magic":    envelope(t, "nixl", mdVersion, body(t, fields(m.Name, m.Worker, regs())...)),
-		"wrong version":  envelope(t, mdMagic, 2, body(t, fields(m.Name, m.Worker, regs())...)),
+		"wrong version":  envelope(t, mdMagic, 3, body(t, fields(m.Name, m.Worker, regs())...)),
 		"bad checksum":   flipped,
 		"huge bin":       hugeBin,
 		"trailing bytes": append(bytes.Clone(good), 0),
@@ -159,7 +226,10 @@ func FuzzDecodeMetadata(f *testing.F) {
 	empty.Region = nil
 	noRegions, err := encodeMetadata(empty)
 	require.NoError(f, err)
+	big, err := encodeMetadata(bigMetadata())
+	require.NoError(f, err)
 	f.Add(good)
+	f.Add(big)
 	f.Add(noRegions)
 	f.Add(good[:len(good)/2])
 	f.Add([]byte{0x94})
