@@ -53,8 +53,9 @@ class ClosedError(EcxferError, RuntimeError):
 
 class ForkedError(ClosedError):
     """This process was forked after it loaded the library: ecxfer cannot
-    run here (Go's runtime does not survive a fork). Transports inherited
-    from the parent are closed in the child; new ones cannot be made."""
+    run here (Go's runtime does not survive a fork). Calls on transports
+    inherited from the parent raise it (their closed stays False until
+    deregister(), which only forgets them); new ones cannot be made."""
 
 
 class BusyError(EcxferError, RuntimeError):
@@ -87,8 +88,8 @@ class BadArgumentError(EcxferError, ValueError):
 
 class BadArgumentTypeError(BadArgumentError, TypeError):
     """An argument of the wrong type: block indices that are not ints, a
-    notification that is neither bytes-like nor str, a timeout that is not
-    a number."""
+    notification that is neither bytes-like, str nor None, an agent name
+    that is not hashable, a timeout that is not a number."""
 
 
 _BY_CODE = {

@@ -317,7 +317,10 @@ class EcxferDataTransport(_Base):
     large_tcp_segments (UCX tcp segments of 256 KiB: every peer must set
     it too, README "Tuning"). The JSON
     object in $ECXFER_OPTIONS supplies defaults for them (that is how
-    options reach a transport vLLM builds); keyword arguments win.
+    options reach a transport vLLM builds); keyword arguments win, and
+    one given as None counts as not given. agent_name, block_size and
+    num_blocks are not options (ConfigError): they come from the
+    arguments above.
 
     Every method is safe to call from any thread. Calls into the library
     release the GIL (post_read given lists once it has read them). The
@@ -344,6 +347,14 @@ class EcxferDataTransport(_Base):
         # still goes to the library as null, which refuses a name it does
         # not know.
         opts.update({k: v for k, v in options.items() if v is not None or k not in opts})
+        # The library's own names for the constructor's arguments: an
+        # option or an ECXFER_OPTIONS key of that name would be
+        # overwritten below without a word.
+        for k in ("agent_name", "block_size", "num_blocks"):
+            if k in opts:
+                raise ConfigError(
+                    f"ecxfer: bad config: {k} is not an option (it comes from the constructor's arguments)"
+                )
         if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
             raise ConfigError(f"ecxfer: bad config: num_threads {num_threads!r} (want an int >= 1)")
         if num_threads > 1 and opts.get("copy_workers") is None:

@@ -339,7 +339,15 @@ def test_options_from_environment(region, monkeypatch):
         monkeypatch.setenv("ECXFER_OPTIONS", raw)
         with pytest.raises(ecxfer.ConfigError, match=r"option (xfer_timeout_s|spin_for_us)=(inf|nan)"):
             EcxferDataTransport(agent_name="e6", **kw)
+    # The constructor's arguments are not options: a key of the library's
+    # name for one is refused, not silently overwritten.
+    for raw in ('{"block_size": 8192}', '{"num_blocks": 2}', '{"agent_name": "other"}'):
+        monkeypatch.setenv("ECXFER_OPTIONS", raw)
+        with pytest.raises(ecxfer.ConfigError, match="constructor"):
+            EcxferDataTransport(agent_name="e8", **kw)
     monkeypatch.delenv("ECXFER_OPTIONS")
+    with pytest.raises(ecxfer.ConfigError, match="constructor"):
+        EcxferDataTransport(agent_name="e9", block_size=8192, **kw)
     with pytest.raises(ecxfer.ConfigError, match=r"option xfer_timeout_s=nan"):
         EcxferDataTransport(agent_name="e7", xfer_timeout_s=float("nan"), **kw)
 
