@@ -117,6 +117,7 @@ func main() {
 	flag.IntVar(&notifBytes, "notif-bytes", 0, "length of each READ's notification (0: about 8 bytes; vLLM 0.33's are 101)")
 	flag.BoolVar(&largeSegs, "large-tcp-segments", false, "every agent with Config.LargeTCPSegments (UCX tcp segments of 256 KiB; matters over tcp, UCX_TLS=tcp)")
 	flag.BoolVar(&checkMaps, "check-maps", true, "fail if more shared memory is mapped at the end than after warm-up")
+	hangLimit := flag.Duration("hang-limit", 2*time.Minute, "a run still going this long after --duration ended is hung: it prints its goroutines and exits 3")
 	flag.Parse()
 	var ok bool
 	if directMode, ok = map[string]ecxfer.DirectMode{"auto": ecxfer.DirectAuto, "on": ecxfer.DirectOn, "off": ecxfer.DirectOff}[*direct]; !ok {
@@ -134,8 +135,8 @@ func main() {
 		fmt.Fprintln(os.Stderr, "ecxfer-soak: --restarts needs a positive count and --restart interval")
 		os.Exit(2)
 	}
-	if *duration <= 0 || *restart < 0 || *rssBound < 0 {
-		fmt.Fprintln(os.Stderr, "ecxfer-soak: --duration must be positive, --restart and --rss-bound not negative")
+	if *duration <= 0 || *restart < 0 || *rssBound < 0 || *hangLimit <= 0 {
+		fmt.Fprintln(os.Stderr, "ecxfer-soak: --duration and --hang-limit must be positive, --restart and --rss-bound not negative")
 		os.Exit(2)
 	}
 	if *producers < 1 || *workers < 1 || *bs < 8 {
@@ -153,9 +154,24 @@ func main() {
 		fmt.Fprintf(os.Stderr, "ecxfer-soak: unexpected arguments %q\n", flag.Args())
 		os.Exit(2)
 	}
+	watchdog(*duration, *hangLimit)
 	if !soak(*duration, *producers, *workers, *restart, *bs, *rssBound) {
 		os.Exit(1)
 	}
+}
+
+// watchdog ends a run that is still going hangLimit after its duration
+// (a teardown stuck inside UCX, a worker that never returns): it prints
+// every goroutine's stack and exits 3, which closes the producers' stdin,
+// so they go too and remove their region files. The limit follows
+// --duration, so a long run needs no outside timeout that a longer
+// --duration would outgrow.
+func watchdog(duration, hangLimit time.Duration) {
+	time.AfterFunc(duration+hangLimit, func() {
+		fmt.Fprintf(os.Stderr, "ecxfer-soak: still running %v after --duration %v ended: hung; its goroutines:\n", hangLimit, duration)
+		_ = pprof.Lookup("goroutine").WriteTo(os.Stderr, 2)
+		os.Exit(3)
+	})
 }
 
 // ---------------------------------------------------------------------------
@@ -541,6 +557,9 @@ func soak(duration time.Duration, nprod, nwork int, restart time.Duration, bs, r
 		s.restarter(runDone)
 	}()
 	smp := s.monitor(start)
+	if os.Getenv("ECX_SOAK_HANG_FOR_TEST") == "1" {
+		select {} // a teardown that never ends (TestSoakHungRunEnds)
+	}
 	s.stop.Store(true)
 	close(runDone)
 	<-watched

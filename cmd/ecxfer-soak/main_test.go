@@ -195,6 +195,41 @@ func TestSoakKilledLeavesNoFiles(t *testing.T) {
 		30*time.Second, 10*time.Millisecond, "the producers' region files are left behind")
 }
 
+// TestSoakHungRunEnds: a run that does not end hangLimit after its
+// duration prints its goroutines and exits 3 on its own, and its
+// producers go with it (their region files removed).
+func TestSoakHungRunEnds(t *testing.T) {
+	cmd := exec.Command(os.Args[0], "--regions", "shm", "--duration", "1s", "--hang-limit", "2s",
+		"--producers", "2", "--workers", "2", "--restart", "0")
+	cmd.Env = append(os.Environ(), mainEnv+"=1", "ECX_SOAK_HANG_FOR_TEST=1")
+	var out syncBuf
+	cmd.Stdout, cmd.Stderr = &out, &out
+	require.NoError(t, cmd.Start())
+	pat := fmt.Sprintf("/dev/shm/soak-producer-%d-*.mmap", cmd.Process.Pid)
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		m, _ := filepath.Glob(pat)
+		for _, f := range m {
+			_ = os.Remove(f)
+		}
+	})
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	var err error
+	select {
+	case err = <-done:
+	case <-time.After(60 * time.Second):
+		t.Fatalf("the hung soak did not end:\n%s", out.String())
+	}
+	var ee *exec.ExitError
+	require.ErrorAs(t, err, &ee, out.String())
+	require.Equal(t, 3, ee.ExitCode(), out.String())
+	require.Contains(t, out.String(), "ecxfer-soak: still running 2s after --duration 1s ended: hung")
+	require.Contains(t, out.String(), "goroutine ", "its goroutines are printed")
+	require.Eventually(t, func() bool { m, _ := filepath.Glob(pat); return len(m) == 0 },
+		30*time.Second, 10*time.Millisecond, "the producers' region files are left behind")
+}
+
 // Flags the soak cannot honour are refused before it starts (exit 2): a
 // notification longer than the transports take (PostRead refused every
 // READ and the run passed anyway; above 1,000,000 bytes it panicked), a
@@ -205,6 +240,7 @@ func TestSoakRefusesBadFlags(t *testing.T) {
 		{"--notif-bytes", "65537"},
 		{"--notif-bytes", "-1"},
 		{"bogus-arg"},
+		{"--hang-limit", "0s"},
 	} {
 		cmd := exec.Command(os.Args[0], append([]string{"--duration", "1s"}, args...)...)
 		cmd.Env = append(os.Environ(), mainEnv+"=1")
