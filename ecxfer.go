@@ -594,7 +594,10 @@ func (t *Transport) Stats() Stats { return t.r.Stats() }
 type PeerStat = reactor.PeerStat
 
 // PeerStats appends every known peer's state and counters to dst, in no
-// particular order; counted as Stats.
+// particular order; counted as Stats. The counters are those of the
+// peer's name: a peer that replaces one of its name (restarted, or a new
+// block list) takes them over, and they start from zero for a name
+// removed and added again.
 func (t *Transport) PeerStats(dst []PeerStat) []PeerStat { return t.r.PeerStats(dst) }
 
 // ReactorCPU is the CPU time (user and system) the reactor thread has

@@ -64,7 +64,7 @@
 //	                                                that slept until some READ ended
 //	ecxfer_read_duration_seconds        [histogram] post → DONE latency of READs
 //
-// With WithPeers(n), up to n peers (the first n by name) also get
+// With WithPeers(n), up to n peers (see WithPeers for which) also get
 // ecxfer_peer_reads_done_total, ecxfer_peer_reads_failed_total and
 // ecxfer_peer_read_bytes_total with a label peer; ecxfer_peer_series_omitted
 // says how many peers were left out.
@@ -99,9 +99,12 @@ type Option func(*collector)
 
 var errNilTransport = errors.New("metrics: a nil *ecxfer.Transport")
 
-// WithPeers exports per-peer series for at most n peers (the first n by
-// name). Zero, the default, exports none; the bound keeps a consumer with
-// thousands of peers from flooding Prometheus.
+// WithPeers exports per-peer series for at most n peers. A peer keeps its
+// series for as long as it is known, and free places go to the others in
+// name order, so a peer added later that sorts first does not push one
+// out (whose counters would vanish and come back with a jump). Zero, the
+// default, exports none; the bound keeps a consumer with thousands of
+// peers from flooding Prometheus.
 func WithPeers(n int) Option {
 	return func(c *collector) {
 		if n > 0 {
@@ -115,8 +118,9 @@ type collector struct {
 	maxPeers int
 	agent    string
 
-	mu    sync.Mutex // guards peers, reused across scrapes
+	mu    sync.Mutex // guards peers, reused across scrapes, and shown
 	peers []ecxfer.PeerStat
+	shown map[string]bool // the peers with per-peer series (WithPeers)
 
 	readsPosted, readsDone, readsFailed, readsCanceled *prometheus.Desc
 	readBytes, inFlight, handles, busyRefusals         *prometheus.Desc
@@ -293,14 +297,29 @@ func (c *collector) collectPeers(ch chan<- prometheus.Metric) {
 		return
 	}
 	sort.Slice(c.peers, func(i, j int) bool { return c.peers[i].Name < c.peers[j].Name })
-	shown := c.peers
-	if len(shown) > c.maxPeers {
-		shown = shown[:c.maxPeers]
+	// The peers shown last time that are still known keep their places
+	// (at most maxPeers of them); the free places go to the others in
+	// name order. Names no longer known leave the set.
+	next := make(map[string]bool, min(len(c.peers), c.maxPeers))
+	for _, p := range c.peers {
+		if c.shown[p.Name] {
+			next[p.Name] = true
+		}
 	}
-	for _, p := range shown {
+	for _, p := range c.peers {
+		if len(next) >= c.maxPeers {
+			break
+		}
+		next[p.Name] = true
+	}
+	c.shown = next
+	for _, p := range c.peers {
+		if !next[p.Name] {
+			continue
+		}
 		ch <- prometheus.MustNewConstMetric(c.peerDone, prometheus.CounterValue, float64(p.ReadsDone), p.Name)
 		ch <- prometheus.MustNewConstMetric(c.peerFailed, prometheus.CounterValue, float64(p.ReadsFailed), p.Name)
 		ch <- prometheus.MustNewConstMetric(c.peerBytes, prometheus.CounterValue, float64(p.BytesRead), p.Name)
 	}
-	ch <- prometheus.MustNewConstMetric(c.peerOmitted, prometheus.GaugeValue, float64(len(c.peers)-len(shown)))
+	ch <- prometheus.MustNewConstMetric(c.peerOmitted, prometheus.GaugeValue, float64(len(c.peers)-len(next)))
 }

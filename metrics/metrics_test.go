@@ -284,6 +284,56 @@ func TestPeerStates(t *testing.T) {
 	require.NoError(t, cons.RemoveRemotePeer(pn))
 }
 
+// TestPeerSeriesStayPut: with WithPeers(1), the peer shown keeps its
+// series when a peer that sorts before it is added (its counters would
+// vanish, then come back with a jump), and the other takes the place once
+// it is removed.
+func TestPeerSeriesStayPut(t *testing.T) {
+	warmPoller()
+	leakcheck.Check(t)
+	pb := newTransport(t, "loopback", name("peer-b"))
+	pa := newTransport(t, "loopback", name("peer-a"))
+	cons := newTransport(t, "loopback", name("cons"))
+	reg := prometheus.NewRegistry()
+	require.NoError(t, reg.Register(metrics.NewCollector(cons, metrics.WithPeers(1))))
+	scrape := func() (shown []string, omitted float64) {
+		t.Helper()
+		mfs, err := reg.Gather()
+		require.NoError(t, err)
+		for _, mf := range mfs {
+			switch mf.GetName() {
+			case "ecxfer_peer_reads_done_total":
+				for _, m := range mf.GetMetric() {
+					for _, l := range m.GetLabel() {
+						if l.GetName() == "peer" {
+							shown = append(shown, l.GetValue())
+						}
+					}
+				}
+			case "ecxfer_peer_series_omitted":
+				omitted = mf.GetMetric()[0].GetGauge().GetValue()
+			}
+		}
+		return shown, omitted
+	}
+	nb, err := cons.AddRemotePeer(pb.AgentMetadata(), pb.MemDescriptor())
+	require.NoError(t, err)
+	shown, omitted := scrape()
+	require.Equal(t, []string{nb}, shown)
+	require.Zero(t, omitted)
+	na, err := cons.AddRemotePeer(pa.AgentMetadata(), pa.MemDescriptor())
+	require.NoError(t, err)
+	require.Less(t, na, nb)
+	shown, omitted = scrape()
+	require.Equal(t, []string{nb}, shown, "the peer shown keeps its place")
+	require.Equal(t, 1.0, omitted)
+	require.NoError(t, cons.RemoveRemotePeer(nb))
+	shown, omitted = scrape()
+	require.Equal(t, []string{na}, shown)
+	require.Zero(t, omitted)
+	require.NoError(t, cons.RemoveRemotePeer(na))
+}
+
 // TestCollectorAfterDeregister: scraping a closed transport works and
 // reports the reactor thread's final CPU time.
 func TestCollectorAfterDeregister(t *testing.T) {

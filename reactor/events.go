@@ -201,7 +201,7 @@ func (r *Reactor) peerDead(p *Peer, why string) {
 		return
 	}
 	p.deadLogged = true
-	p.pc.dead.Store(true)
+	p.dead.Store(true)
 	if r.dir != nil && len(r.dir.held) > 0 {
 		r.dir.heldCheck = true // its held READs end
 	}

@@ -849,7 +849,10 @@ func (r *Reactor) addPeer(md []byte, descs descriptors.List, d *Direct) (_ strin
 		undo()
 		return "", fmt.Errorf("%w: %v", ErrBadDescriptor, err)
 	}
-	p := &Peer{Name: name, Descs: descs, dlist: dl}
+	p := &Peer{Name: name, Descs: descs, dlist: dl, pc: &peerCounters{}}
+	if old != nil {
+		p.pc = old.pc
+	}
 	p.grid, p.isGrid = descriptors.GridOf(descs)
 	if d != nil && r.dir != nil {
 		p.direct = d

@@ -44,10 +44,10 @@ type PeerStat struct {
 	BytesRead   uint64
 }
 
-// peerCounters are a peer's counters, written by the reactor thread.
+// peerCounters are the counters of a peer's name (Peer.pc), written by
+// the reactor thread (and by Post for a small direct READ it copies).
 type peerCounters struct {
 	done, failed, bytes atomic.Uint64
-	dead                atomic.Bool
 }
 
 // PeerStats appends the known peers' state and counters to dst.
@@ -58,7 +58,7 @@ func (r *Reactor) PeerStats(dst []PeerStat) []PeerStat {
 	}
 	for _, p := range *peers {
 		st := "up"
-		if p.pc.dead.Load() {
+		if p.dead.Load() {
 			st = "dead"
 		}
 		path := "engine"

@@ -53,7 +53,14 @@ type Peer struct {
 	// inline READ's notification itself only while it is 0, so none
 	// overtakes one held back.
 	notifsHeld atomic.Int64
-	pc         peerCounters
+	// pc are the counters of the peer's name: a peer that replaces one
+	// of its name (restarted, or a new block list) takes them over, so
+	// they never go down while the name stays known, and READs of the
+	// replaced peer that end after the swap count there too.
+	pc *peerCounters
+	// dead: a READ from this peer failed because it disconnected, or its
+	// process was seen to exit (PeerStat.State); not taken over.
+	dead atomic.Bool
 }
 
 type local struct {

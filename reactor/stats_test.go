@@ -219,6 +219,68 @@ func TestReleasedThenReplacedCountsCanceled(t *testing.T) {
 	require.Equal(t, uint64(1), st.ReadsCanceled)
 }
 
+// A peer replaced under its name (a new block list, or restarted) keeps
+// its name's counters, exported as Prometheus counters: they must not go
+// back to 0 (they did: each Peer had counters of its own). The replaced
+// peer's READs that end after the swap count there too, and the new peer
+// is not dead for the old one's sake. Removed and added again, the name
+// starts from 0 (a new series).
+func TestPeerCountersKeptWhenReplaced(t *testing.T) {
+	leakcheck.Check(t)
+	p := newPair(t, 16, Options{})
+	r := p.cons
+	for i := range 3 {
+		h, err := r.Post(p.pname, []int{i}, []int{i}, nil)
+		require.NoError(t, err)
+		require.NoError(t, r.Wait(context.Background(), h))
+		require.NoError(t, r.Release(h))
+	}
+	stat := func() PeerStat {
+		ps := r.PeerStats(nil)
+		require.Len(t, ps, 1)
+		return ps[0]
+	}
+	require.Eventually(t, func() bool { return stat().ReadsDone == 3 }, 5*time.Second, time.Millisecond)
+	before := stat()
+	// One READ in flight when the peer is replaced: it fails with the
+	// old peer, after which the new one serves.
+	p.consEng.SetDelay(time.Hour)
+	h, err := r.Post(p.pname, []int{5}, []int{5}, nil)
+	require.NoError(t, err)
+	inFlight(t, r, 1)
+	var md []byte
+	require.NoError(t, p.prod.do(func() error {
+		var err error
+		md, err = p.prodEng.LocalMetadata()
+		return err
+	}))
+	descs := p.prod.loc.Load().descs[:8]
+	require.NoError(t, r.do(func() error {
+		_, err := r.addPeer(md, descs, nil)
+		return err
+	}))
+	require.ErrorIs(t, r.Wait(context.Background(), h), ErrRemoteDisconnect)
+	require.NoError(t, r.Release(h))
+	p.consEng.SetDelay(0)
+	h, err = r.Post(p.pname, []int{1}, []int{1}, nil)
+	require.NoError(t, err)
+	require.NoError(t, r.Wait(context.Background(), h))
+	require.NoError(t, r.Release(h))
+	require.Eventually(t, func() bool { return stat().ReadsDone == 4 }, 5*time.Second, time.Millisecond)
+	after := stat()
+	require.Equal(t, before.ReadsFailed+1, after.ReadsFailed, "the replaced peer's READ counts under its name")
+	require.Equal(t, before.BytesRead+before.BytesRead/3, after.BytesRead)
+	require.Equal(t, "up", after.State)
+
+	require.NoError(t, r.RemovePeer(p.pname))
+	require.Empty(t, r.PeerStats(nil))
+	require.NoError(t, r.do(func() error {
+		_, err := r.addPeer(md, descs, nil)
+		return err
+	}))
+	require.Equal(t, PeerStat{Name: p.pname, Path: "engine", State: "up"}, stat())
+}
+
 // Snapshots taken while READs are posted and end on other goroutines are
 // consistent: never more READs ended than posted (the loop may end a READ
 // before its Post has counted it), never more latencies than READs done.
