@@ -40,7 +40,8 @@ debs:
 	fi; \
 	echo "deps: installing$$missing"; \
 	export DEBIAN_FRONTEND=noninteractive; \
-	apt-get update -qq && apt-get install -y -qq --no-install-recommends $$missing
+	apt-get -o DPkg::Lock::Timeout=600 update -qq && \
+		apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends $$missing
 
 # The project's one Python virtual environment (.venv), for its Python
 # tools and tests: every file in VENV_REQS, pinned, from PyPI. It is
@@ -75,7 +76,7 @@ $(NIXL_STAMP): $(NIXL_REQS) $(VENV_STAMP)
 build: deps
 	$(GO) build $(PKGS)
 
-fmt-check:
+fmt-check: go-check
 	@files=$$(git ls-files '*.go' 2>/dev/null || find . -name '*.go'); \
 	files=$$(for f in $$files; do [ -e "$$f" ] && echo "$$f"; done); \
 	out=$$($(GOFMT) -l $$files) || exit 1; \
@@ -102,14 +103,15 @@ cgo-guard:
 dep-guard: go-check debs
 	@bad=$$(grep -rl --include='*.go' '"github.com/prometheus/' . | grep -v '^\./metrics/' || true); \
 	if [ -n "$$bad" ]; then echo "prometheus imported outside metrics/:"; echo "$$bad"; exit 1; fi; \
-	if $(GO) list -deps . | grep -q '^github.com/prometheus/'; then echo "package ecxfer depends on prometheus"; exit 1; fi; \
+	deps=$$($(GO) list -deps .) || exit 1; \
+	if echo "$$deps" | grep -q '^github.com/prometheus/'; then echo "package ecxfer depends on prometheus"; exit 1; fi; \
 	echo "dep-guard: ok"
 
 # Run every fuzz target briefly: its seed corpus plus $(FUZZTIME) inputs.
 # Counts, not durations: go 1.26's fuzzer can fail a time-limited run with
 # "context deadline exceeded" when the time runs out.
 define run-fuzz
-	@set -e; for f in $$(grep -rl --include='*_test.go' '^func Fuzz' . | sort); do \
+	@set -e; for f in $$(grep -rl --include='*_test.go' --exclude-dir='.venv*' '^func Fuzz' . | sort); do \
 		dir=$$(dirname $$f); \
 		for t in $$(sed -n 's/^func \(Fuzz[A-Za-z0-9_]*\)(.*/\1/p' $$f); do \
 			echo "fuzz: $$dir $$t ($(1))"; \
@@ -118,10 +120,10 @@ define run-fuzz
 	done; rm -f .fuzz.log; echo "fuzz: ok"
 endef
 
-fuzz-seed:
+fuzz-seed: go-check debs
 	$(call run-fuzz,$(FUZZTIME))
 
-fuzz:
+fuzz: go-check debs
 	$(call run-fuzz,$(LONGFUZZ))
 
 # UCX_LOG_LEVEL=error: the tests kill peers on purpose, and UCX then warns
@@ -131,6 +133,9 @@ fuzz:
 # `make nixl` builds the shim for, and fail rather than skip without it.
 test: export UCX_LOG_LEVEL ?= error
 test: export ECXFER_REQUIRE_NIXL = 1
+# The NIXL peers and library come from the project's .venv, not from one
+# the caller may have activated.
+test: export VIRTUAL_ENV = $(NIXL_VENV)
 test: deps nixl fmt-check cgo-guard dep-guard vet staticcheck
 	$(GO) test -race -count=1 -timeout 20m $(PKGS)
 	$(GO) test -count=1 -run 'Allocs' $(PKGS)

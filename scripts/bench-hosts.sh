@@ -37,24 +37,53 @@ DEVA=$(echo "ecxhp$ID" | cut -c1-15)
 DEVB=$(echo "ecxhc$ID" | cut -c1-15)
 IPA=10.203.0.1
 IPB=10.203.0.2
-TMP=$(mktemp -d)
+TMP=""
 PIDS=""
 
 cleanup() {
 	# A second signal must not cut the clean-up short.
 	trap '' INT TERM HUP
 	for p in $PIDS; do kill "$p" 2>/dev/null || true; done
+	# Whatever else still runs in the namespaces (the consumer processes
+	# of a fleet run that died) would keep them, and the veth, alive.
+	for ns in "$NSA" "$NSB"; do
+		ip netns pids "$ns" 2>/dev/null | xargs -r kill 2>/dev/null || true
+	done
 	wait 2>/dev/null || true
 	ip netns del "$NSA" 2>/dev/null || true
 	ip netns del "$NSB" 2>/dev/null || true
-	rm -rf "$TMP"
+	[ -z "$TMP" ] || rm -rf "$TMP"
 }
 trap cleanup EXIT
 # dash runs the EXIT trap only on exit, not when a signal kills it: every
-# signal that ends a run (a closed terminal too) goes through exit.
+# signal that ends a run (a closed terminal too) goes through exit. It
+# runs a trap only once the foreground command has ended, so each long
+# step runs in the background and is waited for (step): a signal ends the
+# wait at once.
 trap 'exit 130' INT
 trap 'exit 143' TERM
 trap 'exit 129' HUP
+TMP=$(mktemp -d)
+
+# step runs a command to its end, as the foreground would, but
+# interruptibly (see above); its exit status is the step's.
+step() {
+	"$@" &
+	STEP=$!
+	PIDS="$PIDS $STEP"
+	wait "$STEP"
+}
+
+# listening waits until something in namespace $1 listens on TCP port $2
+# (a server started in the background), for at most 30 s.
+listening() {
+	i=0
+	until ip netns exec "$1" ss -Hltn "sport = :$2" | grep -q .; do
+		i=$((i + 1))
+		[ $i -lt 3000 ] || { echo "bench-hosts: nothing listens on port $2 in $1" >&2; exit 1; }
+		sleep 0.01
+	done
+}
 
 if [ "$(id -u)" != 0 ]; then
 	echo "bench-hosts: needs root (network namespaces)" >&2
@@ -62,8 +91,8 @@ if [ "$(id -u)" != 0 ]; then
 fi
 
 echo "bench-hosts: building"
-$GO build -o "$TMP/ecxfer-bench" ./cmd/ecxfer-bench
-$GO build -o "$TMP/ecxfer-fleet" ./cmd/ecxfer-fleet
+step $GO build -o "$TMP/ecxfer-bench" ./cmd/ecxfer-bench
+step $GO build -o "$TMP/ecxfer-fleet" ./cmd/ecxfer-fleet
 
 echo "bench-hosts: namespaces $NSA ($IPA on $DEVA) and $NSB ($IPB on $DEVB), one veth pair"
 ip netns add "$NSA"
@@ -88,24 +117,24 @@ done
 
 ip netns exec "$NSA" "$TMP/ecxfer-fleet" tcp-serve --listen "$IPA:7101" &
 PIDS="$PIDS $!"
-sleep 0.3
+listening "$NSA" 7101
 probe() {
 	echo "bench-hosts: the link itself ($1)"
-	ip netns exec "$NSB" "$TMP/ecxfer-fleet" tcp-probe --connect "$IPA:7101" --duration 2s
+	step ip netns exec "$NSB" "$TMP/ecxfer-fleet" tcp-probe --connect "$IPA:7101" --duration 2s
 }
 probe before
 
 echo "bench-hosts: the harness, producer in $NSA, consumer in $NSB, UCX over TCP"
 ip netns exec "$NSA" env UCX_TLS=tcp UCX_NET_DEVICES="$DEVA" "$TMP/ecxfer-bench" serve --listen "$IPA:7100" &
 PIDS="$PIDS $!"
-sleep 0.5
+listening "$NSA" 7100
 # shellcheck disable=SC2086
-ip netns exec "$NSB" env UCX_TLS=tcp UCX_NET_DEVICES="$DEVB" "$TMP/ecxfer-bench" run --connect "$IPA:7100" --no-refs \
+step ip netns exec "$NSB" env UCX_TLS=tcp UCX_NET_DEVICES="$DEVB" "$TMP/ecxfer-bench" run --connect "$IPA:7100" --no-refs \
 	--idle "$CONSUMER_IDLE" --producer-idle "$PRODUCER_IDLE" --duration 3s --rounds 6 ${BENCH_FLAGS:-}
 
 echo "bench-hosts: one producer in $NSA, consumer processes in $NSB"
 # shellcheck disable=SC2086
-"$TMP/ecxfer-fleet" consumers --producer-netns "$NSA" --producer-dev "$DEVA" \
+step "$TMP/ecxfer-fleet" consumers --producer-netns "$NSA" --producer-dev "$DEVA" \
 	--consumer-netns "$NSB" --consumer-dev "$DEVB" --idle "$HOSTS_IDLE" ${FLEET_FLAGS:-}
 
 probe after
