@@ -112,8 +112,9 @@ func ecx_abi_version() C.int { return abiVersion }
 
 // ecx_new creates a transport from opts, a JSON object of options (see
 // options), over the caller's region of regionLen bytes (NULL: the
-// transport allocates its own; a region of length 0 is refused, not
-// replaced by one of the transport's). The region must stay mapped until
+// transport allocates its own, and regionLen must be 0; a region of
+// length 0 is refused, not replaced by one of the transport's). The
+// region must stay mapped until
 // every ecx_deregister of the transport has returned. It stores the
 // transport's id at *out.
 //
@@ -124,6 +125,9 @@ func ecx_new(opts unsafe.Pointer, optsLen C.int64_t, region unsafe.Pointer, regi
 		return C.int(fail(err))
 	}
 	var reg []byte
+	if region == nil && regionLen != 0 {
+		return C.int(fail(fmt.Errorf("%w: no region, but a length of %d", errBadArg, regionLen)))
+	}
 	if region != nil {
 		if regionLen == 0 {
 			return C.int(fail(fmt.Errorf("%w: a region at %p of 0 bytes", errBadArg, region)))

@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -222,4 +223,42 @@ func TestPostCountRefusedBeforeCopy(t *testing.T) {
 	_, err = wait(c, uint64(h), 10*time.Second)
 	require.NoError(t, err)
 	require.NoError(t, release(c, uint64(h)))
+}
+
+// TestLastErrTableFull: once the table of last messages is full (threads
+// that failed and never asked), a new thread's message evicts one entry,
+// not all of them: the messages other live threads have not read yet stay
+// (the whole table used to be dropped), and the caller gets its own.
+func TestLastErrTableFull(t *testing.T) {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	me := unix.Gettid()
+	lastErr.mu.Lock()
+	saved := lastErr.m
+	lastErr.m = map[int]string{}
+	for i := 0; len(lastErr.m) < maxLastErr; i++ {
+		if tid := -1 - i; tid != me { // no real thread has a negative id
+			lastErr.m[tid] = "unread"
+		}
+	}
+	lastErr.mu.Unlock()
+	defer func() {
+		lastErr.mu.Lock()
+		lastErr.m = saved
+		lastErr.mu.Unlock()
+	}()
+	fail(fmt.Errorf("%w: mine", errBadArg))
+	lastErr.mu.Lock()
+	n := len(lastErr.m)
+	lastErr.mu.Unlock()
+	require.Equal(t, maxLastErr, n, "one entry evicted, the rest kept")
+	require.Contains(t, takeLastErr(), "mine")
+	// A thread with an entry already replaces it, evicting nothing.
+	fail(fmt.Errorf("%w: first", errBadArg))
+	fail(fmt.Errorf("%w: second", errBadArg))
+	lastErr.mu.Lock()
+	n = len(lastErr.m)
+	lastErr.mu.Unlock()
+	require.Equal(t, maxLastErr, n)
+	require.Contains(t, takeLastErr(), "second")
 }

@@ -15,15 +15,23 @@ var lastErr struct {
 }
 
 // maxLastErr bounds the table: threads that fail and exit without asking
-// leave their entry behind; past this many the table starts over.
+// leave their entry behind; past this many, each new entry evicts one
+// other (not all of them: the messages of live threads that have not
+// read theirs yet stay, but for that one).
 const maxLastErr = 4096
 
 // fail records err's message for the calling thread and returns its code.
 func fail(err error) int {
 	tid := unix.Gettid()
 	lastErr.mu.Lock()
-	if lastErr.m == nil || len(lastErr.m) >= maxLastErr {
+	if lastErr.m == nil {
 		lastErr.m = map[int]string{}
+	}
+	if _, ok := lastErr.m[tid]; !ok && len(lastErr.m) >= maxLastErr {
+		for k := range lastErr.m {
+			delete(lastErr.m, k)
+			break
+		}
 	}
 	lastErr.m[tid] = err.Error()
 	lastErr.mu.Unlock()

@@ -280,6 +280,13 @@ def _json_ok(v) -> bool:
     return True
 
 
+def _free_handed(p: ctypes.c_void_p) -> None:
+    """Frees a buffer the library handed over at p by a call whose return
+    value was lost (a signal handler raised as it returned)."""
+    if p.value:
+        _lib_.ecx_free(p)
+
+
 def _options_from_env() -> dict:
     raw = os.environ.get("ECXFER_OPTIONS", "").strip()
     if not raw:
@@ -383,10 +390,23 @@ class EcxferDataTransport(_Base):
             )
         _bind()
         tid = ctypes.c_uint64()
-        rc = _lib_.ecx_new(raw, len(raw), region or None, size, ctypes.byref(tid))
+        fin = None
+        try:
+            rc = _lib_.ecx_new(raw, len(raw), region or None, size, ctypes.byref(tid))
+            if rc == 0:
+                # From here the finalizer owns the transport.
+                fin = weakref.finalize(self, _finalize, tid.value, os.getpid())
+        except BaseException:
+            # A signal handler raised before the finalizer was made: the
+            # transport would have no owner; take it down (tid is 0 if
+            # none was made; a second deregister of an id is harmless).
+            if tid.value and fin is None:
+                _lib_.ecx_deregister(tid.value)
+            raise
         if rc != 0:
             raise from_code(rc)
         self._t = tid.value
+        self._finalizer = fin
         self.agent_name = agent_name
         self.num_blocks = num_blocks
         self.block_size_bytes = block_size_bytes
@@ -403,9 +423,9 @@ class EcxferDataTransport(_Base):
         # returning: handed out by the next call (guarded by _held_mu).
         self._held: dict[str, list[bytes]] | None = None
         self._held_mu = threading.Lock()
-        # Tear the transport down if the object is dropped without
-        # deregister(), at the latest when the interpreter exits.
-        self._finalizer = weakref.finalize(self, _finalize, self._t, self._pid)
+        # self._finalizer (set above) tears the transport down if the
+        # object is dropped without deregister(), at the latest when the
+        # interpreter exits.
         _check_fault_handlers()
 
     # -- vLLM's DataTransport -------------------------------------------
@@ -638,7 +658,11 @@ class EcxferDataTransport(_Base):
         handles, peers, ...)."""
         self._live()
         p = ctypes.c_void_p()
-        n = _lib_.ecx_stats(self._t, ctypes.byref(p))
+        try:
+            n = _lib_.ecx_stats(self._t, ctypes.byref(p))
+        except BaseException:
+            _free_handed(p)  # a signal handler raised as it returned
+            raise
         if n < 0:
             raise from_code(n)
         return json.loads(_lib.take_bytes(p, n))
@@ -662,7 +686,11 @@ class EcxferDataTransport(_Base):
     def _blob(self, which: int) -> bytes:
         self._live()
         p = ctypes.c_void_p()
-        n = _lib_.ecx_blob(self._t, which, ctypes.byref(p))
+        try:
+            n = _lib_.ecx_blob(self._t, which, ctypes.byref(p))
+        except BaseException:
+            _free_handed(p)  # a signal handler raised as it returned
+            raise
         if n < 0:
             raise from_code(n)
         return _lib.take_bytes(p, n)

@@ -30,6 +30,10 @@ def test_new_hostile():
     assert lib.ecx_new(opts, 1 << 62, None, 0, ctypes.byref(out)) == _lib.BAD_ARG
     assert lib.ecx_new(opts, len(opts), None, 0, None) == _lib.BAD_ARG
     assert "null out" in _lib.last_error()
+    # No region but a length: refused (a negative one was taken).
+    for n in (-1, 4096):
+        assert lib.ecx_new(opts, len(opts), None, n, ctypes.byref(out)) == _lib.BAD_ARG
+        assert "no region, but a length" in _lib.last_error()
     assert lib.ecx_new(opts, 3, None, 0, ctypes.byref(out)) == _lib.CONFIG  # cut JSON
     buf = ctypes.create_string_buffer(64)
     assert lib.ecx_new(opts, len(opts), buf, -5, ctypes.byref(out)) == _lib.BAD_ARG

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import ecxfer
-from conftest import PYDIR, child_env
+from conftest import PYDIR, child_env, lib_runtime
 
 
 def _loopback(name: str, **kw):
@@ -206,6 +206,65 @@ def test_signal_during_wait_notifs_keeps_the_notifications(monkeypatch):
         monkeypatch.setattr(transport, "_lib_", real)
         c.deregister()
         p.deregister()
+
+
+def test_signal_as_calls_return_leaks_nothing(monkeypatch):
+    """A signal handler that raises as ecx_new returns used to leave the
+    transport just made without an owner (its reactor running, the caller's
+    region held, for the life of the process); one that raises as ecx_blob
+    or ecx_stats returns, the buffer handed over unfreed. The wrapper
+    raises where the handler would."""
+    from ecxfer import transport
+
+    real = transport._lib_
+    base = lib_runtime()["transports"]
+
+    class Lib:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def ecx_new(self, *a):
+            rc = real.ecx_new(*a)
+            raise _Alarm()
+
+    _loopback("arg-new-warm").deregister()  # binds the library
+    real = transport._lib_
+    monkeypatch.setattr(transport, "_lib_", Lib())
+    monkeypatch.setattr(transport, "_bind", lambda: None)  # it would put the library back
+    with pytest.raises(_Alarm):
+        _loopback("arg-new-sig")
+    monkeypatch.setattr(transport, "_lib_", real)
+    assert lib_runtime()["transports"] == base, "the transport made as the signal came is left"
+
+    t = _loopback("arg-blob-sig")
+    freed = []
+
+    class Lib2:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def ecx_blob(self, tid, which, out):
+            real.ecx_blob(tid, which, out)
+            raise _Alarm()
+
+        def ecx_stats(self, tid, out):
+            real.ecx_stats(tid, out)
+            raise _Alarm()
+
+        def ecx_free(self, p):
+            freed.append(p.value)
+            real.ecx_free(p)
+
+    try:
+        monkeypatch.setattr(transport, "_lib_", Lib2())
+        with pytest.raises(_Alarm):
+            t.get_agent_metadata()
+        with pytest.raises(_Alarm):
+            t.stats()
+        assert len(freed) == 2 and all(freed), freed
+    finally:
+        monkeypatch.setattr(transport, "_lib_", real)
+        t.deregister()
 
 
 _REENTER = r"""
