@@ -128,17 +128,17 @@ fuzz: go-check debs
 
 # UCX_LOG_LEVEL=error: the tests kill peers on purpose, and UCX then warns
 # about every request it could not return; the warnings say nothing new.
+# VIRTUAL_ENV: the NIXL peers and library come from the project's .venv,
+# not from one the caller may have activated (the Python tests find it
+# themselves, and one of them checks NIXL is found nowhere else).
 # ECXFER_REQUIRE_NIXL=1: the NIXL engine's tests (its conformance suite,
 # the ABI checks, the Go <-> Python interop) run against the wheel that
 # `make nixl` builds the shim for, and fail rather than skip without it.
 test: export UCX_LOG_LEVEL ?= error
 test: export ECXFER_REQUIRE_NIXL = 1
-# The NIXL peers and library come from the project's .venv, not from one
-# the caller may have activated.
-test: export VIRTUAL_ENV = $(NIXL_VENV)
 test: deps nixl fmt-check cgo-guard dep-guard vet staticcheck
-	$(GO) test -race -count=1 -timeout 20m $(PKGS)
-	$(GO) test -count=1 -run 'Allocs' $(PKGS)
+	VIRTUAL_ENV=$(NIXL_VENV) $(GO) test -race -count=1 -timeout 20m $(PKGS)
+	VIRTUAL_ENV=$(NIXL_VENV) $(GO) test -count=1 -run 'Allocs' $(PKGS)
 	@$(MAKE) --no-print-directory test-python
 	@$(MAKE) --no-print-directory fuzz-seed
 	@$(MAKE) --no-print-directory soak
@@ -252,7 +252,7 @@ python: deps
 # the GIL, the plugin, packaging, leaks.
 test-python: export UCX_LOG_LEVEL ?= error
 test-python: python nixl
-	cd python && ../$(VENV_PY) -m pytest -q -p no:cacheprovider
+	cd python && env -u VIRTUAL_ENV ../$(VENV_PY) -m pytest -q -p no:cacheprovider
 
 # Python consumer -> producer with the harness's workloads, side by side
 # with NIXL's Python API (from .venv) in the same invocation.
