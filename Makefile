@@ -46,7 +46,9 @@ debs:
 # The project's one Python virtual environment (.venv), for its Python
 # tools and tests: every file in VENV_REQS, pinned, from PyPI. It is
 # rebuilt only when a requirements file changes (the stamp records them),
-# so a second run does nothing and needs no network.
+# so a second run does nothing and needs no network; rebuilt from an
+# empty one, so that it holds what the files say and nothing a former
+# version of them added (NIXL's wheel is then installed again).
 PYTHON3   ?= python3
 VENV      := .venv
 VENV_PY   := $(VENV)/bin/python
@@ -56,7 +58,7 @@ VENV_STAMP := $(VENV)/.installed
 venv: $(VENV_STAMP)
 
 $(VENV_STAMP): $(VENV_REQS) | debs
-	@$(VENV_PY) -m pip --version >/dev/null 2>&1 || $(PYTHON3) -m venv --clear $(VENV)
+	$(PYTHON3) -m venv --clear $(VENV)
 	$(VENV_PY) -m pip install -q --disable-pip-version-check $(addprefix -r ,$(VENV_REQS))
 	@cat $(VENV_REQS) > $@
 
