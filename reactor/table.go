@@ -103,6 +103,7 @@ type slot struct {
 	// by submit (set by Post before it pushes the entry). A READ released
 	// then was never posted, and onCancel or submit counts it canceled.
 	queued bool
+	idx    uint32 // the slot's index in its table, for the table's hint
 	bytes  uint64
 	_      cpu.CacheLinePad
 }
@@ -264,6 +265,10 @@ type table struct {
 	mask     uint64
 	gen      atomic.Uint64 // last generation handed out
 	live     atomic.Int64  // slots not free
+	// hint is 1 + the index of the slot freed last (0: none), which claim
+	// tries first: a caller that releases a READ and posts the next one
+	// gets back a slot still in its cache instead of a cold one.
+	hint atomic.Uint64
 }
 
 func newTable(capacity int) *table {
@@ -285,6 +290,7 @@ func newTable(capacity int) *table {
 		s := &t.slots[i]
 		s.homeLocal = slab[2*k*i : 2*k*i : 2*k*i+k]
 		s.homeRemote = slab[2*k*i+k : 2*k*i+k : 2*k*(i+1)]
+		s.idx = uint32(i)
 	}
 	return t
 }
@@ -294,10 +300,12 @@ func newTable(capacity int) *table {
 // whatever generation the counter is at.
 func (t *table) genMask() uint64 { return ^t.mask &^ (1 << 63) }
 
-// claim finds a free slot, probing forward from the generation's hash, and
-// takes it in state CLAIMED. It returns the handle and the slot, or 0 and nil
-// when it found every slot taken. A table with free slots is usually
+// claim finds a free slot and takes it in state CLAIMED: the slot freed
+// last if it is still free (hint), else the first free one probing forward
+// from the generation's hash. It returns the handle and the slot, or 0 and
+// nil when it found every slot taken. A table with free slots is usually
 // claimed from within a few probes; only a nearly full one is scanned far.
+// The handle is new either way: its generation is.
 func (t *table) claim() (uint64, *slot) {
 	g := t.gen.Add(1)
 	// The generation must be non-zero once shifted, so 0 is never a
@@ -306,6 +314,13 @@ func (t *table) claim() (uint64, *slot) {
 	if gbits == 0 {
 		g = t.gen.Add(1)
 		gbits = (g << t.slotBits) & t.genMask()
+	}
+	if i := t.hint.Swap(0); i != 0 {
+		s := &t.slots[i-1]
+		if s.word.Load() == 0 && s.word.CompareAndSwap(0, gbits|stClaimed) {
+			t.live.Add(1)
+			return gbits | (i - 1), s
+		}
 	}
 	var kb [8]byte
 	for i := range kb {
@@ -348,6 +363,7 @@ func (t *table) lookup(h uint64) (*slot, uint64) {
 func (t *table) free(s *slot, w uint64) bool {
 	if s.word.CompareAndSwap(w, 0) {
 		t.live.Add(-1)
+		t.hint.Store(1 + uint64(s.idx))
 		return true
 	}
 	return false

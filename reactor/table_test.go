@@ -45,6 +45,42 @@ func TestTableGenerationsNeverRepeat(t *testing.T) {
 	}
 }
 
+// A caller that releases a READ and posts the next gets the slot it just
+// freed back (its cache lines are warm), under a new handle; a hint that
+// names a slot taken since is passed over.
+func TestTableClaimReusesTheSlotFreedLast(t *testing.T) {
+	tab := newTable(256)
+	ha, a := tab.claim()
+	hb, b := tab.claim()
+	require.NotSame(t, a, b)
+	_, wa := tab.lookup(ha)
+	require.True(t, tab.free(a, wa))
+	h, s := tab.claim()
+	require.Same(t, a, s, "the slot freed last")
+	require.NotEqual(t, ha, h, "a new handle")
+	old, _ := tab.lookup(ha)
+	require.Nil(t, old, "the old handle names nothing")
+	got, _ := tab.lookup(h)
+	require.Same(t, a, got)
+
+	// The hint is taken once: the next claim probes.
+	h2, s2 := tab.claim()
+	require.NotSame(t, a, s2)
+	require.NotSame(t, b, s2)
+
+	// A hint naming a slot in use (claimed by probing after it was freed).
+	tab.hint.Store(1 + uint64(b.idx))
+	h3, s3 := tab.claim()
+	require.NotNil(t, s3)
+	require.NotSame(t, b, s3)
+	for _, x := range []uint64{h, hb, h2, h3} {
+		s, w := tab.lookup(x)
+		require.NotNil(t, s, "handle %x lost", x)
+		require.True(t, tab.free(s, w))
+	}
+	require.Zero(t, tab.live.Load())
+}
+
 func TestTableFull(t *testing.T) {
 	tab := newTable(256)
 	claimed := 0
