@@ -7,6 +7,7 @@
  */
 #include "ecx.h"
 
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -94,6 +95,7 @@ typedef struct ecx_gbuf {
     uint32_t refs;
     uint64_t bytes;
     uint64_t lo, hi; /* registered memory its sends read (lo >= hi: none) */
+    ucp_ep_h ep;     /* the reader's endpoint they go to (compared, never used) */
     int full; /* of ECX_GBUF_FULL bytes of data: may be kept for reuse */
     char data[];
 } ecx_gbuf_t;
@@ -738,6 +740,7 @@ int ecx_create(const char *name, uint32_t name_len, int big_segs, ecx_ctx_t **ou
         goto err_worker;
     }
     c->gather_max_out = ECX_GATHER_MAX_OUT;
+    c->gather_max_refused = ECX_GATHER_MAX_REFUSED;
     c->shm = context_has_shm(c->context);
     if (getrandom(&c->token, sizeof(c->token), GRND_NONBLOCK) != (ssize_t)sizeof(c->token)) {
         /* Tells this sender's fragments from other senders' at a receiver:
@@ -1451,8 +1454,38 @@ static uint32_t gather_plan(const ecx_range_t *r, uint32_t n, uint32_t chunk, ec
     return k;
 }
 
+/* A new gathered READ's id, which its requests carry and the owner's
+ * answers echo. Answers are matched to a READ by it alone, whichever
+ * endpoint they come in on, so it is random: a peer that sees the ids of
+ * READs from itself cannot name one from another peer and write into it
+ * or fail it (with ids in sequence it could). Never 0, never that of a
+ * READ still waiting; 0 when the kernel gives no random bytes. */
+static uint64_t gather_id(ecx_ctx_t *c)
+{
+    for (;;) {
+        uint64_t id;
+        if (c->ngids == 0) {
+            /* At most 256 bytes: never cut short once the pool is up. */
+            ssize_t got = getrandom(c->gids, sizeof(c->gids), 0);
+            if (got != (ssize_t)sizeof(c->gids)) {
+                if (got < 0 && errno == EINTR) {
+                    continue;
+                }
+                return 0;
+            }
+            c->ngids = ECX_GATHER_IDS;
+        }
+        id = c->gids[--c->ngids];
+        if (id != 0 && gtab_find(c, id) == NULL) {
+            c->glast = id;
+            return id;
+        }
+    }
+}
+
 /* Allocates and fills p's gather state for its n ranges: one block. With
- * big, its answers come in chunks of ECX_GATHER_CHUNK_BIG. */
+ * big, its answers come in chunks of ECX_GATHER_CHUNK_BIG. NULL when out
+ * of memory or random ids. */
 static ecx_gather_t *gather_new(ecx_ctx_t *c, const ecx_range_t *r, uint32_t n, int big)
 {
     uint64_t pieces, total, nchunks = 0;
@@ -1480,6 +1513,11 @@ static ecx_gather_t *gather_new(ecx_ctx_t *c, const ecx_range_t *r, uint32_t n, 
         return NULL;
     }
     g = (ecx_gather_t *)m;
+    g->id = gather_id(c);
+    if (g->id == 0) {
+        free(m);
+        return NULL;
+    }
     g->at = (uint64_t *)(m + off);
     off += (size_t)(n + 1) * 8;
     g->req_at = (uint64_t *)(m + off);
@@ -1495,7 +1533,6 @@ static ecx_gather_t *gather_new(ecx_ctx_t *c, const ecx_range_t *r, uint32_t n, 
     g->bits = (uint8_t *)(m + off);
     off += nchunks;
     g->msgs = m + off;
-    g->id = ++c->gseq;
     g->chunk = chunk;
     g->nreq = nreq;
     g->total = total;
@@ -1649,7 +1686,12 @@ static ucs_status_t gather_data_cb(void *arg, const void *header, size_t header_
             }
             return UCS_OK;
         }
-        gather_fail(p, st < 0 && st > UCS_ERR_LAST ? (ucs_status_t)st : UCS_ERR_IO_ERROR);
+        /* The owner refuses with what its check says (gather_req_cb);
+         * any other status is the peer's word alone and must not pass for
+         * one of this side's (a canceled READ, a connection reset that
+         * takes the peer for dead): refused, no more. */
+        gather_fail(p, st == UCS_ERR_INVALID_PARAM || st == UCS_ERR_INVALID_ADDR ? (ucs_status_t)st
+                                                                                 : UCS_ERR_REJECTED);
         return UCS_OK;
     }
     end = g->req_at[k + 1];
@@ -1712,7 +1754,7 @@ static void gather_ep_failed(ecx_ctx_t *c, ucp_ep_h ep, ucs_status_t st)
  * answers sent out of registered memory, a refusal's header) are
  * allocated as they come, which the C allocator serves from memory it
  * keeps anyway. */
-static ecx_gbuf_t *gbuf_new(ecx_ctx_t *c, size_t size, uint64_t bytes, uint64_t copied)
+static ecx_gbuf_t *gbuf_new(ecx_ctx_t *c, ucp_ep_h ep, size_t size, uint64_t bytes, uint64_t copied)
 {
     ecx_gbuf_t *b;
     int full = copied >= ECX_GBUF_KEEP_MIN && size <= ECX_GBUF_FULL;
@@ -1733,6 +1775,7 @@ static ecx_gbuf_t *gbuf_new(ecx_ctx_t *c, size_t size, uint64_t bytes, uint64_t 
     b->bytes = bytes;
     b->lo = UINT64_MAX;
     b->hi = 0;
+    b->ep = ep;
     b->prev = NULL;
     b->next = c->gbufs;
     if (c->gbufs != NULL) {
@@ -1814,10 +1857,26 @@ static int gather_answer(ecx_gbuf_t *b, ucp_ep_h ep, const void *hdr, const void
     return 1;
 }
 
+/* What reader ep has in flight here: bytes of answers, and refusals. The
+ * list holds only buffers whose sends UCX still keeps, a few dozen with
+ * the bounds below. */
+static void gather_reader(const ecx_ctx_t *c, ucp_ep_h ep, uint64_t *bytes, uint32_t *refused)
+{
+    const ecx_gbuf_t *b;
+    *bytes = 0;
+    *refused = 0;
+    for (b = c->gbufs; b != NULL; b = b->next) {
+        if (b->ep == ep) {
+            *bytes += b->bytes;
+            *refused += b->bytes == 0;
+        }
+    }
+}
+
 /* A refusal of the request at off of READ id. */
 static void gather_refuse(ecx_ctx_t *c, ucp_ep_h ep, uint64_t id, uint64_t off, ucs_status_t st)
 {
-    ecx_gbuf_t *b = gbuf_new(c, ECX_GDATA_HDR, 0, 0);
+    ecx_gbuf_t *b = gbuf_new(c, ep, ECX_GDATA_HDR, 0, 0);
     unsigned char *h;
     if (b == NULL) {
         c->gstats.dropped++;
@@ -1957,6 +2016,8 @@ static ucs_status_t gather_req_cb(void *arg, const void *header, size_t header_l
     ucp_ep_h ep;
     ecx_gbuf_t *b;
     ecx_gcur_t k;
+    uint64_t rbytes;
+    uint32_t rrefused;
     unsigned char *hdrs;
     char *body;
     int st;
@@ -1966,6 +2027,16 @@ static ucs_status_t gather_req_cb(void *arg, const void *header, size_t header_l
         return UCS_OK;
     }
     ep = param->reply_ep;
+    gather_reader(c, ep, &rbytes, &rrefused);
+    if (rrefused >= c->gather_max_refused) {
+        /* A reader with that many refusals still unsent has stopped
+         * taking what it is sent (an honest one asks again only once a
+         * refusal has come), and each one more would pile up here: its
+         * request goes unanswered, and its READ waits until its timeout
+         * or release. */
+        c->gstats.dropped++;
+        return UCS_OK;
+    }
     id = get_le64(h);
     base = get_le64(h + 8);
     n = get_le32(h + 16);
@@ -1985,9 +2056,12 @@ static ucs_status_t gather_req_cb(void *arg, const void *header, size_t header_l
         gather_refuse(c, ep, id, base, st);
         return UCS_OK;
     }
-    if (c->gather_out > 0 && c->gather_out + bytes > c->gather_max_out) {
-        /* Busy. A request alone is always served: a bound below one
-         * request (tests) must not starve it. */
+    if ((c->gather_out > 0 && c->gather_out + bytes > c->gather_max_out) ||
+        (rbytes > 0 && rbytes + bytes > c->gather_max_out / 2)) {
+        /* Busy: every reader's answers fill the bound, or this reader's
+         * fill half of it (one that stopped taking its answers must not
+         * hold the owner for everyone). A request alone is always
+         * served: a bound below one request (tests) must not starve it. */
         c->gstats.busy++;
         gather_refuse(c, ep, id, base, UCS_ERR_NO_RESOURCE);
         return UCS_OK;
@@ -2002,7 +2076,7 @@ static ucs_status_t gather_req_cb(void *arg, const void *header, size_t header_l
             copied += chunk_len(bytes, size, j);
         }
     }
-    b = gbuf_new(c, (size_t)nch * ECX_GDATA_HDR + copied, bytes, copied);
+    b = gbuf_new(c, ep, (size_t)nch * ECX_GDATA_HDR + copied, bytes, copied);
     if (b == NULL) {
         c->gstats.dropped++;
         return UCS_OK;

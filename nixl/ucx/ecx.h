@@ -96,10 +96,12 @@
  * length of its bytes (u32); then a chunk of the stream (less at the end
  * of a request). An answer with a status other than UCS_OK carries no bytes
  * and refuses the request at its offset: UCS_ERR_NO_RESOURCE while the
- * owner has ECX_GATHER_MAX_OUT bytes of answers in flight (the reader asks
- * again later), another error for a request it will not serve (ranges
- * outside its registered memory, a malformed request), which fails the
- * READ. */
+ * owner has ECX_GATHER_MAX_OUT bytes of answers in flight, or the reader
+ * half of that (the reader asks again later), UCS_ERR_INVALID_PARAM or
+ * UCS_ERR_INVALID_ADDR for a request it will not serve (a malformed one,
+ * ranges outside its registered memory), which fails the READ (the
+ * reader takes any other status for a refusal, UCS_ERR_REJECTED). The id
+ * is random (gather_id). */
 #define ECX_AM_GATHER_REQ 0xEE
 #define ECX_AM_GATHER_DATA 0xEF
 #define ECX_GREQ_HDR 32u
@@ -123,8 +125,15 @@
 #define ECX_GATHER_WINDOW 4u
 /* An owner's bytes of answers in flight, over all readers, past which it
  * refuses requests as busy (a request that finds none in flight is always
- * served). */
+ * served); one reader's may fill half of it. */
 #define ECX_GATHER_MAX_OUT (64u << 20)
+/* Refusals to one reader still unsent past which the owner drops that
+ * reader's requests unanswered: it has stopped taking what it is sent.
+ * An honest reader has at most one refusal on the way per request it
+ * has asked, ECX_GATHER_WINDOW per READ: this is a window for each of
+ * 4,096 READs (the reactor's default handle table), a few MiB of UCX
+ * requests at most. */
+#define ECX_GATHER_MAX_REFUSED (4096u * ECX_GATHER_WINDOW)
 /* Answer buffers of the largest request's size kept for the next
  * requests once their sends are done, at most this many; requests of
  * ECX_GBUF_KEEP_MIN bytes or more use them. A fresh allocation of that
@@ -136,6 +145,8 @@
 #define ECX_GATHER_RETRY_NS 200000ull
 /* The reader's table of READs waiting for answers, by id. */
 #define ECX_GATHER_BUCKETS 256u
+/* Random gathered-READ ids drawn from the kernel at a time (256 bytes). */
+#define ECX_GATHER_IDS 32u
 
 /* One merged piece of a transfer. */
 typedef struct ecx_range {
@@ -255,14 +266,17 @@ typedef struct ecx_ctx {
     uint32_t nregions;
     uint32_t capregions;
     uint64_t gather_out;
-    uint64_t gather_max_out; /* ECX_GATHER_MAX_OUT (tests lower it) */
+    uint64_t gather_max_out;     /* ECX_GATHER_MAX_OUT (tests lower it) */
+    uint32_t gather_max_refused; /* ECX_GATHER_MAX_REFUSED (tests lower it) */
     struct ecx_gbuf *gbufs; /* answers in flight */
     struct ecx_gbuf *gfree; /* full-size buffers kept for reuse */
     uint32_t ngfree;
     uint64_t gbuf_allocs;   /* full-size buffers allocated (tests) */
     ecx_post_t *gtab[ECX_GATHER_BUCKETS];
     ecx_post_t *gretry;
-    uint64_t gseq;
+    uint64_t glast;                /* the last gathered READ's id (tests) */
+    uint64_t gids[ECX_GATHER_IDS]; /* random ids not handed out yet */
+    uint32_t ngids;
     ecx_gather_stats_t gstats;
 } ecx_ctx_t;
 

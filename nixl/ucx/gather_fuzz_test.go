@@ -161,7 +161,7 @@ func FuzzGatherAnswers(f *testing.F) {
 		if ours && len(header) >= 8 {
 			// Name the READ in flight (its id is the consumer's last).
 			header = append([]byte(nil), header...)
-			binary.LittleEndian.PutUint64(header, uint64(g.cons.c.gseq))
+			binary.LittleEndian.PutUint64(header, uint64(g.cons.c.glast))
 		}
 		g.cons.gatherInject(header, data)
 		_, err = g.cons.Progress()

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/binary"
 	"math/rand"
+	"strings"
 	"testing"
 	"time"
 
@@ -571,4 +572,205 @@ func gatherReq(ranges ...uint64) []byte {
 		binary.LittleEndian.PutUint64(b[8*i:], v)
 	}
 	return b
+}
+
+// TestGatherIDsUnguessable: answers are matched to a READ by its id
+// alone, whatever endpoint they come in on, so a peer that has seen the
+// ids of READs from itself must not be able to name one from another
+// peer: with ids in sequence, the id after one's own was another
+// producer's READ, and an answer naming it wrote into that READ's blocks
+// (or failed it). The ids are random: answers that guess from a seen id
+// (the next ones, the ones before) name no READ and are dropped as late.
+func TestGatherIDsUnguessable(t *testing.T) {
+	leakcheck.Check(t)
+	g := newGatherPair(t, 4096, 64, Config{}, Config{})
+	for i := range g.cbuf {
+		g.cbuf[i] = 0xEE
+	}
+	// Two READs in flight, never answered (the producer is not
+	// progressed): "seen" stands for the hostile peer's own READ, the
+	// other for another producer's.
+	a := g.read(t, []int{0}, []int{1}, nil)
+	seen := uint64(g.cons.c.glast)
+	b := g.read(t, []int{1, 2}, []int{3, 4}, nil)
+	other := uint64(g.cons.c.glast)
+	require.NotZero(t, seen)
+	require.NotEqual(t, seen, other)
+	late0 := g.cons.GatherCounts().Late
+	guesses := []uint64{seen + 1, seen + 2, seen - 1, seen ^ 1, seen + 1<<32}
+	for _, id := range guesses {
+		require.NotEqual(t, other, id, "the other READ's id follows from the one seen")
+		h := make([]byte, 24)
+		binary.LittleEndian.PutUint64(h, id)
+		binary.LittleEndian.PutUint32(h[20:], 2*4096)
+		g.cons.gatherInject(h, bytes.Repeat([]byte{0x66}, 2*4096))
+	}
+	require.Equal(t, late0+uint64(len(guesses)), g.cons.GatherCounts().Late, "every guessed answer dropped")
+	require.False(t, bytes.Contains(g.cbuf, []byte{0x66}), "a guessed answer wrote local memory")
+	// Both READs still complete with the producer's bytes.
+	var comp [16]nixl.Completion
+	for deadline := time.Now().Add(10 * time.Second); ; {
+		require.True(t, time.Now().Before(deadline), "the READs did not complete")
+		_, err := g.prod.Progress()
+		require.NoError(t, err)
+		_, err = g.cons.Progress()
+		require.NoError(t, err)
+		g.cons.PollCompletions(comp[:])
+		da, ea := g.cons.XferStatus(a)
+		db, eb := g.cons.XferStatus(b)
+		if da && db {
+			require.NoError(t, ea)
+			require.NoError(t, eb)
+			break
+		}
+	}
+	g.check(t, []int{0, 1, 2}, []int{1, 3, 4})
+	require.NoError(t, g.cons.ReleaseXfer(a))
+	require.NoError(t, g.cons.ReleaseXfer(b))
+}
+
+// TestGatherRefusalIsTheOwnersWord: a refusal carries the owner's status,
+// which is the peer's word: one that says the connection was reset, or
+// the READ canceled, fails the READ as refused, not as a disconnected
+// peer (which the reactor takes for dead) or a READ this side canceled;
+// the statuses the owner's check gives pass as they are.
+func TestGatherRefusalIsTheOwnersWord(t *testing.T) {
+	leakcheck.Check(t)
+	g := newGatherPair(t, 4096, 64, Config{}, Config{})
+	for _, c := range []struct {
+		st   int32
+		want string
+	}{
+		{-25, "rejected"},         // UCS_ERR_CONNECTION_RESET
+		{-16, "rejected"},         // UCS_ERR_CANCELED
+		{-80, "rejected"},         // UCS_ERR_ENDPOINT_TIMEOUT
+		{-7, "address not valid"}, // UCS_ERR_INVALID_ADDR
+		{-5, "invalid param"},     // UCS_ERR_INVALID_PARAM
+	} {
+		before := g.cons.c.glast
+		id := g.read(t, []int{0}, []int{1}, nil)
+		require.NotEqual(t, before, g.cons.c.glast, "the READ is held, not posted")
+		h := make([]byte, 24)
+		binary.LittleEndian.PutUint64(h, uint64(g.cons.c.glast))
+		binary.LittleEndian.PutUint32(h[16:], uint32(c.st))
+		g.cons.gatherInject(h, nil)
+		err := waitXfer(t, g.cons, id, 10*time.Second, g.prod)
+		require.Error(t, err, "status %d", c.st)
+		require.NotErrorIs(t, err, nixl.ErrRemoteDisconnect, "status %d", c.st)
+		require.NotErrorIs(t, err, nixl.ErrCanceled, "status %d", c.st)
+		require.Contains(t, strings.ToLower(err.Error()), c.want, "status %d", c.st)
+		require.NoError(t, g.cons.ReleaseXfer(id))
+	}
+}
+
+// TestGatherStalledReaderHoldsHalf: a reader that stops taking its
+// answers (stopped, stuck, or hostile) leaves them in the owner's sends
+// once the sockets' buffers are full. It may hold half of the owner's
+// bound on answers in flight and no more (its further requests are
+// refused as busy), so another reader's READ is still served; the stalled
+// one's READs complete once it reads again.
+//
+// With the bound on refusals to one reader lowered to 2, its requests
+// past it are dropped unanswered, and its READs wait until released.
+func TestGatherStalledReaderHoldsHalf(t *testing.T) {
+	t.Run("busy", func(t *testing.T) { stalledReader(t, false) })
+	t.Run("dropped", func(t *testing.T) { stalledReader(t, true) })
+}
+
+// stalledReader runs it with the owner's bound on refusals to one reader
+// at its default, or with few at 2.
+func stalledReader(t *testing.T, few bool) {
+	leakcheck.Check(t)
+	const bs, nb = 32768, 2048
+	g := newGatherPair(t, bs, nb, Config{}, Config{})
+	g.prod.c.gather_max_out = 16 << 20
+	if few {
+		g.prod.c.gather_max_refused = 2
+	}
+	a := newTestAgent(t, Config{Name: "stalled", ErrMode: ErrModePeer})
+	abuf := mmapBuf(t, bs*nb)
+	_, err := a.RegisterMem(abuf, nixl.DRAM, 0)
+	require.NoError(t, err)
+	local, err := a.PrepDlist("", descriptors.BuildBlockDescs(addrOf(abuf), nb, bs, 0), nixl.DRAM)
+	require.NoError(t, err)
+	md, err := g.prod.LocalMetadata()
+	require.NoError(t, err)
+	name, err := a.LoadRemoteMetadata(md)
+	require.NoError(t, err)
+	remote, err := a.PrepDlist(name, descriptors.BuildBlockDescs(addrOf(g.pbuf), nb, bs, 0), nixl.DRAM)
+	require.NoError(t, err)
+	// One READ first, which sets the connection up.
+	id, err := a.MakeXfer(nixl.Read, local, []int{nb - 1}, remote, []int{nb - 1}, nil)
+	require.NoError(t, err)
+	require.NoError(t, a.PostXfer(id))
+	require.NoError(t, waitXfer(t, a, id, 10*time.Second, g.prod))
+	require.NoError(t, a.ReleaseXfer(id))
+	// The stalled reader asks for 64 MiB in eight READs, then takes
+	// nothing while the owner serves it.
+	var ids []nixl.XferID
+	for k := range 8 {
+		id, err := a.MakeXfer(nixl.Read, local, seq(k*256, (k+1)*256), remote, seq(k*256, (k+1)*256), nil)
+		require.NoError(t, err)
+		require.NoError(t, a.PostXfer(id))
+		ids = append(ids, id)
+	}
+	_, err = a.Progress() // the requests out
+	require.NoError(t, err)
+	for deadline := time.Now().Add(300 * time.Millisecond); time.Now().Before(deadline); {
+		_, err := g.prod.Progress()
+		require.NoError(t, err)
+	}
+	held := uint64(g.prod.c.gather_out)
+	t.Logf("the stalled reader's answers in the owner's sends: %d bytes; producer %+v", held, g.prod.GatherCounts())
+	require.GreaterOrEqual(t, held, uint64(4<<20), "the stalled reader's answers did not pile up: this tests nothing")
+	require.LessOrEqual(t, held, uint64(8<<20), "one reader holds more than half the bound")
+	require.Positive(t, g.prod.GatherCounts().Busy)
+	if few {
+		require.Positive(t, g.prod.GatherCounts().Dropped, "no request dropped past 2 refusals")
+	}
+
+	// Another reader is served meanwhile.
+	id = g.read(t, seq(0, 64), seq(100, 164), nil)
+	require.NoError(t, waitXfer(t, g.cons, id, 10*time.Second, g.prod))
+	g.check(t, seq(0, 64), seq(100, 164))
+	require.NoError(t, g.cons.ReleaseXfer(id))
+
+	if few {
+		// Requests went unanswered: the READs wait until released.
+		for deadline := time.Now().Add(300 * time.Millisecond); time.Now().Before(deadline); {
+			_, err := g.prod.Progress()
+			require.NoError(t, err)
+			_, err = a.Progress()
+			require.NoError(t, err)
+		}
+		for _, id := range ids {
+			require.NoError(t, a.ReleaseXfer(id))
+		}
+		return
+	}
+	// The stalled reader reads again: its READs complete, bytes intact.
+	var comp [16]nixl.Completion
+	for deadline := time.Now().Add(20 * time.Second); ; {
+		_, err := g.prod.Progress()
+		require.NoError(t, err)
+		_, err = a.Progress()
+		require.NoError(t, err)
+		a.PollCompletions(comp[:])
+		left := 0
+		for _, id := range ids {
+			done, err := a.XferStatus(id)
+			require.NoError(t, err)
+			if !done {
+				left++
+			}
+		}
+		if left == 0 {
+			break
+		}
+		require.True(t, time.Now().Before(deadline), "%d READs of the stalled reader still in flight", left)
+	}
+	require.Equal(t, g.pbuf[:8*256*bs], abuf[:8*256*bs])
+	for _, id := range ids {
+		require.NoError(t, a.ReleaseXfer(id))
+	}
 }
