@@ -28,7 +28,11 @@ const (
 	maxFragStream   = 2 + maxNameLen + maxNotifPayload
 	// maxPartials and maxPartialBytes bound the notifications being put
 	// back together, which a sender that died mid-notification leaves
-	// behind: past either bound the oldest is dropped.
+	// behind: past either bound the oldest is dropped. The bytes are
+	// those held, which grow with the bytes received, not with the total
+	// a first fragment declares (a 17-byte fragment declaring a 1 MiB
+	// stream would otherwise take 1 MiB, and eight would push every other
+	// sender's notification out).
 	maxPartials     = 64
 	maxPartialBytes = 8 << 20
 )
@@ -50,7 +54,8 @@ const featBigSegments = 16
 // partial is one notification being reassembled.
 type partial struct {
 	token uint64
-	buf   []byte // the stream so far; cap is its total
+	buf   []byte // the stream so far
+	total int    // the stream's length, as its first fragment says
 	seq   uint64 // when its first fragment came
 }
 
@@ -58,7 +63,7 @@ type partial struct {
 // concurrent use (the agent's thread).
 type reassembler struct {
 	parts   []*partial
-	bytes   int
+	bytes   int // the capacity of every part's buf
 	seq     uint64
 	dropped uint64 // notifications given up on, and fragments that fit none
 }
@@ -93,30 +98,35 @@ func (r *reassembler) add(frag []byte) (name string, msg []byte, ok bool) {
 		// The rest of a notification whose beginning was dropped.
 		r.dropped++
 		return "", nil, false
-	case i >= 0 && (off != len(r.parts[i].buf) || total != cap(r.parts[i].buf)):
+	case i >= 0 && (off != len(r.parts[i].buf) || total != r.parts[i].total):
 		r.drop(i)
 		r.dropped++
 		return "", nil, false
 	}
 	if i < 0 {
-		r.parts = append(r.parts, &partial{token: token, buf: make([]byte, 0, total), seq: r.seq})
+		r.parts = append(r.parts, &partial{token: token, total: total, seq: r.seq})
 		r.seq++
-		r.bytes += total
 		i = len(r.parts) - 1
-		for len(r.parts) > maxPartials || r.bytes > maxPartialBytes {
-			o := r.oldest()
-			r.drop(o)
-			if o == i {
-				return "", nil, false
-			}
-			if o < i {
-				i--
-			}
-		}
 	}
 	p := r.parts[i]
+	held := cap(p.buf)
+	if len(p.buf)+len(data) > held {
+		// Room for what came, doubled, up to the total.
+		p.buf = slices.Grow(p.buf, min(max(2*(len(p.buf)+len(data)), 4096), total)-len(p.buf))
+	}
 	p.buf = append(p.buf, data...)
-	if len(p.buf) < cap(p.buf) {
+	r.bytes += cap(p.buf) - held
+	for len(r.parts) > maxPartials || r.bytes > maxPartialBytes {
+		o := r.oldest()
+		r.drop(o)
+		if o == i {
+			return "", nil, false
+		}
+		if o < i {
+			i--
+		}
+	}
+	if len(p.buf) < total {
 		return "", nil, false
 	}
 	r.remove(i)

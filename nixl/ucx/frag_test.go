@@ -152,18 +152,41 @@ func TestReassemblerBounds(t *testing.T) {
 	require.Equal(t, uint64(10), r.dropped)
 	require.Equal(t, uint64(110), r.parts[0].token, "the oldest went first")
 
+	// Ten senders died a fragment short of 1 MiB notifications: the
+	// bytes they left are bounded, the oldest went.
 	r = reassembler{}
 	big := make([]byte, 1<<20)
 	for i := range 10 {
 		f := fragments(uint64(200+i), "dead", big, fragMaxData)
-		require.Empty(t, feed(&r, f[:1]))
+		require.Empty(t, feed(&r, f[:len(f)-1]))
 		require.LessOrEqual(t, r.bytes, maxPartialBytes)
 	}
-	require.Len(t, r.parts, maxPartialBytes/len(fragmentsStream("dead", big)))
+	require.Less(t, len(r.parts), 10)
+	require.Equal(t, uint64(10-len(r.parts)), r.dropped)
+	require.Equal(t, uint64(209), r.parts[len(r.parts)-1].token, "the newest stays")
 	require.Equal(t, []notifOut{{"alive", []byte("x")}}, feed(&r, fragments(1, "alive", []byte("x"), 64)))
 }
 
-func fragmentsStream(name string, msg []byte) []byte { return make([]byte, 2+len(name)+len(msg)) }
+// A first fragment holds what it carries, not the total it declares: 63
+// senders each declaring a 1 MiB notification in a two-byte fragment hold
+// kilobytes, and the notifications of others still being put back
+// together are not pushed out by them.
+func TestReassemblerHoldsWhatCame(t *testing.T) {
+	var r reassembler
+	long := bytes.Repeat([]byte{9}, 3*fragMaxData)
+	honest := fragments(7, "honest", long, fragMaxData)
+	require.Empty(t, feed(&r, honest[:1]))
+	for i := range maxPartials - 1 {
+		f := binary.LittleEndian.AppendUint64(nil, uint64(1000+i))
+		f = binary.LittleEndian.AppendUint32(f, 0)
+		f = binary.LittleEndian.AppendUint32(f, 2+4+1<<20)
+		f = append(f, 4, 0) // the name's length: "liar" follows, in fragments never sent
+		require.Empty(t, feed(&r, [][]byte{f}))
+	}
+	require.LessOrEqual(t, r.bytes, maxPartials*4096+2*fragMaxData, "bytes held for streams that barely began")
+	require.Zero(t, r.dropped)
+	require.Equal(t, []notifOut{{"honest", long}}, feed(&r, honest[1:]))
+}
 
 // FuzzReassemble feeds arbitrary fragments: the reassembler never panics,
 // keeps within its bounds, hands out only names and payloads within the
@@ -199,6 +222,7 @@ func FuzzReassemble(f *testing.F) {
 			sum := 0
 			for _, p := range r.parts {
 				sum += cap(p.buf)
+				require.LessOrEqual(t, len(p.buf), p.total)
 			}
 			require.Equal(t, sum, r.bytes)
 		}
