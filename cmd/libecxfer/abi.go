@@ -244,8 +244,11 @@ func ecx_post_read(t C.uint64_t, local *C.int64_t, nLocal C.int64_t, peer C.uint
 }
 
 // ecx_check returns a READ's state: 0 PROC, 1 DONE, or the negative code
-// of its error (ERR); it never waits (it may copy one chunk of a large
-// same-host READ first, see ecxfer.Transport.CheckXferState).
+// of its error (ERR). It does not wait for the READ, but may work or
+// pause first, as ecxfer.Transport.CheckXferState says: copy one chunk
+// of a large same-host READ, take a step of the engine's work, or, while
+// more engine READs are in flight than twice GOMAXPROCS, sleep up to
+// 200 µs for a READ its caller polls in a loop.
 //
 //export ecx_check
 func ecx_check(t C.uint64_t, h C.uint64_t) C.int {

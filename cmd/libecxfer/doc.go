@@ -47,7 +47,10 @@
 // ecx_wait and ecx_notifs block up to their timeout; ecx_new, ecx_add_peer,
 // ecx_remove_peer and ecx_deregister wait for the transport's reactor
 // thread to do their work; ecx_release of a READ the copy workers are
-// running waits for its copy to stop; ecx_post_read waits for room only with the
+// running waits for its copy to stop, and of an engine READ in flight
+// (the ucx engine fences local memory) for the reactor to release it;
+// ecx_check may sleep up to 200 µs while many engine READs are in flight
+// (see ecx_check); ecx_post_read waits for room only with the
 // wait_when_busy option (so does the post_read builtin); the other calls
 // never block. The Python package calls the library through ctypes, which
 // releases the GIL for the duration of every call, or through the

@@ -55,6 +55,11 @@ func TestParseOptions(t *testing.T) {
 	require.Negative(t, cfg.XferTimeout)
 	require.False(t, cfg.Reactor.PinCPU)
 
+	// Any negative value, however large (it was refused as out of range).
+	cfg, err = parseOptions([]byte(`{"xfer_timeout_s":-1e300}`))
+	require.NoError(t, err)
+	require.Negative(t, cfg.XferTimeout)
+
 	cfg, err = parseOptions([]byte(`{"xfer_timeout_s":1e-15}`))
 	require.NoError(t, err)
 	require.Positive(t, cfg.XferTimeout, "a positive timeout must not turn into the default")

@@ -188,14 +188,16 @@ func parseOptions(data []byte) (ecxfer.Config, error) {
 // overflow, and negative values unless negOK.
 func duration(name string, v float64, unit time.Duration, negOK bool) (time.Duration, error) {
 	switch {
-	case math.IsNaN(v) || math.Abs(v) >= float64(math.MaxInt64)/float64(unit):
-		// >=: MaxInt64/unit rounds up to a float whose product with unit
-		// is 2^63, which converts to MinInt64.
+	case math.IsNaN(v) || math.IsInf(v, 0):
 		return 0, fmt.Errorf("%w: %s %v out of range", ecxfer.ErrConfig, name, v)
 	case v < 0 && !negOK:
 		return 0, fmt.Errorf("%w: %s %v must not be negative", ecxfer.ErrConfig, name, v)
 	case v < 0:
-		return -1, nil
+		return -1, nil // any negative value: however large
+	case v >= float64(math.MaxInt64)/float64(unit):
+		// >=: MaxInt64/unit rounds up to a float whose product with unit
+		// is 2^63, which converts to MinInt64.
+		return 0, fmt.Errorf("%w: %s %v out of range", ecxfer.ErrConfig, name, v)
 	}
 	d := time.Duration(v * float64(unit))
 	if d == 0 && v > 0 {

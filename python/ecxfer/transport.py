@@ -121,12 +121,17 @@ def _indices(x: Any):
         addr, n = x.buffer_info()
         return (x, pin), addr, n
     ai = getattr(x, "__array_interface__", None)
-    if type(ai) is dict and ai.get("typestr") == "<i8" and ai.get("strides") is None:
-        shape = ai.get("shape") or (0,)
-        n = 1
-        for d in shape:
-            n *= d
-        return x, ai["data"][0], n
+    if type(ai) is dict and ai.get("typestr") == "<i8" and ai.get("strides") is None and not ai.get("offset"):
+        # Only the (address, read-only) form of "data" names memory; the
+        # interface also allows None or a buffer object, which go the
+        # general way below.
+        data = ai.get("data")
+        if type(data) is tuple and len(data) == 2 and type(data[0]) is int:
+            shape = ai.get("shape") or (0,)
+            n = 1
+            for d in shape:
+                n *= d
+            return x, data[0], n
     t = type(x)
     if t is list or t is tuple:
         # One struct.pack reads the ints in C, about 2.5x faster than
@@ -534,12 +539,17 @@ class EcxferDataTransport(_Base):
 
     def check_xfer_state(self, handle: Any) -> str:
         """"PROC", "DONE" or "ERR" (failed, released, unknown or not a
-        handle at all); xfer_error(handle) says why. Never waits: for a
-        large same-host READ still on the copy workers it copies one chunk
-        that no worker has taken (at most 256 KiB or an eighth of the
-        READ, whichever is larger, with two workers), or with every chunk
-        taken yields the CPU once to the threads copying them
-        (sched_yield), and returns."""
+        handle at all); xfer_error(handle) says why. Does not wait for the
+        READ: for a large same-host READ still on the copy workers it
+        copies one chunk that no worker has taken (at most 256 KiB or an
+        eighth of the READ, whichever is larger, with two workers), or with
+        every chunk taken yields the CPU once to the threads copying them
+        (sched_yield), and returns. For an engine READ (another host, or
+        direct="off") it may take a step of the engine's work, and while
+        more engine READs are in flight than twice the Go scheduler's
+        processors it may sleep up to 200 us for a READ checked in a loop
+        (see CheckXferState in the Go package). The GIL is released
+        meanwhile."""
         if _check_py is not None:
             return _check_py(self._t, handle)
         if type(handle) is not int or handle <= 0 or handle >= 1 << 64:
@@ -553,8 +563,9 @@ class EcxferDataTransport(_Base):
     def release_xfer_handle(self, handle: Any) -> None:
         """Free a handle, canceling its READ if still in flight. A READ the
         copy workers are running (a large same-host one) is released once
-        its copy has stopped, so its blocks may take other data as soon as
-        this returns. Never raises: a failure (a second release, a bad
+        its copy has stopped, and an engine READ in flight once the reactor
+        has released it (the ucx engine then fences the local blocks), so
+        its blocks may take other data as soon as this returns. Never raises: a failure (a second release, a bad
         handle) is logged."""
         try:
             rc = _UNPACKED if _release_py is None else _release_py(self._t, handle)

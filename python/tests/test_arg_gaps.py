@@ -77,6 +77,35 @@ def test_array_interface_that_is_not_a_dict_is_ignored():
         t.deregister()
 
 
+class _DataNone(list):
+    __array_interface__ = {"typestr": "<i8", "shape": (2,), "data": None, "version": 3}
+
+
+class _DataBuffer(list):
+    # "data" may be a buffer object: its first byte is no address.
+    __array_interface__ = {"typestr": "<i8", "shape": (2,), "data": b"\x05\x00", "version": 3}
+
+
+class _DataOffset(list):
+    __array_interface__ = {"typestr": "<i8", "shape": (2,), "data": (8, False), "offset": 16, "version": 3}
+
+
+def test_array_interface_without_an_address_is_read_as_a_sequence():
+    """An __array_interface__ whose "data" is None or a buffer object, or
+    that has an offset, is not taken for an address: the object is read as
+    the sequence it is (None raised TypeError; a buffer's first byte was
+    used as the address)."""
+    t = _loopback("arg-ai2")
+    try:
+        peer = t.add_remote_peer(t.get_agent_metadata(), t.get_mem_descriptor())
+        for cls in (_DataNone, _DataBuffer, _DataOffset):
+            h = t.post_read(cls([0, 1]), peer, cls([2, 3]), b"")
+            assert t.wait(h, 10) == "DONE", cls.__name__
+            t.release_xfer_handle(h)
+    finally:
+        t.deregister()
+
+
 def test_copy_workers_none_is_not_given(monkeypatch):
     """num_threads sets copy_workers when that option is not given, and a
     keyword (or ECXFER_OPTIONS value) of None is not given."""
