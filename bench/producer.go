@@ -6,6 +6,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"runtime"
 	"slices"
 	"strings"
 	"sync"
@@ -70,11 +71,15 @@ type helloMsg struct {
 
 // producer is the data owner's side of one (mode, block size) setup.
 type producer struct {
-	mode   string
-	tr     *ecxfer.Transport // reactor mode
-	side   *bareSide         // locked and raw modes
-	mu     sync.Mutex        // locked mode: the engine lock
-	timing atomic.Bool       // notif workload: report each notification
+	mode string
+	tr   *ecxfer.Transport // reactor mode
+	side *bareSide         // locked and raw modes
+	mu   sync.Mutex        // locked mode: the engine lock
+	// held: the notifications the locked producer's progress goroutine
+	// took from the engine, until poll's next step hands them out (under
+	// mu).
+	held   map[string][][]byte
+	timing atomic.Bool // notif workload: report each notification
 	stop   chan struct{}
 	done   chan struct{}
 	// progDone closes when the locked producer's progress goroutine has
@@ -236,6 +241,7 @@ func openProducer(m ctrl.Message, backend string, send func(ctrl.Message) error)
 	}
 	hello.name = mode
 	if mode == "locked" {
+		p.held = map[string][][]byte{}
 		p.progDone = make(chan struct{})
 		go p.progress()
 	}
@@ -272,7 +278,8 @@ func (p *producer) poll() {
 		case "locked":
 			p.mu.Lock()
 			_, _ = p.side.agent.Progress()
-			p.side.agent.GetNotifs(tmp)
+			p.side.agent.GetNotifs(p.held)
+			tmp, p.held = p.held, tmp // tmp was cleared below
 			p.mu.Unlock()
 			got = tmp
 		case "raw":
@@ -325,8 +332,13 @@ func (p *producer) poll() {
 
 // progress stands for the progress thread NIXL runs in vLLM's process: it
 // sleeps until the locked producer's engine has work (its event fd), then
-// progresses it under the engine lock until it has none. Notifications it
-// receives wait in the engine until poll's next step takes them.
+// progresses it under the engine lock until it has none. The
+// notifications it receives it keeps (held), as NIXL's thread keeps them
+// in its backend, until poll's next step takes them: left in the engine,
+// they kept the engine from arming, and the thread slept instead of
+// progressing requests that came meanwhile (Go rounds a 50 µs sleep of
+// an idle process up to about a millisecond), where NIXL's thread
+// progresses again at once.
 func (p *producer) progress() {
 	defer close(p.progDone)
 	a := p.side.agent
@@ -340,6 +352,7 @@ func (p *producer) progress() {
 		}
 		p.mu.Lock()
 		work, _ := a.Progress()
+		a.GetNotifs(p.held)
 		armed := false
 		if !work && fd >= 0 {
 			ok, err := a.Arm()
@@ -350,10 +363,12 @@ func (p *producer) progress() {
 		case work:
 		case armed:
 			_, _ = unix.Poll(fds, int(stepInterval/time.Millisecond))
-		default:
-			// No descriptor, or events the engine has not taken yet:
-			// look again shortly.
+		case fd < 0:
 			time.Sleep(50 * time.Microsecond)
+		default:
+			// Events the engine has not taken yet (it could not arm):
+			// progress again, as NIXL's thread does.
+			runtime.Gosched()
 		}
 	}
 }
