@@ -75,5 +75,10 @@ func (r *Reactor) crowdCheck(h uint64, s *slot) {
 	case <-r.done:
 	}
 	w.t.Stop()
-	s.parkEnd.Store(r.now())
+	// Only if the slot is still h's: released meanwhile, it may already
+	// be another READ's (the table hands out the slot freed last first),
+	// whose first check would then sleep though nobody polls it.
+	if s2, _ := r.tab.lookup(h); s2 == s {
+		s.parkEnd.Store(r.now())
+	}
 }

@@ -22,11 +22,14 @@ import (
 // that can be torn: a released or reused slot carries another generation,
 // so a stale handle never reads another transfer's state.
 //
-// Where a new transfer lands is chosen by open addressing: the home slot is
-// the xxhash of the generation, and a claim probes forward from there for a
-// free word. Hashing spreads concurrent submitters over the table, so they
-// do not all fight over the same cache lines, and the full-width word
-// comparison on every lookup is the guard against a colliding handle.
+// Where a new transfer lands: the slot freed last, if it is still free
+// (one caller that releases a READ and posts the next keeps reusing one
+// slot whose lines are in its cache), else by open addressing: the home
+// slot is the xxhash of the generation, and a claim probes forward from
+// there for a free word. Hashing spreads concurrent submitters over the
+// table, so they do not all fight over the same cache lines, and the
+// full-width word comparison on every lookup is the guard against a
+// colliding handle.
 
 // Slot states, in the low stateBits of a word.
 const (
@@ -112,9 +115,9 @@ type slot struct {
 // transfers (in elements). Reads of up to slotKeep blocks reuse them and
 // allocate nothing; larger ones allocate their own, dropped once the engine
 // has copied them. Without the bound every slot would keep the buffers of
-// the largest request it ever carried, and new transfers land on slots
-// spread over the whole table: Handles slots times 2 x 880 indices is
-// hundreds of MiB.
+// the largest request it ever carried, and new transfers can land on
+// slots spread over the whole table: Handles slots times 2 x 880 indices
+// is hundreds of MiB.
 const slotKeep = 64
 
 // trim drops buffers larger than slotKeep.
@@ -141,7 +144,7 @@ func (s *slot) trimIdx() {
 // slotIdxPrealloc is the capacity of the index buffers every slot starts
 // with (per side), cut from one slab when the table is made: READs of up
 // to that many blocks (one block, vLLM's fan-in of a few) allocate nothing
-// from the first, wherever the hash puts them. 256 bytes a slot.
+// from the first, wherever they land. 256 bytes a slot.
 const slotIdxPrealloc = 16
 
 // setIdx makes *cur a copy of src: in the slot's own buffer *home when src
@@ -175,7 +178,7 @@ func fillMsg(dst, src []byte) []byte {
 // slot: the reactor takes a READ's buffer out of its slot when the READ
 // ends (the slot may be reused at once) and gives it back here once the
 // notification is sent. Without it every slot would allocate its first
-// buffer, and READs land on slots all over the table.
+// buffer, and READs can land on slots all over the table.
 var msgPool = bufPool{}
 
 const (
@@ -213,8 +216,8 @@ func (p *bufPool) put(b []byte) {
 }
 
 // idxPool keeps index buffers longer than slotKeep for any slot to reuse:
-// slots keep only small ones, and large READs land on slots all over the
-// table. Callers take buffers in Post, the loop returns them.
+// slots keep only small ones, and large READs can land on slots all over
+// the table. Callers take buffers in Post, the loop returns them.
 type idxPool struct {
 	mu   sync.Mutex
 	free [][]int
