@@ -1484,3 +1484,38 @@ func TestDirectProducerDeregistered(t *testing.T) {
 		})
 	}
 }
+
+// A copy pool closed before the reactor (an embedder's order: a
+// Transport closes its reactor first) fails the READs it did not run with
+// ErrClosed, and the producer is not taken for dead: it used to be, and
+// stayed dead.
+func TestDirectPoolClosedIsNotADeadPeer(t *testing.T) {
+	leakcheck.Check(t)
+	e := env{t: t, backend: "ucx"}
+	const bs, nb = 5120, 1024
+	_, cons, pname := directPair(e, "dpool", bs, nb)
+	require.NotNil(t, cons.pool)
+	cons.pool.Close()
+	idx := make([]int, 880) // past inline: a READ for the pool
+	for i := range idx {
+		idx[i] = i
+	}
+	h, err := cons.PostRead(idx, pname, idx, nil)
+	require.NoError(t, err)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	require.ErrorIs(t, cons.Wait(ctx, h), ErrClosed)
+	require.NoError(t, cons.ReleaseXferHandle(h))
+	for _, ps := range cons.PeerStats(nil) {
+		if ps.Name == pname {
+			require.Equal(t, "up", ps.State, "the producer taken for dead")
+		}
+	}
+	// One-block READs are copied inline, without the pool: they go on.
+	h, err = cons.PostRead([]int{0}, pname, []int{1}, nil)
+	require.NoError(t, err)
+	st, err := cons.CheckXferState(h)
+	require.NoError(t, err)
+	require.Equal(t, StateDone, st)
+	require.NoError(t, cons.ReleaseXferHandle(h))
+}

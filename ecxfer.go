@@ -105,8 +105,10 @@ type Config struct {
 	// XferTimeout ends a READ still in flight after this long in ERR
 	// (ErrTimeout). Zero means 20 s; negative disables the timeout. It
 	// applies to READs through the engine; READs on the direct path are
-	// memory copies and are not timed out (a dead producer ends them in
-	// ErrRemoteDisconnect instead).
+	// memory copies and are not timed out once their copy runs (a dead
+	// producer ends them in ErrRemoteDisconnect instead), but one held
+	// before its copy, behind the fence of an engine READ into the same
+	// local blocks, ends in ErrTimeout if the fence has not lifted by then.
 	XferTimeout time.Duration
 	// Reactor tunes the event loop: CPU and NUMA pinning, idle strategy,
 	// batch size, ring and table sizes.

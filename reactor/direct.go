@@ -41,7 +41,9 @@ import (
 //
 // Lifetimes: a Direct's view is reference counted. Every copy holds a
 // reference for its whole run, so removing, replacing or closing a peer
-// only stops new copies; the mapping goes when the last running one ends.
+// unmaps nothing under a copy: new copies do not start, the chunks of a
+// running one not yet started are skipped (failDirectReads), and the
+// mapping goes when the last running chunk ends.
 // A READ whose copy faults (the producer truncated its file) or finds the
 // process gone ends in ErrRemoteDisconnect and marks the peer gone.
 
@@ -1173,6 +1175,13 @@ func (r *Reactor) endJob(j *dirJob) {
 				}
 				s.trim()
 				r.finish(h, s, code)
+			} else if errors.Is(j.err, copypool.ErrClosed) {
+				// The pool was closed before this reactor (an embedder's
+				// order; a Transport closes the reactor first): nothing
+				// is wrong with the producer.
+				r.countFailed(p, codeClosed)
+				s.trim()
+				r.finish(h, s, codeClosed)
 			} else if j.err != nil {
 				p.direct.dead.Store(true)
 				p.gone.CompareAndSwap(0, codeRemoteDisconnect)
