@@ -655,12 +655,10 @@ func (s *session) runCell(d driver, mode string, c cell, seed uint64, round int)
 	// The checks' CPU time came out of the submitters' share of the
 	// machine: with more submitters than Ps they all ran all along, and
 	// the checks took verify/Ps of the wall time, else verify/submitters.
-	// In reactor mode the reactor's locked thread keeps a P while it
-	// spins, as it does under load: the submitters share the others.
+	// The same for every mode (it once gave the reactor's submitters one
+	// P less, for its thread, so twice the deduction of the others' with
+	// 2 Ps: an estimate that favoured the mode under test).
 	ps := runtime.GOMAXPROCS(0)
-	if mode == "reactor" && ps > 1 {
-		ps--
-	}
 	r.Seconds = (wall - verify/time.Duration(min(len(subs), ps))).Seconds()
 	r.ReadsPerSec = float64(r.Reads) / r.Seconds
 	r.GBPerSec = float64(blocks) * float64(c.bs) / r.Seconds / 1e9
