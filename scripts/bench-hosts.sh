@@ -49,6 +49,17 @@ cleanup() {
 	for ns in "$NSA" "$NSB"; do
 		ip netns pids "$ns" 2>/dev/null | xargs -r kill 2>/dev/null || true
 	done
+	# Up to 5 s for them to go, then SIGKILL: one that ignores SIGTERM
+	# must not keep the namespaces (every process of the run but the
+	# builds runs in one of them; an exited one is listed no more).
+	i=0
+	while [ $i -lt 50 ] && [ -n "$(ip netns pids "$NSA" 2>/dev/null)$(ip netns pids "$NSB" 2>/dev/null)" ]; do
+		sleep 0.1
+		i=$((i + 1))
+	done
+	for ns in "$NSA" "$NSB"; do
+		ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
+	done
 	wait 2>/dev/null || true
 	ip netns del "$NSA" 2>/dev/null || true
 	ip netns del "$NSB" 2>/dev/null || true
@@ -72,6 +83,8 @@ step() {
 	STEP=$!
 	PIDS="$PIDS $STEP"
 	wait "$STEP"
+	# Ended: by the clean-up its pid may be another process's.
+	PIDS=${PIDS% "$STEP"}
 }
 
 # listening waits until something in namespace $1 listens on TCP port $2

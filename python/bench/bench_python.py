@@ -406,17 +406,29 @@ def run_consumer(impl, duration, options=None):
     env = dict(os.environ)
     if options:
         env["ECXFER_OPTIONS"] = json.dumps(options)  # reaches the producer child too
-    r = subprocess.run(
+    p = subprocess.Popen(
         [sys.executable, __file__, "--role", "consumer", "--impl", impl, "--duration", str(duration)],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=600,
         env=env,
     )
-    for line in r.stdout.splitlines():
+    try:
+        out, err = p.communicate(timeout=600)
+    except BaseException:
+        p.kill()
+        p.communicate()
+        raise
+    finally:
+        # A consumer killed (the timeout, an interrupt) or one that failed
+        # leaves its region file behind: its atexit did not run. (Its
+        # producer sees its stdin close and removes its own.)
+        for path in Path("/dev/shm").glob(f"vllm_ec_bench-{p.pid}-*.mmap"):
+            path.unlink(missing_ok=True)
+    for line in out.splitlines():
         if line.startswith("@@ "):
             return json.loads(line[3:])["results"]
-    raise RuntimeError(f"{impl} consumer failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    raise RuntimeError(f"{impl} consumer failed ({p.returncode}):\n{err[-3000:]}")
 
 
 def main():
