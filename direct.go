@@ -62,15 +62,15 @@ func (t *Transport) startDirect() error {
 	// load instead of a poll of its pidfd after every READ (package
 	// lifeword); its descriptor travels in the notification socket's
 	// token. Without one (no memfd, a seccomp filter) they poll.
-	life := -1
+	life, lifeID := -1, uint32(0)
 	if !cfg.noLifewordForTest {
 		if h, err := lifeword.Hold(); err == nil {
-			t.life, life = h, h.FD()
+			t.life, life, lifeID = h, h.FD(), h.ID()
 		}
 	}
 	// Same-host notifications travel over a socket of ours (see the
 	// reactor package); without one they go through the engine.
-	if ns, err := reactor.ListenNotify(life); err == nil {
+	if ns, err := reactor.ListenNotify(life, lifeID); err == nil {
 		t.notify = ns
 	} else {
 		t.stopLife()

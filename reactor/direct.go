@@ -92,8 +92,11 @@ func OpenDirect(adv *shmview.Advert, descs descriptors.List) (*Direct, error) {
 		// Looked up by pid: the start time checked below names the
 		// process it belongs to. A word that cannot be watched (another
 		// user's process, an older producer whose token matched the
-		// tag by chance) leaves the pidfd to answer.
-		if w, err := lifeword.Watch(int(adv.PID), lfd); err == nil {
+		// tag by chance) leaves the pidfd to answer. A descriptor that
+		// holds another holder's word now (the producer's transport
+		// closed, and a new one of that process took the number) says
+		// Retired.
+		if w, err := lifeword.Watch(int(adv.PID), lfd, adv.LifeID()); err == nil {
 			d.life = w
 		}
 	}

@@ -25,8 +25,8 @@ func countPidfdPolls(t *testing.T) *atomic.Int64 {
 }
 
 // selfAdvert advertises a /dev/shm region of this process, with the token
-// naming descriptor lifeFD.
-func selfAdvert(t *testing.T, lifeFD int) *shmview.Advert {
+// naming descriptor lifeFD, of the holder whose id is lifeID (0: any).
+func selfAdvert(t *testing.T, lifeFD int, lifeID uint32) *shmview.Advert {
 	t.Helper()
 	path := filepath.Join("/dev/shm", fmt.Sprintf("ecxfer_lifeword_%d_%s.mmap", os.Getpid(), t.Name()))
 	region, err := shmview.MapNewFile(path, 1<<16)
@@ -38,7 +38,7 @@ func selfAdvert(t *testing.T, lifeFD int) *shmview.Advert {
 	adv, err := shmview.Describe(region)
 	require.NoError(t, err)
 	require.Equal(t, shmview.KindFile, adv.Kind)
-	adv.Notify = shmview.LifeToken(0x1234_5678_9abc_def0, lifeFD)
+	adv.Notify = shmview.LifeToken(uint64(lifeID)<<32|0x9abc_def0, lifeFD)
 	adv.NotifyKey[0] = 1
 	return &adv
 }
@@ -53,7 +53,7 @@ func TestDirectLifewordAnswers(t *testing.T) {
 	h, err := lifeword.Hold()
 	require.NoError(t, err)
 	defer h.Stop()
-	d, err := OpenDirect(selfAdvert(t, h.FD()), nil)
+	d, err := OpenDirect(selfAdvert(t, h.FD(), h.ID()), nil)
 	require.NoError(t, err)
 	defer d.Close()
 	require.Equal(t, "lifeword", d.Liveness())
@@ -74,7 +74,7 @@ func TestDirectLifewordRefusedFallsBack(t *testing.T) {
 	leakcheck.Check(t)
 	polls := countPidfdPolls(t)
 	for name, fd := range map[string]int{"stdin": 0, "closed": 4000, "none": -1} {
-		adv := selfAdvert(t, fd)
+		adv := selfAdvert(t, fd, 0)
 		_, tagged := adv.LifeFD()
 		require.Equal(t, fd >= 0, tagged, name)
 		d, err := OpenDirect(adv, nil)
@@ -85,4 +85,20 @@ func TestDirectLifewordRefusedFallsBack(t *testing.T) {
 		require.Equal(t, before+1, polls.Load(), name)
 		d.Close()
 	}
+}
+
+// TestDirectLifewordOfAnotherHolder: a token whose descriptor now holds
+// another holder's word (the producer's transport closed, and a new one
+// of that process took the number) is the closed transport's: READs of
+// it fail as retired, though the word there says alive.
+func TestDirectLifewordOfAnotherHolder(t *testing.T) {
+	leakcheck.Check(t)
+	h, err := lifeword.Hold()
+	require.NoError(t, err)
+	defer h.Stop()
+	d, err := OpenDirect(selfAdvert(t, h.FD(), h.ID()^0x100), nil)
+	require.NoError(t, err)
+	defer d.Close()
+	require.Equal(t, lifeword.Alive, h.State())
+	require.ErrorIs(t, d.gone(), errPeerRetired)
 }

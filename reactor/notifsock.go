@@ -84,14 +84,19 @@ type NotifySocket struct {
 // ListenNotify opens and binds this process's notification socket. It is
 // handed to the reactor in DirectOptions, which owns it from then on; an
 // owner that never hands it over closes it. lifeFD (-1: none) is the
-// descriptor of the producer's lifeword, which the socket's token names
-// (shmview.LifeToken).
-func ListenNotify(lifeFD int) (*NotifySocket, error) {
+// descriptor of the producer's lifeword and lifeID its holder's id
+// (lifeword.Holder.ID), which the socket's token names
+// (shmview.LifeToken, Advert.LifeID).
+func ListenNotify(lifeFD int, lifeID uint32) (*NotifySocket, error) {
 	var b [8]byte
 	if _, err := rand.Read(b[:]); err != nil {
 		return nil, err
 	}
-	token := shmview.LifeToken(binary.LittleEndian.Uint64(b[:]), lifeFD)
+	rnd := binary.LittleEndian.Uint64(b[:])
+	if lifeFD >= 0 && lifeID != 0 {
+		rnd = uint64(lifeID)<<32 | rnd&0xFFFF_FFFF // the token's upper half
+	}
+	token := shmview.LifeToken(rnd, lifeFD)
 	var key [shmview.NotifyKeyLen]byte
 	if _, err := rand.Read(key[:]); err != nil {
 		return nil, err

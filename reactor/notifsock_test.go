@@ -89,7 +89,7 @@ func socketPeer(t *testing.T, ns *NotifySocket) *Peer {
 // once when the receiver reads again. Once the receiver's socket is gone,
 // a send fails (the producer exited).
 func TestNotifSockBacklog(t *testing.T) {
-	rx, err := ListenNotify(-1)
+	rx, err := ListenNotify(-1, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -180,7 +180,7 @@ func TestNotifSockBacklog(t *testing.T) {
 // closed at the test's end.
 func notifSockPair(t *testing.T) (rx *NotifySocket, recv *notifSock, fd int, to *unix.SockaddrUnix) {
 	t.Helper()
-	rx, err := ListenNotify(-1)
+	rx, err := ListenNotify(-1, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -244,7 +244,7 @@ func TestNotifSockRecvBounded(t *testing.T) {
 // order, once it reads again. An exited producer's are dropped.
 func TestNotifSockStalledPeerBlocksOnlyItself(t *testing.T) {
 	listen := func() (*notifSock, *Peer) {
-		rx, err := ListenNotify(-1)
+		rx, err := ListenNotify(-1, 0)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -448,7 +448,7 @@ func TestNotifSockOrderAcrossPeerReplacement(t *testing.T) {
 // both. ns carries the producer's token and key, for socketPeer.
 func smallNotifPair(t *testing.T) (recv, send *notifSock, ns *NotifySocket) {
 	t.Helper()
-	rx, err := ListenNotify(-1)
+	rx, err := ListenNotify(-1, 0)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -13,7 +13,10 @@
 // it.
 //
 // A consumer (Watch) maps the producer's memfd read-only through
-// /proc/<pid>/fd/<fd> and loads the word. The word is the producer's to
+// /proc/<pid>/fd/<fd> and loads the word. The page also carries its
+// holder's random id, which the consumer learns with the descriptor: a
+// descriptor whose number a later holder of the same process took after
+// Stop closed it holds another id, and the Watcher says Retired. The word is the producer's to
 // write, so it vouches only for a producer that is not lying, as the
 // pidfd vouches only for the process it names: it is a liveness check,
 // not a security boundary.
@@ -29,6 +32,8 @@
 package lifeword
 
 import (
+	"crypto/rand"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"os"
@@ -47,6 +52,7 @@ const (
 	offEntry  = 64  // struct robust_list {next}: the list's one entry
 	offWord   = 128 // the futex word the kernel marks
 	offStop   = 192 // Stop's futex: the holding thread sleeps on it
+	offID     = 256 // the holder's id (u32, random, never 0; 0 in older builds' pages)
 	headLen   = 24  // sizeof(struct robust_list_head) on 64-bit Linux
 	memfdName = "ecxfer-life"
 	// linkName is what /proc/<pid>/fd/<fd> reads for the memfd.
@@ -119,6 +125,7 @@ func stateOf(w uint32) State {
 
 // Holder keeps a word alive for this process.
 type Holder struct {
+	id   uint32
 	fd   int
 	mem  []byte
 	tid  int
@@ -148,7 +155,13 @@ func Hold() (*Holder, error) {
 	if err != nil {
 		return fail("mmap", err)
 	}
-	h := &Holder{fd: fd, mem: mem, done: make(chan error, 1)}
+	var b [4]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		_ = unix.Munmap(mem)
+		return fail("random id", err)
+	}
+	h := &Holder{id: binary.LittleEndian.Uint32(b[:]) | 1, fd: fd, mem: mem, done: make(chan error, 1)}
+	atomic.StoreUint32(h.u32(offID), h.id)
 	ready := make(chan error, 1)
 	go h.hold(ready)
 	if err := <-ready; err != nil {
@@ -214,6 +227,11 @@ func (h *Holder) hold(ready chan<- error) {
 // FD is the memfd's descriptor in this process, for Watch in another.
 func (h *Holder) FD() int { return h.fd }
 
+// ID is the holder's id (random, never 0), for Watch in another process:
+// it tells this word from another holder's that took its descriptor's
+// number after Stop closed it.
+func (h *Holder) ID() uint32 { return h.id }
+
 // TID is the id of the thread that holds the word.
 func (h *Holder) TID() int { return h.tid }
 
@@ -241,13 +259,20 @@ func (h *Holder) Stop() error {
 type Watcher struct {
 	mem  []byte
 	word *uint32
+	// gone: the descriptor holds another holder's word (the one asked
+	// for was stopped, its descriptor closed, and its number taken):
+	// Retired for good.
+	gone bool
 }
 
-// Watch maps the word of process pid's memfd fd. The caller must make sure
-// afterwards that pid still names the process it means (a pidfd opened
-// before, and the process's start time read after): the descriptor was
-// looked up by pid.
-func Watch(pid, fd int) (*Watcher, error) {
+// Watch maps the word of process pid's memfd fd, the holder's whose ID is
+// id (0: any, as for a holder of an older build, whose page has none).
+// A descriptor that now holds another holder's word (the one with id was
+// stopped and a new one took its number) gives a Watcher that says
+// Retired. The caller must make sure afterwards that pid still names the
+// process it means (a pidfd opened before, and the process's start time
+// read after): the descriptor was looked up by pid.
+func Watch(pid, fd int, id uint32) (*Watcher, error) {
 	if pid <= 0 || fd < 0 {
 		return nil, fmt.Errorf("%w: pid %d, fd %d", ErrNotLifeword, pid, fd)
 	}
@@ -279,11 +304,21 @@ func Watch(pid, fd int) (*Watcher, error) {
 	if err != nil {
 		return nil, fmt.Errorf("lifeword: mmap %s: %w", link, err)
 	}
+	// A page of an older build has no id: its word is taken as it is.
+	if have := atomic.LoadUint32((*uint32)(unsafe.Pointer(&mem[offID]))); id != 0 && have != 0 && have != id {
+		_ = unix.Munmap(mem)
+		return &Watcher{gone: true}, nil
+	}
 	return &Watcher{mem: mem, word: (*uint32)(unsafe.Pointer(&mem[offWord]))}, nil
 }
 
 // State loads the word: no system call.
-func (w *Watcher) State() State { return stateOf(atomic.LoadUint32(w.word)) }
+func (w *Watcher) State() State {
+	if w.gone {
+		return Retired
+	}
+	return stateOf(atomic.LoadUint32(w.word))
+}
 
 // Close unmaps the word. Not safe to call beside State.
 func (w *Watcher) Close() {

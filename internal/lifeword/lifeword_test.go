@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -105,7 +106,7 @@ func (p *holderProc) watch(t *testing.T) []*Watcher {
 	t.Helper()
 	var ws []*Watcher
 	for _, fd := range p.fds {
-		w, err := Watch(p.cmd.Process.Pid, fd)
+		w, err := Watch(p.cmd.Process.Pid, fd, 0)
 		require.NoError(t, err)
 		t.Cleanup(w.Close)
 		ws = append(ws, w)
@@ -226,7 +227,7 @@ func TestHoldInProcess(t *testing.T) {
 	for _, h := range hs {
 		require.Equal(t, Alive, h.State())
 		tids[h.TID()] = true
-		w, err := Watch(os.Getpid(), h.FD())
+		w, err := Watch(os.Getpid(), h.FD(), h.ID())
 		require.NoError(t, err)
 		require.Equal(t, Alive, w.State())
 		require.NoError(t, h.Stop())
@@ -300,15 +301,55 @@ func TestWatchRefusesOtherFiles(t *testing.T) {
 		"a process not ours (1)?": {1, 0},
 	}
 	for name, c := range cases {
-		wt, err := Watch(c.pid, c.fd)
+		wt, err := Watch(c.pid, c.fd, 0)
 		require.Error(t, err, name)
 		require.Nil(t, wt, name)
 	}
 	good := mk(memfdName, size, requiredSeals)
-	wt, err := Watch(pid, good)
+	wt, err := Watch(pid, good, 0)
 	require.NoError(t, err, "a memfd shaped like a word is accepted (its word says Unknown)")
 	require.Equal(t, Unknown, wt.State())
 	wt.Close()
-	_, err = Watch(pid, int(f.Fd()))
+	_, err = Watch(pid, int(f.Fd()), 0)
 	require.True(t, errors.Is(err, ErrNotLifeword), "%v", err)
+}
+
+// A holder stopped closes its descriptor, and a holder made after it in
+// the same process (another transport) may take the number. A consumer
+// that watches the first by that number then maps the second's word,
+// which says Alive: READs of the closed transport's region would end
+// DONE. The id the consumer has with the number tells them apart: the
+// watcher says Retired. A page without an id (an older build) is taken
+// as it is.
+func TestWatchTellsAnotherHoldersWord(t *testing.T) {
+	h1, err := Hold()
+	require.NoError(t, err)
+	id1, fd1 := h1.ID(), h1.FD()
+	require.NotZero(t, id1)
+	require.NoError(t, h1.Stop())
+	h2, err := Hold()
+	require.NoError(t, err)
+	defer func() { require.NoError(t, h2.Stop()) }()
+	require.NotEqual(t, id1, h2.ID())
+	if h2.FD() != fd1 {
+		// Not the same number by chance: make it so.
+		require.NoError(t, unix.Dup3(h2.FD(), fd1, unix.O_CLOEXEC))
+		defer unix.Close(fd1)
+	}
+	pid := os.Getpid()
+	for _, c := range []struct {
+		id   uint32
+		want State
+	}{{id1, Retired}, {h2.ID(), Alive}, {0, Alive}} {
+		w, err := Watch(pid, fd1, c.id)
+		require.NoError(t, err)
+		require.Equal(t, c.want, w.State(), "id %#x", c.id)
+		w.Close()
+	}
+	// A page of an older build has no id.
+	atomic.StoreUint32(h2.u32(offID), 0)
+	w, err := Watch(pid, fd1, id1)
+	require.NoError(t, err)
+	require.Equal(t, Alive, w.State())
+	w.Close()
 }

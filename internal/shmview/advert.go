@@ -130,6 +130,12 @@ func LifeToken(rnd uint64, fd int) uint64 {
 	return rnd&^0xFFFF_FFFF | lifeTag<<16 | uint64(fd+1)
 }
 
+// LifeID is the id of the producer's lifeword holder (lifeword.Holder.ID)
+// when its token names a lifeword (LifeFD): the token's upper 32 bits.
+// Producers of older builds put random bits there, which lifeword.Watch
+// ignores for a page without an id.
+func (a *Advert) LifeID() uint32 { return uint32(a.Notify >> 32) }
+
 // LifeFD is the descriptor of the producer's lifeword its token names, if
 // it names one.
 func (a *Advert) LifeFD() (int, bool) {
