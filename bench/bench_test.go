@@ -298,6 +298,21 @@ func TestWriteTable(t *testing.T) {
 	require.Contains(t, lines[6], "4.00x")
 	// Round by round: the reactor behind locked in the second of three.
 	require.Contains(t, lines[4], " 2/3 ")
+
+	// An interrupted run: the reactor's row has a round fewer than
+	// locked's, and no ratio is set between them.
+	rep := sampleReport()
+	for i := range rep.Results {
+		if r := &rep.Results[i]; r.Mode == "reactor" && r.Workload == "fanin" {
+			r.RoundReadsPerSec = r.RoundReadsPerSec[:2]
+		}
+	}
+	buf.Reset()
+	require.NoError(t, WriteTable(&buf, rep))
+	lines = strings.Split(buf.String(), "\n")
+	require.Contains(t, lines[4], "reactor")
+	require.NotContains(t, lines[4], "3.00x")
+	require.Contains(t, lines[6], "4.00x", "raw's rounds match locked's")
 	require.Contains(t, lines[6], " 3/3 ")
 	require.NotContains(t, lines[5], "/3", "locked is not compared with itself")
 	require.Contains(t, lines[1], "20%") // 2.88/14.4

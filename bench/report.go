@@ -270,7 +270,9 @@ func WriteTable(w io.Writer, rep *Report) error {
 		// its rate is not throughput, so neither it nor its ratio is shown.
 		notif := r.Workload == "notif"
 		ratio, ahead, p99ratio := "-", "-", "-"
-		if l := rep.locked(r); l != nil && r.Mode != "locked" {
+		// Rows of an interrupted run may merge different numbers of
+		// rounds: those are not set against each other.
+		if l := rep.locked(r); l != nil && r.Mode != "locked" && len(l.RoundReadsPerSec) == len(r.RoundReadsPerSec) {
 			if l.ReadsPerSec > 0 && !notif {
 				ratio = fmt.Sprintf("%.2fx", r.ReadsPerSec/l.ReadsPerSec)
 				ahead = roundsAhead(r, l)

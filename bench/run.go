@@ -838,6 +838,17 @@ func (s *session) submitter(d driver, c cell, g int, seed uint64, prep *subPrep,
 		if isNotif {
 			doneAt = monoNow()
 		}
+		if check {
+			// Before the release, untimed: bytes that land only after
+			// DONE was published are caught here, not after the fact.
+			t := cpuStart()
+			err := verifyRead(region, c.bs, seed, k, local, remote)
+			st.verify += cpuSince(t)
+			if err != nil {
+				_ = d.release(id)
+				return err
+			}
+		}
 		if err := d.release(id); err != nil {
 			return fmt.Errorf("release: %w", err)
 		}
@@ -856,14 +867,6 @@ func (s *session) submitter(d driver, c cell, g int, seed uint64, prep *subPrep,
 		st.lat = append(st.lat, lat)
 		st.reads++
 		st.blocks += int64(len(local))
-		if check {
-			t := cpuStart()
-			err := verifyRead(region, c.bs, seed, k, local, remote)
-			st.verify += cpuSince(t)
-			if err != nil {
-				return err
-			}
-		}
 	}
 	return nil
 }
