@@ -23,7 +23,9 @@
 //
 // The metrics (types in brackets):
 //
-//	ecxfer_reads_posted_total           [counter]   READs accepted (PostRead returned a handle); each ends in one of done, failed, canceled
+//	ecxfer_reads_posted_total           [counter]   READs accepted (PostRead returned a handle; also the rare
+//	                                                Post that failed after a release or teardown had ended its
+//	                                                READ); each ends in one of done, failed, canceled
 //	ecxfer_reads_done_total             [counter]   READs finished with every byte landed
 //	ecxfer_reads_failed_total{reason}   [counter]   READs ended in ERR, by reason
 //	ecxfer_reads_canceled_total         [counter]   READs released in flight or dropped with their peer
@@ -63,6 +65,15 @@
 //	ecxfer_crowd_sleeps_total           [counter]   checks of a READ polled in a loop among many
 //	                                                that slept until some READ ended
 //	ecxfer_read_duration_seconds        [histogram] post → DONE latency of READs
+//	ecxfer_gather_requests_total{outcome}
+//	                                    [counter]   gathered READs' requests this producer received:
+//	                                                served, busy, refused, dropped
+//	ecxfer_gather_answers_dropped_total{reason}
+//	                                    [counter]   answers to this consumer's gathered READs dropped:
+//	                                                late, bad
+//	ecxfer_gather_answers_sent_total{how}
+//	                                    [counter]   answers this producer sent: zero_copy, copied
+//	ecxfer_gather_retries_total         [counter]   requests this consumer asked again after busy
 //
 // With WithPeers(n), up to n peers (see WithPeers for which) also get
 // ecxfer_peer_reads_done_total, ecxfer_peer_reads_failed_total and
@@ -85,7 +96,9 @@ import (
 // DurationBuckets are the upper bounds of ecxfer_read_duration_seconds:
 // powers of two nanoseconds from 1.024 µs to 34.4 s. They coincide with
 // bucket edges of the reactor's own histogram, so the counts are exact
-// (a bucket counts the READs that took less than its bound).
+// (a bucket counts the READs that took less than its bound, where
+// Prometheus' le means at most: a READ of exactly a bound's nanoseconds
+// counts in the next bucket).
 var DurationBuckets = func() []time.Duration {
 	var b []time.Duration
 	for e := 10; e <= 35; e++ {
@@ -153,7 +166,7 @@ func NewCollector(t *ecxfer.Transport, opts ...Option) prometheus.Collector {
 	d := func(name, help string, labels ...string) *prometheus.Desc {
 		return prometheus.NewDesc(name, help, labels, cl)
 	}
-	c.readsPosted = d("ecxfer_reads_posted_total", "READs accepted (PostRead returned a handle); each ends in one of done, failed, canceled.")
+	c.readsPosted = d("ecxfer_reads_posted_total", "READs accepted (PostRead returned a handle, or rarely a Post that failed after a release or teardown had ended its READ); each ends in one of done, failed, canceled.")
 	c.readsDone = d("ecxfer_reads_done_total", "READs finished with every byte landed.")
 	c.readsFailed = d("ecxfer_reads_failed_total", "READs that ended in ERR, by reason.", "reason")
 	c.readsCanceled = d("ecxfer_reads_canceled_total", "READs released in flight or dropped with their peer.")

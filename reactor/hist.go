@@ -74,7 +74,9 @@ func (h *Histogram) Snapshot() HistSnapshot {
 }
 
 // Sum is the sum of the latencies counted. It is read after the counts,
-// so it may include a few values the counts do not.
+// so it may include a few values the counts do not, and Add counts a
+// value before it adds it to the sum, so it may miss a few they do; both
+// only grow.
 func (s HistSnapshot) Sum() time.Duration { return time.Duration(s.sum) }
 
 // CountBelow is the number of latencies in buckets that lie wholly below
