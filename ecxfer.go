@@ -563,11 +563,13 @@ func (t *Transport) CheckXferState(h Handle) (State, error) {
 // workers is released once its copy has stopped (the chunks already
 // running finish, the rest are skipped: at most a few hundred
 // microseconds for a READ of 880 × 32 KiB here), so its local blocks may
-// take other data as soon as this returns. An engine READ is released
-// once the reactor has taken it back (the loopback and nixl engines: at
-// once); a reply already on the wire may still land later, in the ucx
-// engine before any later READ into the same blocks completes, engine or
-// direct: such READs are held until then (README, "Failure behaviour").
+// take other data as soon as this returns. An engine READ in flight is
+// released once the reactor has released it in the engine (any engine: a
+// READ posted next reaches the engine after that); a reply already on the
+// wire may still land later, in the ucx engine before any later READ into
+// the same blocks completes, engine or direct, and in the nixl engine
+// before a later READ into those blocks is posted: such READs are held
+// until then (README, "Failure behaviour").
 func (t *Transport) ReleaseXferHandle(h Handle) error {
 	return t.r.Release(uint64(h))
 }

@@ -726,12 +726,13 @@ func (r *Reactor) badHandle() error {
 }
 
 // Release frees a handle. A finished transfer's slot is freed at once; an
-// in-flight one is canceled by the reactor. For a direct READ on the copy
-// pool Release returns only once its copy has stopped (awaitStopped), so
-// nothing writes its local blocks afterwards; with an engine that fences
-// local memory (nixl.LocalFencer) it returns once the loop has released
-// any in-flight READ, so the fence its late data needs is up by then. A
-// second release of the same handle returns ErrBadHandle.
+// in-flight one is canceled by the reactor, and Release returns once it
+// has been (awaitStopped): for a direct READ on the copy pool once its
+// copy has stopped, so nothing writes its local blocks afterwards; for an
+// engine READ once the loop has released it in the engine, so the fence
+// its late data needs (nixl.LocalFencer) is up by then, and a READ posted
+// next reaches the engine after the release. A second release of the
+// same handle returns ErrBadHandle.
 func (r *Reactor) Release(h uint64) error {
 	if r.closing.Load() {
 		return ErrClosed
@@ -755,12 +756,20 @@ func (r *Reactor) Release(h uint64) error {
 					panic("reactor: cancel ring full: a slot was freed before its cancel entry was drained")
 				}
 				r.wake()
-				if s.pooled.Load() || r.fencer != nil {
-					// A direct READ: its copy stops first. An engine READ
-					// whose engine fences the memory a cancelled READ's
-					// late data may land in: the fence is up when Release
-					// returns, so a READ posted next into those blocks,
-					// even one the caller copies itself, sees it.
+				// A direct READ: its copy stops first. An engine READ: the
+				// loop releases it in the engine first, so a READ posted
+				// next into those blocks reaches the engine after that
+				// release: an engine that fences the memory a cancelled
+				// READ's late data may land in (nixl.LocalFencer) has the
+				// fence up, which even a READ the caller copies itself
+				// sees, and one that holds later READs into such memory
+				// on its own (the nixl engine) knows of the released one.
+				// Without the wait, a Post right after could be submitted
+				// in a turn that had drained the cancels before this one.
+				// On the reactor thread itself (a control operation, an
+				// event handler) it would wait for itself: there the next
+				// turn takes the cancel before any READ posted after it.
+				if !r.onLoop() {
 					r.awaitStopped(h)
 				}
 				return nil
@@ -770,6 +779,10 @@ func (r *Reactor) Release(h uint64) error {
 		}
 	}
 }
+
+// onLoop reports whether the caller runs on the reactor thread (its
+// goroutine is locked to it, so no other goroutine runs there).
+func (r *Reactor) onLoop() bool { return int32(unix.Gettid()) == r.tid.Load() }
 
 // awaitStopped returns once the released READ h no longer holds
 // the slot: a direct READ's copy writes its local blocks until it stops,

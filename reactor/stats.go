@@ -48,9 +48,8 @@ type Stats struct {
 	EngineErrors    uint64 // engine calls that failed
 	// LiveHandles counts handles not yet released, and released ones
 	// whose READ was in flight until the loop has ended it (a release
-	// of such a READ returns at once, except that a direct copy stops
-	// between chunks first, and with the ucx engine the release waits
-	// for the loop; see Reactor.Release).
+	// of such a READ waits for that: a direct copy stops between chunks,
+	// an engine READ is released by the loop; see Reactor.Release).
 	LiveHandles int64
 	InFlight    int64  // reads the engine or the copy workers are working on, or held (behind a fence)
 	Peers       int    // peers currently known (after Close: those it had then)

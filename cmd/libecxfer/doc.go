@@ -48,7 +48,7 @@
 // ecx_remove_peer and ecx_deregister wait for the transport's reactor
 // thread to do their work; ecx_release of a READ the copy workers are
 // running waits for its copy to stop, and of an engine READ in flight
-// (the ucx engine fences local memory) for the reactor to release it;
+// for the reactor to release it in the engine;
 // ecx_check may sleep up to 200 µs while many engine READs are in flight
 // (see ecx_check); ecx_post_read waits for room only with the
 // wait_when_busy option (so does the post_read builtin); the other calls
