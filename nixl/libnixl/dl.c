@@ -31,7 +31,6 @@ ecx_dl_t *ecx_dl_open(const char *path, int *why, char *err, size_t cap) {
     }
     ecx_dl_t *l = calloc(1, sizeof(*l));
     if (l == NULL) {
-        dlclose(h);
         snprintf(err, cap, "out of memory");
         *why = ECX_DL_OPEN;
         return NULL;
@@ -60,8 +59,7 @@ ecx_dl_t *ecx_dl_open(const char *path, int *why, char *err, size_t cap) {
         snprintf(err, cap, "library speaks ABI version %u, this build needs %u",
                  (unsigned)l->abi_version(), (unsigned)ECXNIXL_ABI_VERSION);
         *why = ECX_DL_ABI;
-        dlclose(h);
-        free(l);
+        free(l); /* loaded, with whatever it pulled in: never unloaded (see dl.h) */
         return NULL;
     }
     char found[128];
@@ -73,7 +71,6 @@ ecx_dl_t *ecx_dl_open(const char *path, int *why, char *err, size_t cap) {
     return l;
 missing:
     *why = ECX_DL_SYMBOL;
-    dlclose(h);
-    free(l);
+    free(l); /* as above: not unloaded */
     return NULL;
 }

@@ -37,7 +37,8 @@ typedef struct ecx_dl {
                     const int32_t *, size_t, const void *, size_t, ecxnixl_req **);
     int32_t (*status)(ecxnixl_agent *, ecxnixl_req *const *, int32_t *, size_t);
     int32_t (*release_req)(ecxnixl_agent *, ecxnixl_req *);
-    int32_t (*notifs)(ecxnixl_agent *, void *, size_t, size_t *, size_t *);
+    int32_t (*notifs)(ecxnixl_agent *, void *, size_t, size_t, size_t, size_t *, size_t *,
+                      uint64_t *);
     int32_t (*send_notif)(ecxnixl_agent *, const char *, size_t, const void *, size_t);
 } ecx_dl_t;
 
@@ -45,9 +46,9 @@ typedef struct ecx_dl {
  * Opens path and resolves every symbol of the ABI, then has the library
  * check the NIXL release under it. On failure returns NULL, sets *why and
  * writes a message into err (NUL-terminated, at most cap bytes). A library
- * that failed the symbol or ABI check is closed again; one that loaded (or
- * failed only the NIXL check, after NIXL's libraries came in) is never
- * closed (C++ libraries do not unload cleanly).
+ * that dlopen loaded is never closed, whichever check it fails after: by
+ * then it has brought in what it links (NIXL's C++ libraries, the wheel's
+ * UCX) and run their constructors, and those do not unload cleanly.
  *
  * The library is opened with RTLD_DEEPBIND: NIXL's wheel carries its own
  * UCX, whose symbols have the same names as those of the system's UCX that
@@ -106,8 +107,9 @@ static inline int32_t ecx_dl_release_req(ecx_dl_t *l, ecxnixl_agent *a, ecxnixl_
     return l->release_req(a, r);
 }
 static inline int32_t ecx_dl_notifs(ecx_dl_t *l, ecxnixl_agent *a, void *buf, size_t cap,
-                                    size_t *used, size_t *count) {
-    return l->notifs(a, buf, cap, used, count);
+                                    size_t max_msg, size_t max_sender, size_t *used,
+                                    size_t *count, uint64_t *dropped) {
+    return l->notifs(a, buf, cap, max_msg, max_sender, used, count, dropped);
 }
 static inline int32_t ecx_dl_send_notif(ecx_dl_t *l, ecxnixl_agent *a, const char *p, size_t pl,
                                         const void *m, size_t ml) {

@@ -124,6 +124,7 @@ uint32_t ecxnixl_abi_version(void) { return 1; }
 	require.ErrorIs(t, err, ErrBadLibrary)
 	require.Contains(t, err.Error(), "symbol ecxnixl_check_nixl is missing", "the message names the missing symbol")
 	require.Contains(t, err.Error(), so)
+	requireMapped(t, so)
 }
 
 // allSymbols defines every symbol of the ABI; the functions fail.
@@ -161,6 +162,17 @@ func TestABIMismatch(t *testing.T) {
 	_, err := New(Config{Name: "a", LibPath: so})
 	require.ErrorIs(t, err, ErrBadLibrary)
 	require.Contains(t, err.Error(), "ABI version 999")
+	requireMapped(t, so)
+}
+
+// requireMapped checks that the library at path is still mapped in this
+// process: one that failed a check after dlopen loaded it (with NIXL's
+// C++ libraries, in the real case) is not unloaded.
+func requireMapped(t *testing.T, path string) {
+	t.Helper()
+	maps, err := os.ReadFile("/proc/self/maps")
+	require.NoError(t, err)
+	require.Contains(t, string(maps), path, "the library was unloaded after failing its check")
 }
 
 func TestAgentCreateFails(t *testing.T) {
