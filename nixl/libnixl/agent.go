@@ -136,9 +136,12 @@ type Agent struct {
 	nbuf     unsafe.Pointer // C buffer for notification records
 	ncap     int
 	dropped  uint64 // notification records that failed parseNotifs
-	one      [1]*C.ecxnixl_req
-	oneSt    [1]int32
-	rangeBuf []descriptors.Range
+	// notifications the shim dropped (too long, or no memory), as it
+	// last said
+	shimDropped uint64
+	one         [1]*C.ecxnixl_req
+	oneSt       [1]int32
+	rangeBuf    []descriptors.Range
 }
 
 var _ nixl.Agent = (*Agent)(nil)

@@ -464,3 +464,49 @@ func TestAgentClosed(t *testing.T) {
 	require.ErrorIs(t, err, nixl.ErrNotAllowed)
 	require.Equal(t, -1, a.EventFD())
 }
+
+// A message longer than the shim's cap (MaxNotif's limit; lowered here so
+// that a sender within its own MaxNotif can exceed it) is dropped by the
+// shim as NIXL hands it over, uncopied, and counted in DroppedNotifs; the
+// messages around it arrive in order. Before, the shim copied any length
+// (a multi-GiB one twice, its length cut to 32 bits in the record) and
+// the agent grew its C buffer to whatever the shim asked.
+func TestAgentOversizedNotifDroppedByShim(t *testing.T) {
+	leakcheck.Check(t)
+	needNIXL(t)
+	defer func(v int) { shimMaxNotif = v }(shimMaxNotif)
+	shimMaxNotif = 1000
+	prod := newSide(t, testName("big-prod"), 4096, 4)
+	cons := newSide(t, testName("big-cons"), 4096, 4)
+	pname, rdl := cons.connect(t, prod)
+	cname, _ := prod.connect(t, cons)
+	pm := newPump(cons.a, prod.a)
+	at, over := bytes.Repeat([]byte{'a'}, 1000), bytes.Repeat([]byte{'o'}, 1001)
+	huge := bytes.Repeat([]byte{'h'}, 60<<10) // within MaxNotif, beyond the first buffer and the cap
+	base := prod.a.DroppedNotifs()
+	for _, m := range [][]byte{[]byte("first"), over, at, huge, []byte("last")} {
+		require.NoError(t, cons.a.SendNotif(pname, m))
+	}
+	pm.until(t, "the last notification", func() bool {
+		got := pm.notifs[prod.a][cname]
+		return len(got) > 0 && string(got[len(got)-1]) == "last"
+	})
+	require.Equal(t, [][]byte{[]byte("first"), at, []byte("last")}, pm.notifs[prod.a][cname])
+	require.Equal(t, base+2, prod.a.DroppedNotifs(), "the two over the cap are counted dropped")
+	require.Equal(t, firstBuf, prod.a.ncap, "the agent's buffer never grew for them")
+
+	// A READ's notification over the cap goes the same way; the READ itself completes.
+	id, err := cons.a.MakeXfer(nixl.Read, cons.local, []int{0}, rdl, []int{1}, over)
+	require.NoError(t, err)
+	require.NoError(t, cons.a.PostXfer(id))
+	pm.until(t, "the read", pm.done(id))
+	require.NoError(t, pm.comps[id])
+	require.NoError(t, cons.a.ReleaseXfer(id))
+	require.NoError(t, cons.a.SendNotif(pname, []byte("after")))
+	pm.until(t, "the notification after it", func() bool {
+		got := pm.notifs[prod.a][cname]
+		return string(got[len(got)-1]) == "after"
+	})
+	require.Equal(t, base+3, prod.a.DroppedNotifs())
+	require.Len(t, pm.notifs[prod.a][cname], 4, "the READ's notification was not delivered")
+}

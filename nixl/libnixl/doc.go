@@ -44,7 +44,9 @@
 // what serves peers' reads of our memory. The shim hands notifications over
 // as packed records (ecxnixl.h); each is bounds-checked before it is read,
 // and records that do not parse are dropped and counted (DroppedNotifs,
-// nixl.NotifDropper). NIXL exposes no descriptor to
+// nixl.NotifDropper), as are messages longer than 1 MiB (MaxNotif's limit)
+// or from a sender whose name is longer than 256 bytes, which the shim
+// drops uncopied as NIXL hands them over. NIXL exposes no descriptor to
 // sleep on, so EventFD is -1 and the reactor never sleeps longer than a
 // millisecond.
 //

@@ -30,7 +30,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a signature or a record layout below changes. */
-#define ECXNIXL_ABI_VERSION 2
+#define ECXNIXL_ABI_VERSION 3
 
 /* The status values the shim itself produces (same numbers as NIXL's). */
 #define ECXNIXL_SUCCESS 0
@@ -139,8 +139,14 @@ int32_t ecxnixl_release_req(ecxnixl_agent *a, ecxnixl_req *r);
  * larger than cap is never written: its size (rounded as above) is put in
  * *used with *count 0 and ECXNIXL_ERR_INVALID_PARAM returned, so the caller
  * can grow its buffer.
+ *
+ * A message longer than max_msg, or whose sender's name is longer than
+ * max_sender, is never queued (nor copied): it is dropped as NIXL hands it
+ * over, and so is one the shim has no memory to queue. *dropped receives
+ * how many the agent has dropped so, since it was created.
  */
-int32_t ecxnixl_notifs(ecxnixl_agent *a, void *buf, size_t cap, size_t *used, size_t *count);
+int32_t ecxnixl_notifs(ecxnixl_agent *a, void *buf, size_t cap, size_t max_msg, size_t max_sender,
+                       size_t *used, size_t *count, uint64_t *dropped);
 
 /* Sends msg to a loaded peer outside any transfer. */
 int32_t ecxnixl_send_notif(ecxnixl_agent *a, const char *peer, size_t peer_len,

@@ -36,6 +36,17 @@ func (a *Agent) SendNotif(peerName string, msg []byte) error {
 	return codeErr(int32(st), "sending a notification to %q", peerName)
 }
 
+// shimMaxNotif is the longest message the shim queues (longer ones it
+// drops and counts, DroppedNotifs): MaxNotif's upper limit, as the ucx
+// engine drops in its handler. The reactor applies the agent's own
+// MaxNotif to the rest. A variable so that tests can lower it.
+var shimMaxNotif = enginekit.MaxNotifLimit
+
+// maxRecord is the largest record the shim can hand over: a sender's name
+// of maxNameLen bytes and a message of shimMaxNotif, with its header and
+// padding.
+var maxRecord = int(recordSize(maxNameLen, uint64(enginekit.MaxNotifLimit)))
+
 // maxNotifPasses bounds the shim calls of one GetNotifs. Each call polls
 // NIXL again, so peers that never stop sending would otherwise keep
 // GetNotifs (and the reactor's turn) from ever returning; what is left
@@ -55,8 +66,18 @@ func (a *Agent) GetNotifs(dst map[string][][]byte) int {
 	total := 0
 	for range maxNotifPasses {
 		var used, count C.size_t
-		st := C.ecx_dl_notifs(a.lib.c, a.c, a.nbuf, C.size_t(a.ncap), &used, &count)
+		var shimDropped C.uint64_t
+		st := C.ecx_dl_notifs(a.lib.c, a.c, a.nbuf, C.size_t(a.ncap), C.size_t(shimMaxNotif), C.size_t(maxNameLen),
+			&used, &count, &shimDropped)
+		a.shimDropped = uint64(shimDropped)
 		if nixl.Status(st) == nixl.ErrInvalidParam && count == 0 && int(used) > a.ncap {
+			if int(used) > maxRecord {
+				// The shim queues nothing this long (shimMaxNotif): it
+				// disagrees with this package, and its records cannot be
+				// trusted. Growing would let it size this allocation.
+				a.dropped++
+				return total
+			}
 			C.free(a.nbuf)
 			a.ncap = int(used)
 			a.nbuf = C.malloc(C.size_t(a.ncap))
@@ -92,8 +113,10 @@ func (a *Agent) shrinkNotifBuf() {
 }
 
 // DroppedNotifs implements nixl.NotifDropper: notifications the shim
-// handed over in records that did not match their layout (see
-// parseNotifs), lost rather than misread.
-func (a *Agent) DroppedNotifs() uint64 { return a.dropped }
+// dropped as NIXL handed them over (a message longer than MaxNotif's
+// limit, 1 MiB, or a sender's name longer than 256 bytes, never copied;
+// or no memory to queue one), and those it handed over in records that
+// did not match their layout (see parseNotifs), lost rather than misread.
+func (a *Agent) DroppedNotifs() uint64 { return a.dropped + a.shimDropped }
 
 var _ nixl.NotifDropper = (*Agent)(nil)

@@ -44,6 +44,7 @@ struct ecxnixl_agent {
     struct ecxnixl_req *reqs;     /* every live request, for destroy */
     struct queued *q;             /* FIFO: q[qhead..qlen) */
     size_t qhead, qlen, qcap;
+    uint64_t dropped; /* notifications never queued: too long, or no memory */
 };
 
 /* Maps a C API result back to the NIXL status the ABI speaks. */
@@ -556,9 +557,21 @@ ecxnixl_release_req(ecxnixl_agent *a, ecxnixl_req *r) {
     return status(s);
 }
 
-/* Appends one notification to the FIFO; 0 when out of memory. */
-static int
-enqueue(ecxnixl_agent *a, const char *sender, const void *msg, size_t ml) {
+/*
+ * Appends one notification to the FIFO, unless its message is longer than
+ * max_msg or its sender's name longer than max_sender: those are counted
+ * dropped and never copied (a peer's multi-GiB message would otherwise be
+ * copied twice, and its length would not fit the record's uint32). One
+ * the FIFO has no memory for is counted dropped too.
+ */
+static void
+enqueue(ecxnixl_agent *a, const char *sender, const void *msg, size_t ml, size_t max_msg,
+        size_t max_sender) {
+    size_t sl = strnlen(sender, max_sender + 1);
+    if (ml > max_msg || sl > max_sender || ml > UINT32_MAX || sl > UINT32_MAX) {
+        a->dropped++;
+        return;
+    }
     if (a->qlen == a->qcap) {
         if (a->qhead > 0) {
             memmove(a->q, a->q + a->qhead, (a->qlen - a->qhead) * sizeof *a->q);
@@ -568,26 +581,30 @@ enqueue(ecxnixl_agent *a, const char *sender, const void *msg, size_t ml) {
         if (a->qlen == a->qcap) {
             size_t nc = a->qcap == 0 ? 64 : 2 * a->qcap;
             struct queued *q = realloc(a->q, nc * sizeof *q);
-            if (q == NULL) return 0;
+            if (q == NULL) {
+                a->dropped++;
+                return;
+            }
             a->q = q;
             a->qcap = nc;
         }
     }
-    size_t sl = strlen(sender);
     char *b = malloc(sl + ml + 1);
-    if (b == NULL) return 0;
+    if (b == NULL) {
+        a->dropped++;
+        return;
+    }
     memcpy(b, sender, sl);
     if (ml > 0) memcpy(b + sl, msg, ml);
     a->q[a->qlen].sender_len = (uint32_t)sl;
     a->q[a->qlen].msg_len = (uint32_t)ml;
     a->q[a->qlen].bytes = b;
     a->qlen++;
-    return 1;
 }
 
-/* Moves everything in NIXL's notification map into the FIFO. */
+/* Moves everything in NIXL's notification map into the FIFO (see enqueue). */
 static int32_t
-collect(ecxnixl_agent *a) {
+collect(ecxnixl_agent *a, size_t max_msg, size_t max_sender) {
     nixlcapi_status s = nixl_capi_get_notifs(a->agent, a->map, a->opt);
     size_t agents = 0;
     nixl_capi_notif_map_size(a->map, &agents);
@@ -602,10 +619,7 @@ collect(ecxnixl_agent *a) {
             size_t ml = 0;
             if (nixl_capi_notif_map_get_notif(a->map, sender, j, &msg, &ml) != NIXLCAPI_OK)
                 continue;
-            if (!enqueue(a, sender, msg, ml)) {
-                nixl_capi_notif_map_clear(a->map);
-                return ECXNIXL_ERR_UNKNOWN;
-            }
+            enqueue(a, sender, msg, ml, max_msg, max_sender);
         }
     }
     nixl_capi_notif_map_clear(a->map);
@@ -618,10 +632,12 @@ record_size(const struct queued *q) {
 }
 
 int32_t
-ecxnixl_notifs(ecxnixl_agent *a, void *buf, size_t cap, size_t *used, size_t *count) {
+ecxnixl_notifs(ecxnixl_agent *a, void *buf, size_t cap, size_t max_msg, size_t max_sender,
+               size_t *used, size_t *count, uint64_t *dropped) {
     *used = 0;
     *count = 0;
-    int32_t st = collect(a);
+    int32_t st = collect(a, max_msg, max_sender);
+    *dropped = a->dropped;
     unsigned char *p = buf;
     size_t off = 0;
     while (a->qhead < a->qlen) {
