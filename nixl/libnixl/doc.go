@@ -66,7 +66,16 @@
 // until every such zombie has finished, so that the late data never lands
 // on its bytes. An invalidated peer with zombies is
 // forgotten by NIXL only after they finish; loading that peer again waits
-// for them (at most two seconds, then fails with ErrBackend). Close gives
+// for them (at most two seconds, then fails with ErrBackend). One case
+// escapes this: when a transfer finds its peer disconnected, NIXL itself
+// invalidates the peer, and from then on reports every request to it as
+// NOT_FOUND without asking the backend; a zombie reported so is taken as
+// finished, released (NIXL cancels it if its backend still runs it) and
+// its blocks unfenced. With NIXL's default of one UCX worker that is
+// sound: the peer's only endpoint has failed, and UCX ended every get on
+// it. With num_workers above 1 (ECXFER_NIXL_PARAMS, BackendParams) a get
+// on another worker's endpoint may still run then, and its late data land
+// on a READ posted after it. Close gives
 // in-flight requests two seconds, and if some are still running it leaves
 // the NIXL agent and its memory in place rather than abort, and says so.
 //
