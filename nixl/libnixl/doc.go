@@ -75,7 +75,13 @@
 // sound: the peer's only endpoint has failed, and UCX ended every get on
 // it. With num_workers above 1 (ECXFER_NIXL_PARAMS, BackendParams) a get
 // on another worker's endpoint may still run then, and its late data land
-// on a READ posted after it. Close gives
+// on a READ posted after it. The same holds for a READ that ended in an
+// error: NIXL reports a request failed as soon as one of its gets failed,
+// keeps that answer, and cancels the gets still running when it is
+// released, so its blocks are not fenced after it. A failed endpoint (the
+// usual cause) has ended them all; a get refused alone (a remote access
+// error, which the bounds checks at PrepDlist and MakeXfer keep this
+// package's READs from) would leave the others running. Close gives
 // in-flight requests two seconds, and if some are still running it leaves
 // the NIXL agent and its memory in place rather than abort, and says so.
 //
