@@ -785,6 +785,9 @@ func (r *Reactor) addPeer(md []byte, descs descriptors.List, d *Direct) (_ strin
 	// stage: the restarted peer, loaded beside the old one, which keeps
 	// working until the new one is ready (engines that can).
 	var stage nixl.StagedPeer
+	// kept: the counters of a restarted peer dropped before its new
+	// metadata is loaded (engines that cannot stage), for the new peer.
+	var kept *peerCounters
 	if errors.Is(err, nixl.ErrNotAllowed) && name != "" {
 		// Changed metadata under a loaded name: the peer restarted.
 		old := r.peer(name)
@@ -794,6 +797,7 @@ func (r *Reactor) addPeer(md []byte, descs descriptors.List, d *Direct) (_ strin
 		} else {
 			if old != nil {
 				failed = r.dropPeer(old, codeRemoteDisconnect)
+				kept = old.pc
 				restarted = true
 			} else if ierr := r.agent.InvalidateRemoteMetadata(name); ierr != nil {
 				return "", fmt.Errorf("%w: replacing %q: %v", ErrBadMetadata, name, ierr)
@@ -850,8 +854,11 @@ func (r *Reactor) addPeer(md []byte, descs descriptors.List, d *Direct) (_ strin
 		return "", fmt.Errorf("%w: %v", ErrBadDescriptor, err)
 	}
 	p := &Peer{Name: name, Descs: descs, dlist: dl, pc: &peerCounters{}}
-	if old != nil {
+	switch {
+	case old != nil:
 		p.pc = old.pc
+	case kept != nil:
+		p.pc = kept
 	}
 	p.grid, p.isGrid = descriptors.GridOf(descs)
 	if d != nil && r.dir != nil {

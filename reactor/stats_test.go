@@ -397,3 +397,62 @@ func FuzzSchedstat(f *testing.F) {
 		}
 	})
 }
+
+// A producer restarted under its name (new metadata) keeps its counters
+// on engines that cannot load it beside the old one (here loopback; the
+// nixl engine is another): the old peer is dropped before the new one is
+// loaded, and the new one used to start from zero, with the READ the
+// restart failed counted on counters nobody showed any more.
+func TestPeerCountersKeptWhenRestarted(t *testing.T) {
+	leakcheck.Check(t)
+	p := newPair(t, 16, Options{})
+	r := p.cons
+	for i := range 3 {
+		h, err := r.Post(p.pname, []int{i}, []int{i}, nil)
+		require.NoError(t, err)
+		require.NoError(t, r.Wait(context.Background(), h))
+		require.NoError(t, r.Release(h))
+	}
+	stat := func() PeerStat {
+		ps := r.PeerStats(nil)
+		require.Len(t, ps, 1)
+		return ps[0]
+	}
+	require.Eventually(t, func() bool { return stat().ReadsDone == 3 }, 5*time.Second, time.Millisecond)
+	before := stat()
+	p.consEng.SetDelay(time.Hour)
+	h, err := r.Post(p.pname, []int{5}, []int{5}, nil)
+	require.NoError(t, err)
+	inFlight(t, r, 1)
+
+	require.NoError(t, p.prod.Close())
+	a2, err := loopback.New(p.pname)
+	require.NoError(t, err)
+	prod2, err := Start(a2, Options{}, blockSetup(64, 16))
+	if err != nil {
+		_ = a2.Close()
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = prod2.Close() })
+	var md []byte
+	require.NoError(t, prod2.do(func() error {
+		var err error
+		md, err = a2.LocalMetadata()
+		return err
+	}))
+	name, err := r.AddPeer(md, prod2.loc.Load().descs)
+	require.NoError(t, err)
+	require.Equal(t, p.pname, name)
+	require.ErrorIs(t, r.Wait(context.Background(), h), ErrRemoteDisconnect)
+	require.NoError(t, r.Release(h))
+	p.consEng.SetDelay(0)
+	h, err = r.Post(p.pname, []int{1}, []int{1}, nil)
+	require.NoError(t, err)
+	require.NoError(t, r.Wait(context.Background(), h))
+	require.NoError(t, r.Release(h))
+	require.Eventually(t, func() bool { return stat().ReadsDone == 4 }, 5*time.Second, time.Millisecond,
+		"the restarted peer's counters: %+v", stat())
+	after := stat()
+	require.Equal(t, before.ReadsFailed+1, after.ReadsFailed, "the READ the restart failed counts under its name")
+	require.Equal(t, before.BytesRead+before.BytesRead/3, after.BytesRead)
+}
