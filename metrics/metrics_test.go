@@ -558,13 +558,19 @@ func TestDirectPathMetrics(t *testing.T) {
 		switch mf.GetName() {
 		case "ecxfer_copy_workers":
 			got[mf.GetName()] = mf.GetMetric()[0].GetGauge().GetValue()
-		case "ecxfer_copy_busy_seconds_total":
+		case "ecxfer_copy_busy_seconds_total", "ecxfer_reads_direct_total", "ecxfer_reads_inline_total",
+			"ecxfer_peer_reads_done_total":
 			got[mf.GetName()] = mf.GetMetric()[0].GetCounter().GetValue()
+		case "ecxfer_read_duration_seconds":
+			got[mf.GetName()] = float64(mf.GetMetric()[0].GetHistogram().GetSampleCount())
 		}
 	}
 	require.Equal(t, 2.0, got["ecxfer_copy_workers"])
 	require.Greater(t, got["ecxfer_copy_busy_seconds_total"], 0.0)
-	require.Equal(t, float64(n), vals["ecxfer_reads_inline_total"])
+	require.Equal(t, float64(n+1), got["ecxfer_reads_direct_total"], "the workers' READ is a direct one")
+	require.Equal(t, float64(n), got["ecxfer_reads_inline_total"], "and not an inline one")
+	require.Equal(t, float64(n+1), got["ecxfer_peer_reads_done_total"])
+	require.Equal(t, float64(n+1), got["ecxfer_read_duration_seconds"], "every DONE READ has its latency in the histogram")
 }
 
 // Close returns promptly and without error while a client holds a

@@ -37,6 +37,7 @@ func TestPeers(t *testing.T) {
 	require.NoError(t, res.LeakErr)
 	require.LessOrEqual(t, res.Removed.FDs, res.Base.FDs, "descriptors left after removing every peer")
 	require.LessOrEqual(t, res.Removed.SharedMaps, res.Base.SharedMaps, "shared memory left mapped after removing every peer")
+	require.LessOrEqual(t, res.Removed.SharedSize, res.Base.SharedSize, "shared memory left mapped after removing every peer")
 	require.Greater(t, res.AddP50, time.Duration(0))
 	t.Logf("AddRemotePeer p50 %v p99 %v; RSS/peer added %.0f B, read %.0f B; shared maps %d→%d→%d→%d",
 		res.AddP50, res.AddP99, res.PerPeer(res.Base.RSS, res.Added.RSS), res.PerPeer(res.Base.RSS, res.Read.RSS),
