@@ -28,6 +28,14 @@ const ecxNameCap = 257
 // bad argument, not a slice the runtime should try to build.
 const maxLen = 1 << 40
 
+// firstAddr is the lowest address a caller's memory can have: the kernel
+// never maps the first page. A pointer below it is refused as soon as it
+// arrives; Go's runtime aborts the process when it finds one on a stack
+// it copies, so one that lingered into deeper calls took the caller's
+// process down (such a pointer is a bad argument to every function here,
+// which documents the caller's duty: null or valid).
+const firstAddr = 4096
+
 func main() {}
 
 // bytesArg borrows n bytes at p for the duration of the call.
@@ -39,6 +47,8 @@ func bytesArg(p unsafe.Pointer, n C.int64_t) ([]byte, error) {
 		return nil, nil
 	case p == nil:
 		return nil, fmt.Errorf("%w: null pointer with length %d", errBadArg, int64(n))
+	case uintptr(p) < firstAddr:
+		return nil, fmt.Errorf("%w: pointer %#x with length %d", errBadArg, uintptr(p), int64(n))
 	}
 	return unsafe.Slice((*byte)(p), int(n)), nil
 }
@@ -53,6 +63,8 @@ func indexArg(p *C.int64_t, n C.int64_t) ([]int, error) {
 		return []int{}, nil
 	case p == nil:
 		return nil, fmt.Errorf("%w: null index array with count %d", errBadArg, int64(n))
+	case uintptr(unsafe.Pointer(p)) < firstAddr:
+		return nil, fmt.Errorf("%w: index array at %#x with count %d", errBadArg, uintptr(unsafe.Pointer(p)), int64(n))
 	}
 	return unsafe.Slice((*int)(unsafe.Pointer(p)), int(n)), nil
 }

@@ -10,7 +10,12 @@
 // one added again after ecx_remove_peer gets a new one), ecx_post_read a
 // READ handle. 0 is never a valid id or handle.
 //
-// Byte strings cross as pointer plus length. Inputs are borrowed for the
+// Byte strings cross as pointer plus length. A pointer is null (with a
+// length of 0) or names memory the caller owns; one into the first page
+// (below 4096, never mapped) is refused as a bad argument when it arrives,
+// but the process may already have been aborted by Go's runtime, which
+// takes it for a corrupt pointer, so callers must check what they were
+// handed (the Python package does). Inputs are borrowed for the
 // duration of the call only: nothing keeps a pointer the caller passed in,
 // except the region given to ecx_new, which must stay mapped until
 // ecx_deregister returns, and the interpreter's functions and objects

@@ -105,6 +105,12 @@ _SEQS = (list, tuple)
 _UNPACKED = _lib.UNPACKED
 
 
+# The lowest address that can name memory: the kernel never maps the first
+# page (vm.mmap_min_addr is at least 4096), and Go's runtime takes any
+# pointer below this for a corrupt one.
+_FIRST_ADDR = 4096
+
+
 def _indices(x: Any):
     """Return (keepalive, pointer, count) for an index list without
     building a Python int per element when x is already a buffer of
@@ -126,7 +132,11 @@ def _indices(x: Any):
         # interface also allows None or a buffer object, which go the
         # general way below.
         data = ai.get("data")
-        if type(data) is tuple and len(data) == 2 and type(data[0]) is int:
+        # An address in the first page (never mapped) is no array's: it
+        # goes the general way too, which says what is wrong with x, and
+        # never reaches the library, whose Go runtime aborts the process
+        # on finding such a pointer.
+        if type(data) is tuple and len(data) == 2 and type(data[0]) is int and data[0] >= _FIRST_ADDR:
             shape = ai.get("shape") or (0,)
             n = 1
             for d in shape:
@@ -385,7 +395,13 @@ class EcxferDataTransport(_Base):
         except (TypeError, ValueError, RecursionError) as e:  # an option value JSON cannot carry
             bad = ", ".join(f"{k}={v!r}" for k, v in opts.items() if not _json_ok(v))
             raise ConfigError(f"ecxfer: bad config: option {bad}: {e}") from None
+        if type(base_ptr) is bool:
+            raise ConfigError(f"ecxfer: bad config: base_ptr {base_ptr!r} is not an address")
         region = _int_arg("base_ptr", 0 if base_ptr is None else base_ptr, 1 << 64)
+        if 0 < region < _FIRST_ADDR:
+            # The first page is never mapped, and the library's Go runtime
+            # aborts the process on a pointer into it.
+            raise ConfigError(f"ecxfer: bad config: base_ptr {region:#x} is not an address (below {_FIRST_ADDR:#x})")
         size = _int_arg("total_size_bytes", 0 if total_size_bytes is None else total_size_bytes, 1 << 63)
         if region == 0:
             size = 0

@@ -275,3 +275,48 @@ def test_wait_timeout_bounds_the_call_with_long_wait_spin(peers, monkeypatch):
     prod.send(expect_notifs=0)
     prod.recv()
     assert prod.finish() == 0
+
+
+FIRST_PAGE = r"""
+import ecxfer
+bad = []
+for ptr in (True, 1, 8, 4095):
+    try:
+        ecxfer.EcxferDataTransport(agent_name="fp", base_ptr=ptr, num_blocks=1, block_size_bytes=64, total_size_bytes=64)
+    except ecxfer.ConfigError as e:
+        assert "base_ptr" in str(e), e
+    else:
+        bad.append(ptr)
+assert not bad, f"taken as regions: {bad}"
+
+
+class Fake:
+    # An index "array" whose data pointer lies in the first page.
+    def __init__(self, addr):
+        self.__array_interface__ = {"typestr": "<i8", "shape": (4,), "data": (addr, False), "version": 3}
+
+
+t = ecxfer.EcxferDataTransport("fp2", 0, 8, 64, 0, backend="loopback")
+peer = t.add_remote_peer(t.get_agent_metadata(), t.get_mem_descriptor())
+for addr in (8, 4095):
+    for args in ((Fake(addr), peer, [0, 1, 2, 3], b""), ([0, 1, 2, 3], peer, Fake(addr), b"")):
+        try:
+            t.post_read(*args)
+        except (TypeError, ValueError) as e:
+            pass
+        else:
+            raise AssertionError(f"an index array at {addr:#x} was read")
+t.deregister()
+print("ok")
+"""
+
+
+def test_first_page_pointers_refused():
+    """A base_ptr in the first page (True, 1, 4095) or an index array whose
+    __array_interface__ names an address there is refused with a clear
+    error. Such a pointer used to reach the library, whose Go runtime
+    aborted the interpreter ("invalid pointer found on stack"): the test
+    runs in a child so that a regression fails it instead of the suite."""
+    r = subprocess.run([sys.executable, "-c", FIRST_PAGE], env=child_env(), capture_output=True, text=True,
+                       timeout=60, cwd="/")
+    assert r.returncode == 0 and r.stdout.strip() == "ok", f"rc {r.returncode}\n{r.stdout}\n{r.stderr[-3000:]}"
