@@ -1,7 +1,16 @@
 """Calls that wait release the GIL: another Python thread runs, and can
-even end the wait, while one thread is blocked in the library."""
+even end the wait, while one thread is blocked in the library.
+
+wait() and wait_notifs() block in slices of at most 100 ms and come back
+to Python between them, so another thread that merely gets to run says
+nothing: it could run between slices with the GIL held inside each. The
+probe below says it: with the interpreter's switch interval raised out of
+reach, a thread holding the GIL keeps it until it releases it itself, so
+the main thread's counter moves while the waiter is inside a library call
+only if that call released the GIL."""
 
 import base64
+import contextlib
 import os
 import signal
 import sys
@@ -10,9 +19,50 @@ import time
 
 from conftest import HELPERS, ShmRegion, shm_path
 
+import ecxfer.transport as transport
 from ecxfer import BadHandleError, EcxferDataTransport
 
 PEER = str(HELPERS / "peer.py")
+
+
+class GILProbe:
+    """Counts, on the main thread, and records how far the count moved
+    during each call of a wrapped library function on another thread."""
+
+    def __init__(self):
+        self.count = 0
+        self.moved = []  # per wrapped call: the count after minus before
+
+    def wrap(self, fn):
+        def probed(*args):
+            before = self.count
+            try:
+                return fn(*args)
+            finally:
+                self.moved.append(self.count - before)
+
+        return probed
+
+    def run(self, seconds):
+        """Count for seconds, letting go of the GIL after each step (or a
+        waiter whose call returned could not take it back)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            self.count += 1
+            time.sleep(0)
+
+    def released(self):
+        return max(self.moved, default=0) > 0
+
+
+@contextlib.contextmanager
+def no_forced_switch():
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(old)
 
 
 def test_wait_releases_the_gil(peers, monkeypatch):
@@ -56,13 +106,18 @@ def test_wait_releases_the_gil(peers, monkeypatch):
             out["state"] = t.wait(h, 60)
             out["error"] = t.xfer_error(h)
 
+        probe = GILProbe()
+        if transport._wait_py is not None:
+            monkeypatch.setattr(transport, "_wait_py", probe.wrap(transport._wait_py))
+        else:
+            monkeypatch.setattr(transport._lib_, "ecx_wait", probe.wrap(transport._lib_.ecx_wait))
         th = threading.Thread(target=waiter)
-        th.start()
-        entered.wait()
-        counted = 0
-        deadline = time.monotonic() + 0.5
-        while time.monotonic() < deadline:
-            counted += 1
+        with no_forced_switch():
+            th.start()
+            entered.wait()
+            probe.run(0.5)
+        assert probe.moved, "wait() made no library call"
+        assert probe.released(), f"the main thread never ran during one of wait()'s calls: {probe.moved[:20]}"
         assert th.is_alive(), "the READ should still be in flight"
         assert t.check_xfer_state(h) == "PROC"
         # Releasing the handle from this thread ends the other's wait.
@@ -82,7 +137,6 @@ def test_wait_releases_the_gil(peers, monkeypatch):
         os.kill(prod.p.pid, signal.SIGCONT)
         th.join(60)
         assert not th.is_alive()
-        assert counted > 1000
         assert out == {"state": "DONE", "error": None}
         t.release_xfer_handle(h)
     finally:
@@ -94,9 +148,10 @@ def test_wait_releases_the_gil(peers, monkeypatch):
     assert prod.finish() == 0
 
 
-def test_wait_notifs_releases_the_gil(pair):
+def test_wait_notifs_releases_the_gil(pair, monkeypatch):
     """A thread blocked in wait_notifs() does not stop the main thread from
-    posting the READ whose notification ends that wait."""
+    running (the probe) and posting the READ whose notification ends that
+    wait."""
     prod, _, cons, _, peer, _ = pair
     out = {}
     entered = threading.Event()
@@ -105,10 +160,15 @@ def test_wait_notifs_releases_the_gil(pair):
         entered.set()
         out["notifs"] = prod.wait_notifs(60)
 
+    probe = GILProbe()
+    monkeypatch.setattr(transport._lib_, "ecx_notifs", probe.wrap(transport._lib_.ecx_notifs))
     th = threading.Thread(target=waiter)
-    th.start()
-    entered.wait()
-    time.sleep(0.1)
+    with no_forced_switch():
+        th.start()
+        entered.wait()
+        probe.run(0.3)
+    assert probe.moved, "wait_notifs() made no library call"
+    assert probe.released(), f"the main thread never ran during one of wait_notifs()'s calls: {probe.moved[:20]}"
     assert th.is_alive()
     h = cons.post_read([1], peer, [2], b"wake:up")
     th.join(60)
