@@ -1,6 +1,7 @@
 """EcxferDataTransport: ecxfer's transport with vLLM's DataTransport API."""
 
 import array
+import contextlib
 import ctypes
 import json
 import logging
@@ -432,6 +433,11 @@ class EcxferDataTransport(_Base):
         self.num_blocks = num_blocks
         self.block_size_bytes = block_size_bytes
         self._peers: dict[str, int] = {}
+        # Held across the library's add or remove of a peer and the update
+        # of _peers that goes with it: without it, an add, a remove and an
+        # add of one name on three threads could leave _peers with the
+        # first add's id, which the library no longer knows.
+        self._peers_lock = threading.Lock()
         self._pid = os.getpid()
         # deregister() holds it while it tears down: a second call waits
         # for the first, so neither returns while the region is in use.
@@ -468,11 +474,12 @@ class EcxferDataTransport(_Base):
         self._live()
         name = ctypes.create_string_buffer(260)
         pid = ctypes.c_uint64()
-        rc = _lib_.ecx_add_peer(self._t, md, len(md), desc, len(desc), name, len(name), ctypes.byref(pid))
-        if rc != 0:
-            raise from_code(rc)
-        agent = name.value.decode("ascii")
-        self._peers[agent] = pid.value
+        with self._peers_guard():
+            rc = _lib_.ecx_add_peer(self._t, md, len(md), desc, len(desc), name, len(name), ctypes.byref(pid))
+            if rc != 0:
+                raise from_code(rc)
+            agent = name.value.decode("ascii")
+            self._peers[agent] = pid.value
         _check_fault_handlers()
         return agent
 
@@ -481,12 +488,15 @@ class EcxferDataTransport(_Base):
         failure (an unknown name, a closed transport) is logged."""
         try:
             if isinstance(agent_name, str):
-                self._peers.pop(agent_name, None)
+                key = agent_name
                 name = agent_name.encode("ascii")
             else:
                 # bytes(n) of an int n would make n zero bytes.
                 name = _blob_arg("agent_name", agent_name)
-            rc = _lib_.ecx_remove_peer(self._t, name, len(name))
+                key = name.decode("ascii", "replace")
+            with self._peers_guard():
+                self._peers.pop(key, None)
+                rc = _lib_.ecx_remove_peer(self._t, name, len(name))
             if rc != 0:
                 raise from_code(rc)
         except Exception:
@@ -705,6 +715,14 @@ class EcxferDataTransport(_Base):
         self.deregister()
 
     # -- internals ------------------------------------------------------
+
+    def _peers_guard(self):
+        """_peers_lock, except in a process forked from the one that made
+        the transport, where another thread of the parent may have held
+        it at the fork (the library's stand-in there raises ForkedError)."""
+        if self._pid != os.getpid():
+            return contextlib.nullcontext()
+        return self._peers_lock
 
     def _live(self) -> None:
         if self._t == 0:

@@ -15,7 +15,7 @@ SOURCES = sorted((PKG / "ecxfer").glob("*.py")) + sorted((PKG / "examples").glob
 
 # Standard-library modules the package may import: all of them were in 3.10.
 STDLIB_310 = {
-    "array", "ast", "atexit", "base64", "ctypes", "importlib", "json", "logging", "math", "mmap", "operator", "os",
+    "array", "ast", "atexit", "base64", "contextlib", "ctypes", "importlib", "json", "logging", "math", "mmap", "operator", "os",
     "pathlib", "reprlib", "signal", "struct", "subprocess", "sys", "threading", "time", "typing", "weakref", "__future__",
 }
 

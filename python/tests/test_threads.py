@@ -95,3 +95,65 @@ def test_array_pinned_during_post():
     del keep
     a.extend([8])
     assert len(a) == 9
+
+
+def test_add_remove_add_on_three_threads(monkeypatch):
+    """An add, a remove and an add of one peer on three threads, the first
+    add held right after its library call (where its id goes into the
+    transport's table): the remove and the second add wait for it, and the
+    peer ends known under the id the library gave last. Without the lock
+    they ran in between, and the first add then wrote its id, one the
+    library no longer knew, over the second's: post_read raised
+    UnknownPeerError until the next add."""
+    import threading
+
+    import ecxfer
+
+    p = ecxfer.EcxferDataTransport("aradd-prod", 0, 16, 64, 16 * 64, backend="loopback")
+    c = ecxfer.EcxferDataTransport("aradd-cons", 0, 16, 64, 16 * 64, backend="loopback")
+    md, desc = p.get_agent_metadata(), p.get_mem_descriptor()
+    real = transport._lib_.ecx_add_peer
+    added, go = threading.Event(), threading.Event()
+    first = []
+
+    def held_add(*args):
+        rc = real(*args)
+        if not first:
+            first.append(rc)
+            added.set()
+            go.wait(5)
+        return rc
+
+    monkeypatch.setattr(transport._lib_, "ecx_add_peer", held_add)
+    errs = []
+
+    def run(fn):
+        def body():
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001
+                errs.append(e)
+
+        th = threading.Thread(target=body)
+        th.start()
+        return th
+
+    try:
+        b = run(lambda: c.add_remote_peer(md, desc))
+        assert added.wait(10)
+        a = run(lambda: c.remove_remote_peer("aradd-prod"))
+        a.join(0.2)
+        cc = run(lambda: c.add_remote_peer(md, desc))
+        cc.join(0.2)
+        go.set()
+        for th in (b, a, cc):
+            th.join(10)
+            assert not th.is_alive()
+        assert not errs, errs
+        h = c.post_read([0], "aradd-prod", [1], b"")
+        assert c.wait(h, 10) == "DONE"
+        c.release_xfer_handle(h)
+    finally:
+        go.set()
+        c.deregister()
+        p.deregister()
