@@ -106,6 +106,22 @@ _SEQS = (list, tuple)
 _UNPACKED = _lib.UNPACKED
 
 
+def _one_dim(x: Any) -> None:
+    """Refuse index collections whose order is not theirs to give (sets,
+    dicts: the i-th local block goes with the i-th remote one) and arrays
+    of more than one dimension (whose len() is not their count)."""
+    if isinstance(x, (set, frozenset, dict)):
+        raise BadArgumentTypeError(
+            f"ecxfer: block indices are an ordered sequence of ints, not a {type(x).__name__}"
+        )
+    nd = getattr(x, "ndim", 1)
+    ai = getattr(x, "__array_interface__", None)
+    if type(ai) is dict and type(ai.get("shape")) is tuple:
+        nd = len(ai["shape"])
+    if nd != 1:
+        raise BadArgumentTypeError(f"ecxfer: block indices are one-dimensional, not of {nd} dimensions")
+
+
 # The lowest address that can name memory: the kernel never maps the first
 # page (vm.mmap_min_addr is at least 4096), and Go's runtime takes any
 # pointer below this for a corrupt one.
@@ -508,7 +524,9 @@ class EcxferDataTransport(_Base):
         landed (none when empty). Returns the handle; never waits for data.
 
         The index lists may be lists of ints or, cheaper, array('q') or
-        int64 numpy arrays, which are read in place. Raises ValueError
+        int64 numpy arrays, which are read in place; they are ordered and
+        one-dimensional (a set, a dict or a 2-D array raises
+        BadArgumentTypeError). Raises ValueError
         (IndexMismatchError, "mismatch") when the counts differ, KeyError
         (UnknownPeerError) for an unknown agent, IndexError
         (IndexRangeError) for an index out of range, ClosedError after
@@ -524,6 +542,8 @@ class EcxferDataTransport(_Base):
                 return h
             if h != _UNPACKED:
                 raise from_code(h)
+        _one_dim(local_indices)
+        _one_dim(remote_indices)
         try:
             n, m = len(local_indices), len(remote_indices)
         except TypeError as e:

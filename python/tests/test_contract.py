@@ -68,14 +68,27 @@ def test_mismatch_is_value_error(pair):
     assert cons.stats()["reads_posted"] == 0
 
 
-def test_mismatch_counts_blocks_not_rows(pair):
-    """A 2-D index array has a len() other than its number of indices: the
-    check compares the counts that go to the library, and still says
-    "mismatch"."""
+def test_indices_one_dimensional_and_ordered(pair):
+    """A 2-D index array (whose len() is not its number of indices), or
+    an unordered collection (a set, a dict: the i-th local block goes with
+    the i-th remote one), is refused, whatever the other list; nothing is
+    posted. A 2-D array was flattened when both sides were 2-D, its
+    rows counted against the other side's indices otherwise, and a set
+    posted its blocks in hash order."""
     np = pytest.importorskip("numpy")
     _, _, cons, _, peer, _ = pair
-    with pytest.raises(ValueError, match="mismatch"):
-        cons.post_read(np.arange(4, dtype=np.int64).reshape(2, 2), peer, [0, 1], b"x")
+    sq = np.arange(4, dtype=np.int64).reshape(2, 2)
+    for local, remote in (
+        (sq, [0, 1, 2, 3]),
+        (sq, sq),
+        (np.asfortranarray(sq), [0, 1, 2, 3]),
+        ([0, 1, 2, 3], memoryview(sq)),
+        ({1, 2}, [3, 4]),
+        ([1, 2], frozenset({3, 4})),
+        ({1: 0, 2: 0}, [3, 4]),
+    ):
+        with pytest.raises(ecxfer.BadArgumentTypeError):
+            cons.post_read(local, peer, remote, b"x")
     assert cons.stats()["reads_posted"] == 0
 
 
