@@ -159,6 +159,26 @@ def _indices(x: Any):
             for d in shape:
                 n *= d
             return x, data[0], n
+    if type(ai) is dict and type(ai.get("typestr")) is str and ai["typestr"][1:2] in ("i", "u"):
+        # Another integer type (int32, uint64, big-endian), or int64 not
+        # contiguous: the array converts itself, in C (numpy's astype),
+        # instead of array('q') making an object of every element. A value
+        # of uint64 above 2**63-1 comes out negative: out of range either
+        # way. The copy is C-contiguous int64 with its own data.
+        astype = getattr(x, "astype", None)
+        if callable(astype):
+            try:
+                y = astype("<i8", order="C")
+            except Exception:  # noqa: BLE001 - not numpy's: the general way says what is wrong
+                y = None
+            yi = getattr(y, "__array_interface__", None)
+            if type(yi) is dict and yi.get("typestr") == "<i8" and yi.get("strides") is None and not yi.get("offset"):
+                data = yi.get("data")
+                if type(data) is tuple and len(data) == 2 and type(data[0]) is int and data[0] >= _FIRST_ADDR:
+                    n = 1
+                    for d in yi.get("shape") or (0,):
+                        n *= d
+                    return y, data[0], n
     t = type(x)
     if t is list or t is tuple:
         # One struct.pack reads the ints in C, about 2.5x faster than

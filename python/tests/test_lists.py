@@ -53,7 +53,7 @@ def test_lists_and_tuples_take_the_c_path(spied):
         local, remote = rng.sample(range(64), 40), rng.sample(range(64), 40)
         if k % 2:
             local, remote = tuple(local), tuple(remote)
-        creg.mm[:] = bytes(len(creg.mm))
+        creg.mm[: 16 * bs] = bytes(16 * bs)
         h = cons.post_read(local, peer, remote, b"s:%d" % k)
         assert got[-1] == h > 0
         assert cons.wait(h, 10) == "DONE"
@@ -386,3 +386,35 @@ def test_post_read_releases_the_gil():
     out = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("@@ ")][-1][3:])
     assert out["released"] and out["waited"] >= 0.25, out
     assert out["state"] == "DONE"
+
+
+def test_numpy_of_other_integer_types(pair, monkeypatch):
+    """numpy index arrays of another integer type, byte order or layout
+    read the right blocks, converted by numpy itself (one int64 copy),
+    never element by element through array('q'), which made a Python
+    object of every index."""
+    np = pytest.importorskip("numpy")
+    prod, preg, cons, creg, peer, _ = pair
+    bs = 4096  # the pair's blocks
+    _mark(preg, bs, 16)
+
+    def no_q_array(x):
+        raise AssertionError(f"array('q') for {x!r}")
+
+    monkeypatch.setattr(transport, "_q_array", no_q_array)
+    local = [3, 1, 4, 0, 5, 9, 2, 6]
+    remote = [15, 8, 7, 11, 10, 13, 12, 14]
+    wide = np.zeros(16, dtype=np.int64)
+    wide[::2] = local
+    for lo, ro in (
+        (np.array(local, dtype=np.int32), np.array(remote, dtype=np.uint64)),
+        (np.array(local, dtype=">i8"), np.array(remote, dtype=np.int16)),
+        (wide[::2], np.array(remote, dtype=np.uint32)),
+    ):
+        creg.mm[: 16 * bs] = bytes(16 * bs)
+        h = cons.post_read(lo, peer, ro, b"")
+        assert cons.wait(h, 10) == "DONE"
+        cons.release_xfer_handle(h)
+        assert _landed(creg, bs, local, remote), (lo.dtype, ro.dtype)
+    with pytest.raises(IndexError):  # 2**64-1 is not a block, even as uint64
+        cons.post_read(np.array([1], dtype=np.uint64), peer, np.array([2**64 - 1], dtype=np.uint64), b"")
