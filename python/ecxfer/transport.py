@@ -122,6 +122,9 @@ def _one_dim(x: Any) -> None:
         raise BadArgumentTypeError(f"ecxfer: block indices are one-dimensional, not of {nd} dimensions")
 
 
+# The most copy workers a transport takes (Config.CopyWorkers).
+_MAX_COPY_WORKERS = 256
+
 # The lowest address that can name memory: the kernel never maps the first
 # page (vm.mmap_min_addr is at least 4096), and Go's runtime takes any
 # pointer below this for a corrupt one.
@@ -361,8 +364,8 @@ class EcxferDataTransport(_Base):
     transport allocate its own. num_threads is what NIXL gets for its
     transfer threads; here the threads that move bytes are the copy
     workers of the direct path, so a num_threads above 1 sets copy_workers
-    (unless that option is given). 1, vLLM's default, keeps ecxfer's
-    default. The engine itself always has one reactor thread.
+    (unless that option is given; at most 256, their limit). 1, vLLM's
+    default, keeps ecxfer's default. The engine itself always has one reactor thread.
 
     options reach the Go Config: backend ("ucx", the default, "nixl", or
     "loopback", in-process and for tests only),
@@ -417,7 +420,9 @@ class EcxferDataTransport(_Base):
         if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
             raise ConfigError(f"ecxfer: bad config: num_threads {num_threads!r} (want an int >= 1)")
         if num_threads > 1 and opts.get("copy_workers") is None:
-            opts["copy_workers"] = num_threads  # (None: not given, as above)
+            # (None: not given, as above.) NIXL takes any count; the copy
+            # workers stop at _MAX_COPY_WORKERS, which is plenty.
+            opts["copy_workers"] = min(num_threads, _MAX_COPY_WORKERS)
         if not isinstance(agent_name, str):
             raise ConfigError(f"ecxfer: bad config: agent_name {agent_name!r} is not a str")
         # Counts are ints: int() would bend 4096.5 into 4096 and "4096" into

@@ -40,8 +40,12 @@ def enabled() -> bool:
 
 
 def register() -> None:
-    """The entry point. Off unless ECXFER_VLLM=1."""
+    """The entry point. Off unless ECXFER_VLLM=1 (another value, such as
+    "true", is off too, and says so in a warning)."""
     if not enabled():
+        v = os.environ.get("ECXFER_VLLM")
+        if v not in (None, "", "0"):
+            logger.warning("ecxfer: ECXFER_VLLM=%r leaves ecxfer off: only ECXFER_VLLM=1 turns it on", v)
         return
     from .transport import EcxferDataTransport
 

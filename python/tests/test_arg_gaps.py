@@ -126,6 +126,13 @@ def test_copy_workers_none_is_not_given(monkeypatch):
         assert t.stats()["copy_workers"] == 1, "an explicit copy_workers wins"
     finally:
         t.deregister()
+    # NIXL takes any num_threads; the copy workers stop at their limit.
+    monkeypatch.delenv("ECXFER_OPTIONS")
+    t = ecxfer.EcxferDataTransport("arg-nt", 0, 4, 4096, 0, num_threads=1000)
+    try:
+        assert t.stats()["copy_workers"] == 256
+    finally:
+        t.deregister()
 
 
 class _Alarm(Exception):

@@ -80,6 +80,25 @@ def test_plugin_off_by_default():
     assert out == {"error": "NIXL is not available"}
 
 
+def test_plugin_off_for_other_values_says_so():
+    """Only ECXFER_VLLM=1 turns the plugin on; another value ("true",
+    "yes") leaves it off, with a warning naming the value; 0 and unset
+    are quietly off."""
+    code = (
+        "import logging, sys; logging.basicConfig(stream=sys.stdout, level=logging.WARNING); "
+        "from ecxfer import vllm_plugin; vllm_plugin.register(); "
+        "import vllm.distributed.ec_transfer.ec_connector.cpu.data.nixl as d; "
+        "print('@@', d.NixlDataTransport.__module__)"
+    )
+    for value, warned in (("true", True), ("yes", True), ("0", False), ("", False)):
+        env = child_env({"ECXFER_VLLM": value})
+        env["PYTHONPATH"] = os.pathsep.join([STUB, str(PYDIR)])
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, cwd="/")
+        assert r.returncode == 0, r.stderr
+        assert "ecxfer" not in r.stdout.split("@@")[-1], (value, r.stdout)
+        assert ("only ECXFER_VLLM=1 turns it on" in r.stdout) == warned, (value, r.stdout)
+
+
 def test_plugin_patches_the_transport():
     out = run(sys.executable, "direct", {"ECXFER_VLLM": "1"}, [STUB, str(PYDIR)])
     assert out["class"] == "ecxfer.transport.EcxferDataTransport"
