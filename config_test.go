@@ -158,6 +158,39 @@ func TestOnGoHeap(t *testing.T) {
 
 // A Region on the Go heap is refused: the engine would keep the address of
 // memory the garbage collector manages. Memory outside the heap works.
+// A Region not mapped writable from end to end (a read-only page, a hole
+// after its mapping) is refused with ErrConfig by every engine: READs
+// land in it, and on the direct path a fault there was taken for the
+// producer's death.
+func TestNewRefusesRegionNotWritable(t *testing.T) {
+	leakcheck.Check(t)
+	page := unix.Getpagesize()
+	m, err := unix.Mmap(-1, 0, 5*page, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, unix.Munmap(m)) }()
+	require.NoError(t, unix.Mprotect(m[4*page:], unix.PROT_NONE))
+	for _, backend := range []string{"ucx", "loopback"} {
+		cfg := func(region []byte, nb int) Config {
+			return Config{AgentName: uniqueName("rw"), Backend: backend, BlockSize: page, NumBlocks: nb, Region: region}
+		}
+		ok, err := New(cfg(m[:4*page], 4))
+		require.NoError(t, err, backend)
+		require.NoError(t, ok.Deregister())
+		refused := func(what string, region []byte, nb int) {
+			tr, err := New(cfg(region, nb))
+			if tr != nil {
+				_ = tr.Deregister()
+			}
+			require.ErrorIs(t, err, ErrConfig, "%s: %s", backend, what)
+			require.Contains(t, err.Error(), "not mapped writable", "%s: %s", backend, what)
+		}
+		refused("into the guard page", m[2*page:], 3)
+		require.NoError(t, unix.Mprotect(m[page:2*page], unix.PROT_READ))
+		refused("a read-only page inside", m[:4*page], 4)
+		require.NoError(t, unix.Mprotect(m[page:2*page], unix.PROT_READ|unix.PROT_WRITE))
+	}
+}
+
 func TestNewRefusesGoHeapRegion(t *testing.T) {
 	leakcheck.Check(t)
 	const bs, nb = 64, 8

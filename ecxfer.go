@@ -94,7 +94,9 @@ type Config struct {
 	// Region is optional caller memory of at least BlockSize*NumBlocks
 	// bytes. It must live outside the Go heap (mmap): the engine keeps its
 	// address, and it and remote peers access it while Go code runs; New
-	// refuses Go heap memory with ErrConfig. Nil: the transport allocates the
+	// refuses Go heap memory with ErrConfig, and memory not mapped
+	// writable from end to end (READs land in it; a fault there would be
+	// taken for the producer's). Nil: the transport allocates the
 	// region through the engine, and New first checks that it fits (with a
 	// margin) in the memory available, under the memory cgroup's limit and,
 	// for the ucx and nixl engines when it is beyond System V shared
@@ -343,7 +345,7 @@ func checkConfig(cfg *Config) error {
 	if cfg.Region == nil {
 		return checkRegionFits(uint64(cfg.BlockSize)*uint64(cfg.NumBlocks), cfg.Backend != "loopback")
 	}
-	return nil
+	return checkRegionWritable(cfg.Region[:cfg.BlockSize*cfg.NumBlocks])
 }
 
 // ValidAgentName reports whether name can name an agent: 1 to 256 bytes of

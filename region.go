@@ -1,8 +1,11 @@
 package ecxfer
 
 import (
+	"fmt"
 	"runtime"
 	"unsafe"
+
+	"github.com/ecxfer/ecxfer/internal/procmaps"
 )
 
 // onGoHeap reports whether b's memory belongs to an object on the Go heap.
@@ -29,4 +32,29 @@ func onGoHeap(b []byte) (heap bool) {
 	c := runtime.AddCleanup(unsafe.SliceData(b), func(struct{}) {}, struct{}{})
 	c.Stop()
 	return c != runtime.Cleanup{}
+}
+
+// checkRegionWritable refuses a caller's region that is not mapped
+// writable here from end to end: READs copy into it (on the direct path,
+// in this process), and a fault there would be taken for the producer's
+// (its file truncated under the copy) and end the READ blamed on it. The
+// check is of the mappings when New runs; the region must stay so until
+// Deregister returns. A process whose mappings cannot be read is not
+// refused for it.
+func checkRegionWritable(b []byte) error {
+	if len(b) == 0 {
+		return nil
+	}
+	m, err := procmaps.Open("self")
+	if err != nil {
+		return nil
+	}
+	defer m.Close()
+	base := uint64(uintptr(unsafe.Pointer(unsafe.SliceData(b))))
+	ok, at, err := m.Writable(base, uint64(len(b)))
+	if err != nil || ok {
+		return nil
+	}
+	return fmt.Errorf("%w: Region [%#x, %#x) is not mapped writable in this process at %#x", ErrConfig,
+		base, base+uint64(len(b)), at)
 }

@@ -30,6 +30,7 @@ type Span struct {
 	Offset     uint64
 	Dev, Ino   uint64
 	Name       string
+	Writable   bool // mapped with PROT_WRITE
 }
 
 // Maps reads one process's mappings.
@@ -119,7 +120,7 @@ func parse(r io.Reader) ([]Span, error) {
 		if err := errors.Join(err1, err2, err3, err4, err5, err6); err != nil || e <= s {
 			continue
 		}
-		sp := Span{Start: s, End: e, Offset: off, Ino: ino}
+		sp := Span{Start: s, End: e, Offset: off, Ino: ino, Writable: len(f[1]) > 1 && f[1][1] == 'w'}
 		if ino != 0 {
 			sp.Dev = unix.Mkdev(uint32(dmaj), uint32(dmin))
 		}
@@ -144,6 +145,29 @@ type query struct {
 	vmaNameAddr, buildIDAddr                     uint64
 }
 
+// vmaWritable is PROCMAP_QUERY_VMA_WRITABLE, a bit of vmaFlags.
+const vmaWritable = 0x02
+
+// Writable reports whether every byte of [addr, addr+n) is mapped
+// writable; if not, it also returns the first address that is not.
+func (m *Maps) Writable(addr, n uint64) (bool, uint64, error) {
+	end := addr + n
+	if end < addr {
+		return false, addr, nil
+	}
+	for at := addr; at < end; {
+		sp, err := m.At(at)
+		if err != nil {
+			return false, at, err
+		}
+		if sp == nil || !sp.Writable {
+			return false, at, nil
+		}
+		at = sp.End
+	}
+	return true, 0, nil
+}
+
 // queryIoctl is PROCMAP_QUERY: _IOWR('f', 17, struct procmap_query).
 const queryIoctl = 3<<30 | uint(unsafe.Sizeof(query{}))<<16 | 'f'<<8 | 17
 
@@ -164,7 +188,7 @@ func (m *Maps) lookup(addr uint64) (*Span, error) {
 	default:
 		return nil, errno
 	}
-	sp := &Span{Start: q.vmaStart, End: q.vmaEnd, Offset: q.vmaOffset, Ino: q.inode}
+	sp := &Span{Start: q.vmaStart, End: q.vmaEnd, Offset: q.vmaOffset, Ino: q.inode, Writable: q.vmaFlags&vmaWritable != 0}
 	if q.inode != 0 {
 		sp.Dev = unix.Mkdev(q.devMajor, q.devMinor)
 	}

@@ -102,8 +102,49 @@ func TestParseHostile(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, []Span{
 		{Start: 0x400000, End: 0x401000, Dev: unix.Mkdev(8, 1), Ino: 1234, Name: "/bin/x"},
-		{Start: 0x406000, End: 0x407000, Offset: 0x1000},
+		{Start: 0x406000, End: 0x407000, Offset: 0x1000, Writable: true},
 	}, spans)
+}
+
+// Writable walks the mappings over a range: true only when every byte of
+// it is mapped writable, else the first address that is not; both ways
+// of asking the kernel agree.
+func TestWritable(t *testing.T) {
+	page := uint64(unix.Getpagesize())
+	m5, err := unix.Mmap(-1, 0, int(5*page), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	require.NoError(t, err)
+	defer unix.Munmap(m5)
+	require.NoError(t, unix.Mprotect(m5[4*page:], unix.PROT_NONE)) // a guard after the four pages
+	m4 := m5[:4*page]
+	base := uint64(uintptr(unsafe.Pointer(&m4[0])))
+	// Pages 0-1 and 2-3 in two mappings of different kinds, still writable.
+	require.NoError(t, unix.Madvise(m4[2*page:], unix.MADV_DONTFORK))
+	for _, query := range []bool{true, false} {
+		m, err := Open("self")
+		require.NoError(t, err)
+		m.query = query
+		ok, _, err := m.Writable(base, 4*page)
+		require.NoError(t, err)
+		require.True(t, ok, "query %v", query)
+		ok, at, err := m.Writable(base, 5*page) // into the guard
+		require.NoError(t, err)
+		require.False(t, ok)
+		require.Equal(t, base+4*page, at, "query %v", query)
+		ok, _, _ = m.Writable(0x1000, 1)
+		require.False(t, ok, "the first pages are never mapped")
+		m.Close()
+	}
+	require.NoError(t, unix.Mprotect(m4[page:2*page], unix.PROT_READ))
+	for _, query := range []bool{true, false} {
+		m, err := Open("self")
+		require.NoError(t, err)
+		m.query = query
+		ok, at, err := m.Writable(base, 4*page)
+		require.NoError(t, err)
+		require.False(t, ok)
+		require.Equal(t, base+page, at, "query %v: the read-only page", query)
+		m.Close()
+	}
 }
 
 // kernelAtLeast reports whether the running kernel is at least
