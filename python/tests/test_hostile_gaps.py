@@ -320,3 +320,25 @@ def test_first_page_pointers_refused():
     r = subprocess.run([sys.executable, "-c", FIRST_PAGE], env=child_env(), capture_output=True, text=True,
                        timeout=60, cwd="/")
     assert r.returncode == 0 and r.stdout.strip() == "ok", f"rc {r.returncode}\n{r.stdout}\n{r.stderr[-3000:]}"
+
+
+def test_region_not_writable_refused():
+    """A base_ptr whose region is mapped read-only (or not at all) is
+    refused with ConfigError: READs land in it, and a fault there was
+    taken for the producer's death."""
+    import ctypes
+    import mmap as _mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    n = 4 * 4096
+    addr = libc.mmap(None, n, _mmap.PROT_READ, _mmap.MAP_PRIVATE | _mmap.MAP_ANONYMOUS, -1, 0)
+    assert addr not in (None, ctypes.c_void_p(-1).value)
+    try:
+        with pytest.raises(ecxfer.ConfigError, match="not mapped writable"):
+            ecxfer.EcxferDataTransport(agent_name="ro", base_ptr=addr, num_blocks=4, block_size_bytes=4096,
+                                       total_size_bytes=n)
+    finally:
+        libc.munmap(addr, n)
