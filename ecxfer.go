@@ -146,6 +146,7 @@ type Config struct {
 	// gets queued at it could abort inside UCX 1.13. A producer with
 	// NoGather does not offer gathers to its consumers, a consumer with it
 	// does not use them; either way READs across hosts go as UCX gets.
+	// The other backends have no gathered READs and ignore it.
 	NoGather bool
 	// LargeTCPSegments gives UCX's tcp transport 256 KiB segments both
 	// ways instead of 64 KiB (ucx backend), and gathered READs between two
@@ -352,7 +353,8 @@ func checkConfig(cfg *Config) error {
 // printable ASCII without spaces.
 func ValidAgentName(name string) error {
 	if !reactor.ValidName(name) {
-		return fmt.Errorf("%w: agent name %q: want 1 to 256 bytes of printable ASCII without spaces", ErrConfig, name)
+		return fmt.Errorf("%w: agent name %s: want 1 to 256 bytes of printable ASCII without spaces", ErrConfig,
+			reactor.QuoteName(name))
 	}
 	return nil
 }
@@ -498,8 +500,14 @@ func (t *Transport) RemoveRemotePeer(agentName string) error {
 // PostRead queues a READ of the peer's remoteIndices blocks into the
 // localIndices blocks, with notifMsg delivered to the peer once the data
 // has landed (none when empty). It never waits for data. The slices may be
-// reused as soon as it returns. A READ has at most NumBlocks indices on
-// each side (ErrIndexRange), checked before anything is copied.
+// reused as soon as it returns. A READ has 1 to NumBlocks indices on
+// each side (ErrIndexRange, for empty lists too), checked before anything
+// is copied. The local blocks of READs in flight at the same time must not
+// overlap: nothing checks it, and which READ's bytes a shared block ends
+// up holding is unspecified (a same-host READ copied inline is DONE when
+// PostRead returns, and an earlier READ still in flight into the same
+// block may land over it). A READ released or timed out in flight is
+// another matter: see ReleaseXferHandle.
 func (t *Transport) PostRead(localIndices []int, agentName string, remoteIndices []int, notifMsg []byte) (Handle, error) {
 	if n := t.cfg.NumBlocks; len(localIndices) > n || len(remoteIndices) > n {
 		return 0, fmt.Errorf("%w: %d local and %d remote indices, at most %d (NumBlocks) each",

@@ -72,6 +72,12 @@ func TestHostileNewConfig(t *testing.T) {
 	for _, bad := range []string{"", strings.Repeat("x", 257), " a", "a\tb", "\x7f", "\xff", "é"} {
 		require.ErrorIs(t, ValidAgentName(bad), ErrConfig, "%q", bad)
 	}
+	// A megabyte of name is quoted in part, with its length: the message
+	// (which the C ABI hands to Python whole) stays short.
+	err := ValidAgentName(strings.Repeat("y", 1<<20))
+	require.ErrorIs(t, err, ErrConfig)
+	require.Less(t, len(err.Error()), 1024)
+	require.Contains(t, err.Error(), "(1048576 bytes)")
 }
 
 // racingErr reports an error a call racing Deregister may not return.

@@ -65,8 +65,9 @@ func wrapf(sentinel error, format string, args ...any) error {
 // megabytes.
 const maxQuotedName = 256
 
-// quoteName quotes name for an error message, cut at maxQuotedName bytes.
-func quoteName(name string) string {
+// QuoteName quotes name for an error message, cut at maxQuotedName bytes
+// (then its length), as every error of this package that names a peer.
+func QuoteName(name string) string {
 	if len(name) <= maxQuotedName {
 		return fmt.Sprintf("%q", name)
 	}

@@ -904,7 +904,7 @@ func (r *Reactor) RemovePeer(name string) error {
 	return r.do(func() error {
 		p := r.peer(name)
 		if p == nil {
-			return wrapf(ErrUnknownPeer, "%s", quoteName(name))
+			return wrapf(ErrUnknownPeer, "%s", QuoteName(name))
 		}
 		r.sendQueuedNotifs() // as in addPeer
 		n := r.dropPeer(p, codeCanceled)

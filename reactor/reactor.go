@@ -552,7 +552,7 @@ func (r *Reactor) checkPost(peer string, localIdx, remoteIdx []int, notif []byte
 			// dropped the peers: the transport is what is gone.
 			return nil, nil, ErrClosed
 		}
-		return nil, nil, wrapf(ErrUnknownPeer, "%s (not added with AddRemotePeer, or removed since)", quoteName(peer))
+		return nil, nil, wrapf(ErrUnknownPeer, "%s (not added with AddRemotePeer, or removed since)", QuoteName(peer))
 	}
 	loc := r.loc.Load()
 	if loc == nil {

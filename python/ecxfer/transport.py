@@ -567,6 +567,8 @@ class EcxferDataTransport(_Base):
                 return h
             if h != _UNPACKED:
                 raise from_code(h)
+        if self._t == 0:
+            raise ClosedError("ecxfer: transport deregistered")
         _one_dim(local_indices)
         _one_dim(remote_indices)
         try:
@@ -580,7 +582,7 @@ class EcxferDataTransport(_Base):
         except TypeError:  # unhashable: not a name
             raise BadArgumentTypeError(f"ecxfer: an agent name is a str, not {type(agent_name).__name__}") from None
         if pid is None:
-            if self._t == 0:
+            if self._t == 0:  # deregistered meanwhile
                 raise ClosedError("ecxfer: transport deregistered")
             raise UnknownPeerError(f"ecxfer: unknown agent {agent_name!r} (add_remote_peer() it first)")
         if type(notif_msg) is not bytes:

@@ -77,6 +77,11 @@ def test_blocked_calls_end_at_deregister_and_methods_after_it():
         c.post_read([0], name, [0], b"")
     with pytest.raises(ecxfer.ClosedError):
         c.post_read([0], "never-known", [0], b"")
+    # Whatever else is wrong with the call: closed is what it says.
+    with pytest.raises(ecxfer.ClosedError):
+        c.post_read([0], name, [1, 2], b"")
+    with pytest.raises(ecxfer.ClosedError):
+        c.post_read({0}, name, [[1]], None)
     assert time.monotonic() - t0 < 5
     with c:  # the context manager on a closed transport
         pass
