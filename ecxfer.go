@@ -120,7 +120,9 @@ type Config struct {
 	// the reactor's start and stop), never one per READ. Records carry an
 	// "agent" attribute with AgentName. Nil means silent. It is handed to
 	// the reactor unless Reactor.Logger is already set, which is then used
-	// as given (without the "agent" attribute unless it has one).
+	// as given (without the "agent" attribute unless it has one). Records
+	// are written on the reactor's thread (see reactor.Options.Logger); a
+	// handler may call the Transport's methods, but not Deregister.
 	Logger *slog.Logger
 
 	// Direct chooses whether READs of peers on this host bypass the

@@ -3,7 +3,9 @@ package reactor
 import (
 	"context"
 	"log/slog"
+	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -69,6 +71,23 @@ type events struct {
 	// (Reactor.Notifs) logs too.
 	oversizedMu sync.Mutex
 	oversized   map[string]struct{}
+	// deferred holds the records of events noticed off the reactor
+	// thread (a caller stepping in for it, a copy finisher, a caller
+	// draining the notification socket), which the thread writes on its
+	// next turn: a handler runs only there, never on a goroutine that
+	// holds the engine token, where one that called Release (which waits
+	// for the loop) deadlocked the reactor. Under deferMu; hasDeferred
+	// says it is not empty.
+	deferMu     sync.Mutex
+	deferred    []deferredRecord
+	hasDeferred atomic.Bool
+}
+
+// deferredRecord is one event record waiting for the reactor thread.
+type deferredRecord struct {
+	level slog.Level
+	event string
+	attrs []slog.Attr
 }
 
 // fold is one kind of event logged at most once per second: the events
@@ -126,8 +145,48 @@ func (r *Reactor) logOversized(sender string, n int) {
 		slog.String("peer", sender), slog.Int("bytes", n), slog.Int("limit", r.opts.MaxNotif))
 }
 
+// logEvent writes a record on the reactor thread; called elsewhere it
+// hands the record to the thread (see events.deferred), which writes it
+// after those handed over before it.
 func (r *Reactor) logEvent(level slog.Level, event string, attrs ...slog.Attr) {
+	if !r.onLoop() && !r.loopEnded() {
+		r.ev.deferMu.Lock()
+		r.ev.deferred = append(r.ev.deferred, deferredRecord{level, event, slices.Clone(attrs)})
+		r.ev.hasDeferred.Store(true)
+		r.ev.deferMu.Unlock()
+		r.writeWake() // events are rare: wake the thread whatever it is doing
+		return
+	}
+	r.flushDeferred()
 	r.ev.log.LogAttrs(context.Background(), level, event, attrs...)
+}
+
+// loopEnded reports whether the reactor thread has stopped for good (it
+// wrote what was handed to it as it stopped: a record noticed later, by a
+// caller draining notifications, is written by that caller).
+func (r *Reactor) loopEnded() bool {
+	select {
+	case <-r.done:
+		return true
+	default:
+		return false
+	}
+}
+
+// flushDeferred writes the records handed to the reactor thread. Reactor
+// thread only.
+func (r *Reactor) flushDeferred() {
+	if !r.ev.hasDeferred.Load() {
+		return
+	}
+	r.ev.deferMu.Lock()
+	recs := r.ev.deferred
+	r.ev.deferred = nil
+	r.ev.hasDeferred.Store(false)
+	r.ev.deferMu.Unlock()
+	for _, d := range recs {
+		r.ev.log.LogAttrs(context.Background(), d.level, d.event, d.attrs...)
+	}
 }
 
 func (r *Reactor) logStart() {

@@ -21,7 +21,14 @@ import (
 // leaks into the pool of threads other goroutines use.
 func (r *Reactor) run(ready chan<- error, setup Setup) {
 	runtime.LockOSThread()
-	defer close(r.done)
+	defer func() {
+		close(r.done)
+		// A record handed over after the last flush (by a caller
+		// draining notifications): later ones are their callers' to write.
+		if r.ev.log != nil {
+			r.flushDeferred()
+		}
+	}()
 	// The engine token (help.go), held from here on except while the
 	// loop is idle: parked, napping. Never given back once the loop has
 	// stopped (the engine is closed then).
@@ -308,6 +315,9 @@ func (r *Reactor) turn(progress bool) bool {
 	}
 	if r.ev.errs.pending > 0 || r.ev.tmo.pending > 0 {
 		r.flushEvents(false)
+	}
+	if r.ev.hasDeferred.Load() {
+		r.flushDeferred()
 	}
 	r.lastWork = work
 	return work

@@ -139,7 +139,11 @@ type Options struct {
 	// Logger receives the reactor's structured events (the Event*
 	// constants); nil means silent. Records are emitted on the reactor
 	// thread, rarely (never per READ), so a slow handler only delays the
-	// loop when something noteworthy happens.
+	// loop when something noteworthy happens; events noticed elsewhere (by
+	// a caller taking a step of the loop's work, or the copy worker that
+	// finished a READ) are handed to the thread, which writes them on its
+	// next turn. A handler may call the reactor's methods (Release of a
+	// READ in flight does not wait there); it must not call Close.
 	Logger *slog.Logger
 }
 

@@ -1,0 +1,112 @@
+package reactor
+
+import (
+	"context"
+	"log/slog"
+	"runtime"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/ecxfer/ecxfer/internal/leakcheck"
+	"github.com/ecxfer/ecxfer/nixl"
+	"github.com/ecxfer/ecxfer/nixl/loopback"
+)
+
+// releasingHandler, the first time it sees EventEngineError, records
+// whether it runs on the reactor thread and releases READ h, as a handler
+// reacting to an error might.
+type releasingHandler struct {
+	r       atomic.Pointer[Reactor]
+	h       atomic.Uint64
+	fired   atomic.Bool
+	onLoop  atomic.Bool
+	entered chan struct{}
+	done    chan error
+}
+
+func (x *releasingHandler) Enabled(context.Context, slog.Level) bool { return true }
+func (x *releasingHandler) WithAttrs([]slog.Attr) slog.Handler       { return x }
+func (x *releasingHandler) WithGroup(string) slog.Handler            { return x }
+func (x *releasingHandler) Handle(_ context.Context, rec slog.Record) error {
+	if rec.Message != EventEngineError || x.fired.Swap(true) {
+		return nil
+	}
+	r := x.r.Load()
+	x.onLoop.Store(r.onLoop())
+	close(x.entered)
+	x.done <- r.Release(x.h.Load())
+	return nil
+}
+
+// An engine error taken in by a caller stepping in for the reactor (it
+// holds the engine token) is logged on the reactor thread, as
+// Options.Logger promises, so a handler that calls Release returns. The
+// record used to be written on the caller's goroutine, token held:
+// Release waited for the loop, the loop for the token, and the reactor
+// was wedged for good (Close included).
+func TestEventHandlerMayRelease(t *testing.T) {
+	leakcheck.Check(t)
+	old := runtime.GOMAXPROCS(4) // two READs in flight may be stepped for (helpMax)
+	defer runtime.GOMAXPROCS(old)
+	x := &releasingHandler{entered: make(chan struct{}), done: make(chan error, 1)}
+	prod, prodEng := startLoopback(t, "prod", 16, Options{})
+	la, err := loopback.New(uniqueName("cons"))
+	require.NoError(t, err)
+	r, err := Start(la, Options{Logger: slog.New(x)}, blockSetup(64, 16))
+	if err != nil {
+		_ = la.Close()
+		t.Fatal(err)
+	}
+	x.r.Store(r)
+	var md []byte
+	require.NoError(t, prod.do(func() error {
+		var err error
+		md, err = prodEng.LocalMetadata()
+		return err
+	}))
+	pname, err := r.AddPeer(md, prod.loc.Load().descs)
+	require.NoError(t, err)
+
+	la.SetDelay(time.Hour)
+	h2, err := r.Post(pname, []int{0}, []int{0}, nil) // stays in flight
+	require.NoError(t, err)
+	x.h.Store(h2)
+	require.Eventually(t, func() bool { return r.inflight.Load() == 1 }, 5*time.Second, 100*time.Microsecond)
+	la.SetDelay(50 * time.Millisecond)
+	la.FailNext(1, nixl.ErrBackend)
+	h1, err := r.Post(pname, []int{1}, []int{1}, nil)
+	require.NoError(t, err)
+	// Poll h1 as a caller does: it steps in while the thread naps, and
+	// the injected failure is most often taken in by its step.
+	polled := make(chan struct{})
+	go func() {
+		defer close(polled)
+		for !x.fired.Load() {
+			if st, _ := r.State(h1); st != StateProc {
+				return
+			}
+			runtime.Gosched()
+		}
+	}()
+	select {
+	case <-x.entered:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the engine error was never logged")
+	}
+	require.True(t, x.onLoop.Load(), "a record was written off the reactor thread")
+	select {
+	case err := <-x.done:
+		require.NoError(t, err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("Release in the handler never returned: the reactor is wedged")
+	}
+	<-polled
+	st, err := r.State(h1)
+	require.Equal(t, StateErr, st)
+	require.ErrorIs(t, err, ErrEngine)
+	require.NoError(t, r.Release(h1))
+	require.NoError(t, r.Close())
+}
