@@ -301,6 +301,9 @@ type direct struct {
 	// loop-only
 	active []*dirJob
 	held   []*dirJob // READs into local memory the engine fences (holdJob)
+	// holding is len(held), for the reactor thread deciding whether to
+	// nap on (napOn): only its turns release held READs.
+	holding atomic.Int32
 	// releaseHeldJobs looks at held again only when the engine's fences
 	// (heldSeen: their version then), the timeout (heldTimeout) or a held
 	// READ's release or peer (heldCheck) changed, or heldDue (the first
@@ -773,7 +776,13 @@ func (r *Reactor) holdJob(j *dirJob) {
 	j.running, j.live = true, true
 	r.inflight.Add(1)
 	r.dir.held = append(r.dir.held, j)
+	r.dir.holding.Store(int32(len(r.dir.held)))
 	r.dir.heldCheck = true // its timeout is not in heldDue yet
+	if r.napping.Load() {
+		// Held by a caller's step: only the thread's turns release held
+		// READs, and it would nap on while callers step in.
+		r.writeWake()
+	}
 }
 
 // releaseHeldJobs hands the held READs no fence covers any more to the
@@ -824,6 +833,7 @@ func (r *Reactor) releaseHeldJobs() bool {
 	did := len(keep) != len(d.held)
 	clear(d.held[len(keep):])
 	d.held = keep
+	d.holding.Store(int32(len(keep)))
 	r.logTimeouts(timedOut, first)
 	return did
 }
@@ -1264,6 +1274,7 @@ func (r *Reactor) failDirectReads(p *Peer, code uint64) int {
 	}
 	clear(r.dir.held[len(keep):])
 	r.dir.held = keep
+	r.dir.holding.Store(int32(len(keep)))
 	return n
 }
 

@@ -337,7 +337,7 @@ func (r *Reactor) napOn() bool {
 		return false
 	}
 	d := r.dir
-	return d == nil || (d.finished.Len() == 0 && d.notifQ.Len() == 0)
+	return d == nil || (d.finished.Len() == 0 && d.notifQ.Len() == 0 && d.holding.Load() == 0)
 }
 
 // sleepNapping gives up the token and blocks the reactor thread's

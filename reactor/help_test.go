@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/ecxfer/ecxfer/internal/leakcheck"
 )
@@ -553,4 +554,30 @@ func TestNapOnEndsAtTimeouts(t *testing.T) {
 		// for seconds, until the caller happened to pause for a napTurn.
 		require.Less(t, took, 2*time.Second, "READ %d timed out %v after its post, its timeout 100ms", i, took)
 	}
+}
+
+// A direct READ held behind an engine fence keeps the reactor thread
+// from napping on: only its turns hand held READs to the copy workers
+// once the fence lifts, and a nap would leave one PROC for up to two
+// napTurns while its caller steps in.
+func TestNapOnEndsForHeldDirectReads(t *testing.T) {
+	leakcheck.Check(t)
+	p := newPair(t, 16, Options{})
+	r := p.cons
+	region, err := unix.Mmap(-1, 0, 16*64, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
+	require.NoError(t, err)
+	require.NoError(t, r.SetDirect(DirectOptions{Region: region}))
+	t.Cleanup(func() {
+		require.NoError(t, r.Close())
+		require.NoError(t, unix.Munmap(region))
+	})
+	require.Eventually(t, func() bool { return r.sleeping.Load() && r.engine.CompareAndSwap(false, true) },
+		5*time.Second, 100*time.Microsecond)
+	defer r.releaseEngine()
+	r.streak.Store(helpStreak)
+	r.helpWant.Store(r.now())
+	require.True(t, r.napOn(), "a caller stepping in")
+	r.dir.holding.Store(1)
+	require.False(t, r.napOn(), "a held direct READ waiting for the thread")
+	r.dir.holding.Store(0)
 }
