@@ -153,7 +153,9 @@
 //   - Notifications are sent on the short path only
 //     (UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL): one that finds the peer's queue
 //     full waits in C, with every later one to that peer, and is retried from
-//     Progress; one whose name and payload exceed the endpoint's short
+//     Progress; at most ECX_NOTIF_WAIT_MAX (4,096) wait for one peer, and
+//     SendNotif refuses one more (ErrBackend, "no resource"); one whose
+//     name and payload exceed the endpoint's short
 //     path (read from ucp_ep_print_info) goes in fragments that fit it,
 //     to a peer whose metadata says it reassembles them (featFragNotifs,
 //     see frag.go). A peer of an older build gets it whole, as before.

@@ -739,6 +739,7 @@ int ecx_create(const char *name, uint32_t name_len, int big_segs, ecx_ctx_t **ou
     if (st != UCS_OK) {
         goto err_worker;
     }
+    c->notif_wait_max = ECX_NOTIF_WAIT_MAX;
     c->gather_max_out = ECX_GATHER_MAX_OUT;
     c->gather_max_refused = ECX_GATHER_MAX_REFUSED;
     c->shm = context_has_shm(c->context);
@@ -2364,6 +2365,13 @@ int ecx_send_notif(ecx_ctx_t *c, ucp_ep_h ep, const void *msg, uint32_t len,
     p = post_new(c, ep, 0, msg, len, to);
     if (p == NULL) {
         return UCS_ERR_NO_MEMORY;
+    }
+    if (c->sending != NULL &&
+        waiting(c, NULL, p->dest, c->notif_wait_max) >= c->notif_wait_max) {
+        /* Its receiver has that many waiting already (see
+         * ECX_NOTIF_WAIT_MAX). */
+        post_free(p);
+        return UCS_ERR_NO_RESOURCE;
     }
     p->silent = 1;
     send_am(p);

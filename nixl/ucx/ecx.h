@@ -69,6 +69,12 @@
 #define ECX_NOTIF_MAX_PAYLOAD (1u << 20)
 #define ECX_NOTIF_MAX_NAME 256u
 
+/* The most notifications that may wait for room in one receiver's queue
+ * (a receiver that stopped taking them: stopped or hung, not dead); one
+ * more is refused (UCS_ERR_NO_RESOURCE). Without a bound they piled up
+ * without end, and every progress call walked them all. */
+#define ECX_NOTIF_WAIT_MAX 4096u
+
 /* Gathered READs, for peers reached over tcp (error mode PEER). UCX 1.13
  * has no RMA over tcp: it emulates every get with a request the data
  * owner answers, one send per get, and the owner's answer path aborts the
@@ -245,6 +251,7 @@ typedef struct ecx_ctx {
     uint64_t notif_dropped;  /* notifications received and not queued */
     uint64_t notif_undelivered; /* waiting ones dropped unsent with their
                                    endpoint */
+    uint32_t notif_wait_max;    /* ECX_NOTIF_WAIT_MAX (tests lower it) */
     int test_fail_sends;     /* tests: a gathered READ's requests fail
                                 their endpoint inside the send, as UCX
                                 does when the send finds the peer's

@@ -618,3 +618,49 @@ func TestFragmentedNotifsOverTCP(t *testing.T) {
 	}
 	require.Nil(t, c.a.c.sending, "notifications still waiting to go")
 }
+
+// Notifications waiting for a stopped peer's queue are bounded: past the
+// bound (ECX_NOTIF_WAIT_MAX, lowered here) SendNotif refuses more to that
+// peer with an error, sends to other peers go on, and once the peer reads
+// again it gets every notification that was accepted, in order. They used
+// to pile up without end, each progress call walking them all.
+func TestWaitingNotifsBounded(t *testing.T) {
+	withSharedMemory(t) // notifications on the short path of a NONE endpoint
+	leakcheck.Check(t)
+	cons := newTestAgent(t, Config{Name: "consumer"})
+	live := newTestAgent(t, Config{Name: "live"})
+	stopped := newTestAgent(t, Config{Name: "stopped"})
+	for _, prod := range []*Agent{live, stopped} {
+		md, err := prod.LocalMetadata()
+		require.NoError(t, err)
+		_, err = cons.LoadRemoteMetadata(md)
+		require.NoError(t, err)
+	}
+	const bound = 32
+	cons.c.notif_wait_max = bound
+	var accepted [][]byte
+	var refused error
+	for i := 0; i < 100000; i++ {
+		msg := []byte(fmt.Sprintf("s%d", i))
+		if err := cons.SendNotif("stopped", msg); err != nil {
+			refused = err
+			break
+		}
+		accepted = append(accepted, msg)
+	}
+	require.Error(t, refused, "no notification was ever refused")
+	require.ErrorIs(t, refused, nixl.ErrBackend)
+	require.Equal(t, bound, cons.waitingNotifs("stopped"))
+	require.Error(t, cons.SendNotif("stopped", []byte("again")), "refused again while the peer reads nothing")
+
+	require.NoError(t, cons.SendNotif("live", []byte("to the live one")))
+	got := collectNotifs(t, live, 1, 10*time.Second, cons)
+	require.Equal(t, [][]byte{[]byte("to the live one")}, got["consumer"])
+
+	got = collectNotifs(t, stopped, len(accepted), 10*time.Second, cons)
+	require.Equal(t, accepted, got["consumer"], "the accepted ones, in order")
+	require.Nil(t, cons.c.sending)
+	require.NoError(t, cons.SendNotif("stopped", []byte("after")))
+	got = collectNotifs(t, stopped, 1, 10*time.Second, cons)
+	require.Equal(t, [][]byte{[]byte("after")}, got["consumer"])
+}
