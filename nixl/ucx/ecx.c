@@ -2057,12 +2057,18 @@ static ucs_status_t gather_req_cb(void *arg, const void *header, size_t header_l
         gather_refuse(c, ep, id, base, st);
         return UCS_OK;
     }
-    if ((c->gather_out > 0 && c->gather_out + bytes > c->gather_max_out) ||
-        (rbytes > 0 && rbytes + bytes > c->gather_max_out / 2)) {
+    if ((rbytes > 0 && (c->gather_out + bytes > c->gather_max_out ||
+                        rbytes + bytes > c->gather_max_out / 2)) ||
+        (rbytes == 0 && c->gather_out > 0 && c->gather_out + bytes > 2 * c->gather_max_out)) {
         /* Busy: every reader's answers fill the bound, or this reader's
          * fill half of it (one that stopped taking its answers must not
-         * hold the owner for everyone). A request alone is always
-         * served: a bound below one request (tests) must not starve it. */
+         * hold the owner for everyone). A reader with nothing in flight
+         * here is served past the bound, up to twice it: two readers that
+         * stopped could otherwise fill it between them and starve every
+         * other one; a reader that takes its answers always gets back to
+         * nothing in flight, so it moves on, a request at a time. A
+         * request alone is always served: a bound below one request
+         * (tests) must not starve it. */
         c->gstats.busy++;
         gather_refuse(c, ep, id, base, UCS_ERR_NO_RESOURCE);
         return UCS_OK;

@@ -130,8 +130,8 @@
 /* Requests of one READ asked and not yet fully answered. */
 #define ECX_GATHER_WINDOW 4u
 /* An owner's bytes of answers in flight, over all readers, past which it
- * refuses requests as busy (a request that finds none in flight is always
- * served); one reader's may fill half of it. */
+ * refuses requests as busy; one reader's may fill half of it. A reader
+ * with none in flight is served up to twice it (gather_req_cb). */
 #define ECX_GATHER_MAX_OUT (64u << 20)
 /* Refusals to one reader still unsent past which the owner drops that
  * reader's requests unanswered: it has stopped taking what it is sent.

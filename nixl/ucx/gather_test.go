@@ -3,6 +3,7 @@ package ucx
 import (
 	"bytes"
 	"encoding/binary"
+	"fmt"
 	"math/rand"
 	"strings"
 	"testing"
@@ -773,4 +774,55 @@ func stalledReader(t *testing.T, few bool) {
 	for _, id := range ids {
 		require.NoError(t, a.ReleaseXfer(id))
 	}
+}
+
+// Two readers that stop taking their answers, each up to half the owner's
+// bound, fill it between them; a third reader, which takes its answers,
+// is still served (a reader with nothing in flight is served past the
+// bound, up to twice it), and the bytes it reads are right. It used to be
+// refused as busy for as long as the two stayed stalled, and its READ
+// ended at its timeout.
+func TestGatherTwoStalledReaders(t *testing.T) {
+	leakcheck.Check(t)
+	const bs, nb = 32768, 2048
+	g := newGatherPair(t, bs, nb, Config{}, Config{})
+	g.prod.c.gather_max_out = 16 << 20
+	md, err := g.prod.LocalMetadata()
+	require.NoError(t, err)
+	for s := range 2 {
+		a := newTestAgent(t, Config{Name: fmt.Sprintf("stalled-%d", s), ErrMode: ErrModePeer})
+		abuf := mmapBuf(t, bs*nb)
+		_, err := a.RegisterMem(abuf, nixl.DRAM, 0)
+		require.NoError(t, err)
+		local, err := a.PrepDlist("", descriptors.BuildBlockDescs(addrOf(abuf), nb, bs, 0), nixl.DRAM)
+		require.NoError(t, err)
+		name, err := a.LoadRemoteMetadata(md)
+		require.NoError(t, err)
+		remote, err := a.PrepDlist(name, descriptors.BuildBlockDescs(addrOf(g.pbuf), nb, bs, 0), nixl.DRAM)
+		require.NoError(t, err)
+		id, err := a.MakeXfer(nixl.Read, local, []int{nb - 1}, remote, []int{nb - 1}, nil)
+		require.NoError(t, err)
+		require.NoError(t, a.PostXfer(id))
+		require.NoError(t, waitXfer(t, a, id, 10*time.Second, g.prod))
+		require.NoError(t, a.ReleaseXfer(id))
+		for k := range 8 { // 64 MiB asked for, then nothing taken
+			id, err := a.MakeXfer(nixl.Read, local, seq(k*256, (k+1)*256), remote, seq(k*256, (k+1)*256), nil)
+			require.NoError(t, err)
+			require.NoError(t, a.PostXfer(id))
+		}
+		_, err = a.Progress()
+		require.NoError(t, err)
+		for deadline := time.Now().Add(300 * time.Millisecond); time.Now().Before(deadline); {
+			_, err := g.prod.Progress()
+			require.NoError(t, err)
+		}
+	}
+	held := uint64(g.prod.c.gather_out)
+	t.Logf("the stalled readers' answers in the owner's sends: %d bytes; %+v", held, g.prod.GatherCounts())
+	require.GreaterOrEqual(t, held, uint64(12<<20), "the stalled readers did not fill the bound: this tests nothing")
+	id := g.read(t, seq(0, 256), seq(1000, 1256), nil) // 8 MiB: more than one request
+	require.NoError(t, waitXfer(t, g.cons, id, 20*time.Second, g.prod))
+	g.check(t, seq(0, 256), seq(1000, 1256))
+	require.NoError(t, g.cons.ReleaseXfer(id))
+	require.LessOrEqual(t, uint64(g.prod.c.gather_out), uint64(2*16<<20), "past twice the bound")
 }
