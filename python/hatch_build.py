@@ -36,7 +36,12 @@ class GoLibraryHook(BuildHookInterface):
         if (repo / "go.mod").is_file() and (repo / "cmd" / "libecxfer").is_dir():
             if not go:
                 raise RuntimeError("building ecxfer's wheel needs Go (https://go.dev/dl/) on PATH, or GO=/path/to/go")
-            goarch = subprocess.run([go, "env", "GOARCH"], cwd=repo, check=True, capture_output=True, text=True).stdout.strip()
+            env = subprocess.run([go, "env", "GOARCH"], cwd=repo, capture_output=True, text=True)
+            if env.returncode != 0:
+                # Go's own words: most often the toolchain go.mod asks for
+                # is newer than this Go and cannot be downloaded.
+                raise RuntimeError(f"building ecxfer's wheel: `{go} env GOARCH` failed: {env.stderr.strip()}")
+            goarch = env.stdout.strip()
             arch = _ARCH.get(goarch, goarch)
             subprocess.run(
                 [go, "build", "-buildmode=c-shared", "-trimpath", "-o", str(lib), "./cmd/libecxfer"],
