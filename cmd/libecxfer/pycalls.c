@@ -83,6 +83,10 @@ static struct {
 
 static int py_ready;
 
+// The builtins (calls, below), made by ecx_py_call on request.
+enum { N_CALLS = 4 };
+static void *made[N_CALLS];
+
 // ecx_py_api installs, in this order: PyList_Size, PyList_GetItem,
 // PyTuple_Size, PyTuple_GetItem, PyLong_AsLongLong, PyErr_Occurred,
 // PyErr_Clear, PyEval_SaveThread, PyEval_RestoreThread,
@@ -91,10 +95,16 @@ static int py_ready;
 // then the addresses of the types list, tuple, int, bytes, dict and str,
 // of None, and of three str objects "PROC", "DONE" and "ERR", of which it
 // takes a reference each. It returns 0, or -16 (bad argument: n is not
-// 26 or a pointer is NULL; nothing is installed then). Call it once,
-// before the first ecx_py_call, with the GIL held (a ctypes.PyDLL), from
-// the interpreter whose functions they are; later calls with a good table
-// change nothing.
+// 26 or a pointer is NULL; nothing is installed then). Call it before the
+// first ecx_py_call, with the GIL held (a ctypes.PyDLL), from the
+// interpreter whose functions and objects they are, and only from the
+// process's main interpreter: what it installs is the whole process's. A
+// later call installs its table in place of the last one and makes the
+// builtins afresh: an embedder that finalized Python and initialized it
+// again loads the package again, and the states and builtins of the
+// interpreter that ended are gone (a builtin made before still works, on
+// the new table: the old states it would return are taken once more, so
+// they stay alive).
 int ecx_py_api(void *const *fns, int64_t n)
 {
 	if (fns == NULL || n != PY_API)
@@ -102,8 +112,6 @@ int ecx_py_api(void *const *fns, int64_t n)
 	for (int i = 0; i < PY_API; i++)
 		if (fns[i] == NULL)
 			return ECX_BAD_ARG;
-	if (py_ready)
-		return 0; // the builtins made already use the first ones
 	py.list_size = (py_ssize (*)(void *))fns[0];
 	py.list_item = (void *(*)(void *, py_ssize))fns[1];
 	py.tuple_size = (py_ssize (*)(void *))fns[2];
@@ -131,6 +139,8 @@ int ecx_py_api(void *const *fns, int64_t n)
 		py.state[i] = fns[23 + i];
 		py.incref(py.state[i]); // check hands them out for good
 	}
+	for (int i = 0; i < N_CALLS; i++)
+		made[i] = NULL; // an ended interpreter's, or remade on request
 	py_ready = 1;
 	return 0;
 }
@@ -345,6 +355,8 @@ static void *call_wait(void *self, void *const *args, py_ssize nargs)
 	return py.from_i64(rc);
 }
 
+
+
 static struct py_method_def calls[] = {
 	{"post_read", (void *)call_post, PY_METH_FASTCALL, "ecxfer's post_read(t, local, peers, name, remote, notif)"},
 	{"check", (void *)call_check, PY_METH_FASTCALL, "ecxfer's check(t, h)"},
@@ -352,9 +364,7 @@ static struct py_method_def calls[] = {
 	{"wait", (void *)call_wait, PY_METH_FASTCALL, "ecxfer's wait(t, h, timeout_ns)"},
 };
 
-enum { N_CALLS = sizeof(calls) / sizeof(calls[0]) };
-
-static void *made[N_CALLS];
+_Static_assert(sizeof(calls) / sizeof(calls[0]) == N_CALLS, "N_CALLS is the number of builtins");
 
 // ecx_py_call returns a new reference to the builtin number i (0
 // post_read, 1 check, 2 release, 3 wait), made on the first call; to None

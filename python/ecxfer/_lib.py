@@ -150,6 +150,25 @@ class Calls:
             setattr(self, name, fn)
 
 
+def _main_interpreter() -> bool:
+    """Whether this runs in the process's main interpreter (True where
+    the interpreter cannot tell: no sub-interpreters then)."""
+    for name in ("_interpreters", "_xxsubinterpreters"):
+        try:
+            mod = __import__(name)
+        except ImportError:
+            continue
+        try:
+            cur, main = mod.get_current(), mod.get_main()
+        except Exception:  # noqa: BLE001 - an API other than the one known
+            return False
+        # 3.13's _interpreters returns (id, whence) pairs.
+        if isinstance(cur, tuple):
+            cur, main = cur[0], main[0]
+        return int(cur) == int(main)
+    return True
+
+
 def calls(lib: ctypes.CDLL, path: str):
     """The library's builtins, once the interpreter's functions are
     installed; None where they cannot be: not CPython, or a CPython whose
@@ -166,9 +185,17 @@ def calls(lib: ctypes.CDLL, path: str):
     # except in free-threaded builds and builds with Py_TRACE_REFS.
     if sys.implementation.name != "cpython" or object.__basicsize__ != 2 * word:
         return None
+    if not _main_interpreter():
+        # What the builtins are made of is the whole process's (see
+        # cmd/libecxfer/pycalls.c): the main interpreter's alone.
+        return None
     try:
         api = ctypes.pythonapi
         fns = [ctypes.cast(getattr(api, name), ctypes.c_void_p).value for name in _PY_API]
+        # The functions must be this interpreter's: ctypes.pythonapi could
+        # have found another libpython's first.
+        if ctypes.addressof(ctypes.c_char.in_dll(api, "PyList_Type")) != id(list):
+            return None
     except (AttributeError, ValueError):
         return None
     fns += [id(o) for o in _PY_OBJS]  # in CPython, an object's address
