@@ -6,7 +6,10 @@ GOFMT     ?= $(shell $(GO) env GOROOT 2>/dev/null)/bin/gofmt
 PKGS      ?= ./...
 FUZZTIME  ?= 20000x
 LONGFUZZ  ?= 2000000x
-DEBS      := ca-certificates gcc libc6-dev libucx-dev ucx-utils pkg-config iproute2 python3-msgpack python3-venv
+# libpython3-dev: the Python tests build a program that embeds Python
+# (python/tests/test_interpreters.py).
+DEBS      := ca-certificates gcc libc6-dev libucx-dev ucx-utils pkg-config iproute2 python3-msgpack python3-venv \
+             libpython3-dev
 GO_MIN    := 1.26
 SOAK      ?= 5m
 SOAK_RESTARTS ?= 100
