@@ -242,6 +242,7 @@ func (ns *notifSock) close() {
 	for i, e := range ns.backlog {
 		ns.undelivered.Add(uint64(e.n))
 		e.peer.backlogged--
+		e.peer.backlogMsgs -= e.n
 		e.peer.notifsHeld.Add(-e.n)
 		ns.backlog[i] = pendingNotif{}
 	}
@@ -263,32 +264,45 @@ func (ns *notifSock) canSend(p *Peer, msg []byte) bool {
 	return p.direct != nil && p.direct.notify != nil && len(msg) <= maxNotifDgram
 }
 
+// maxBacklogMsgs bounds the notifications waiting in the backlog for one
+// producer (one that stopped reading its socket but lives: a consumer
+// reads its memory directly all the same), a few MiB at vLLM's 100
+// bytes; past it one more is refused (errBacklogFull). Without a bound
+// they piled up for as long as the producer stayed stopped.
+const maxBacklogMsgs = 65536
+
+// errBacklogFull: a notification refused, maxBacklogMsgs waiting already.
+var errBacklogFull = errors.New("notification socket: the producer has taken none of 65,536 waiting notifications")
+
 // send sends msg to p, or queues it behind p's entries in the backlog. An
 // error means the peer's socket is gone (the producer exited): the
-// notification has nobody to go to.
+// notification has nobody to go to; or that p has maxBacklogMsgs waiting
+// (errBacklogFull).
 func (ns *notifSock) send(p *Peer, msg []byte) error {
 	if p.backlogged > 0 {
-		ns.queue(p, msg)
-		return nil
+		return ns.queue(p, msg)
 	}
 	ns.sbuf = appendNotifDgram(ns.sbuf[:0], &p.direct.notifyKey, ns.name, msg)
 	err := unix.Sendto(ns.sfd, ns.sbuf, unix.MSG_DONTWAIT, p.direct.notify)
 	if errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.ENOBUFS) {
-		ns.queue(p, msg)
-		return nil
+		return ns.queue(p, msg)
 	}
 	return err
 }
 
 // queue appends msg to p to the backlog: into the last datagram when that
 // one goes to p and has room, else into a new one (a reused buffer when
-// there is one).
-func (ns *notifSock) queue(p *Peer, msg []byte) {
+// there is one); errBacklogFull when p has maxBacklogMsgs waiting.
+func (ns *notifSock) queue(p *Peer, msg []byte) error {
+	if p.backlogMsgs >= maxBacklogMsgs {
+		return errBacklogFull
+	}
+	p.backlogMsgs++
 	p.notifsHeld.Add(1)
 	if k := len(ns.backlog) - 1; k >= 0 && ns.backlog[k].peer == p && len(ns.backlog[k].dgram)+4+len(msg) <= dgramMax {
 		ns.backlog[k].dgram = appendNotifMsg(ns.backlog[k].dgram, msg)
 		ns.backlog[k].n++
-		return
+		return nil
 	}
 	var b []byte
 	if n := len(ns.spare); n > 0 {
@@ -297,6 +311,7 @@ func (ns *notifSock) queue(p *Peer, msg []byte) {
 	}
 	ns.backlog = append(ns.backlog, pendingNotif{p, appendNotifDgram(b, &p.direct.notifyKey, ns.name, msg), 1})
 	p.backlogged++
+	return nil
 }
 
 // adopt hands p the backlog's entries for earlier peers with p's socket
@@ -313,9 +328,11 @@ func (ns *notifSock) adopt(p *Peer) {
 			continue
 		}
 		e.peer.backlogged--
+		e.peer.backlogMsgs -= e.n
 		e.peer.notifsHeld.Add(-e.n)
 		e.peer = p
 		p.backlogged++
+		p.backlogMsgs += e.n
 		p.notifsHeld.Add(e.n)
 	}
 }
@@ -350,6 +367,7 @@ func (ns *notifSock) flush() (sent bool, failed int) {
 			}
 		}
 		e.peer.backlogged--
+		e.peer.backlogMsgs -= e.n
 		e.peer.notifsHeld.Add(-e.n)
 		if len(ns.spare) < maxSpare {
 			ns.spare = append(ns.spare, e.dgram)

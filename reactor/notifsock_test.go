@@ -465,3 +465,59 @@ func smallNotifPair(t *testing.T) (recv, send *notifSock, ns *NotifySocket) {
 	}
 	return recv, send, ns
 }
+
+// A producer that takes nothing from its socket gets at most
+// maxBacklogMsgs notifications queued for it; one more is refused
+// (errBacklogFull), and once it reads again every accepted one arrives,
+// in order. They used to pile up for as long as it stayed stopped.
+func TestNotifSockBacklogBounded(t *testing.T) {
+	rx, err := ListenNotify(-1, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := socketPeer(t, rx)
+	prod, err := newNotifSock(rx.take(), rx.Key, "producer")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer prod.close()
+	send, err := newNotifSock(-1, notifKey{}, "consumer")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer send.close()
+	accepted := 0
+	var refused error
+	for i := range maxBacklogMsgs + 1000 {
+		if err := send.send(p, fmt.Appendf(nil, "n-%d", i)); err != nil {
+			refused = err
+			break
+		}
+		accepted++
+	}
+	if !errors.Is(refused, errBacklogFull) {
+		t.Fatalf("after %d accepted: %v, want errBacklogFull", accepted, refused)
+	}
+	if p.backlogMsgs != maxBacklogMsgs || p.notifsHeld.Load() != maxBacklogMsgs {
+		t.Fatalf("backlog %d messages, %d held; want %d", p.backlogMsgs, p.notifsHeld.Load(), maxBacklogMsgs)
+	}
+	var got []string
+	for rounds := 0; len(got) < accepted; rounds++ {
+		if rounds > 1000000 {
+			t.Fatalf("%d of %d delivered", len(got), accepted)
+		}
+		prod.recv(func(_ string, msg []byte) { got = append(got, string(msg)) })
+		send.flush()
+	}
+	for i, m := range got {
+		if want := fmt.Sprintf("n-%d", i); m != want {
+			t.Fatalf("notification %d is %q, want %q", i, m, want)
+		}
+	}
+	if p.backlogMsgs != 0 || p.backlogged != 0 || p.notifsHeld.Load() != 0 {
+		t.Fatalf("left: %d messages in %d entries, %d held", p.backlogMsgs, p.backlogged, p.notifsHeld.Load())
+	}
+	if err := send.send(p, []byte("after")); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -47,7 +47,9 @@ type Peer struct {
 	deadLogged bool // loop only: EventPeerDead was logged
 	// backlogged: loop only, this peer's entries in the notification
 	// socket's backlog; while there are any, its new ones queue behind.
-	backlogged int
+	// backlogMsgs: the notifications in them (at most maxBacklogMsgs).
+	backlogged  int
+	backlogMsgs int64
 	// notifsHeld counts this peer's notifications waiting for the reactor
 	// (in the inline queue or the socket's backlog). A caller sends an
 	// inline READ's notification itself only while it is 0, so none
