@@ -46,6 +46,11 @@ var (
 	ErrTimeout          = reactor.ErrTimeout
 	ErrCanceled         = reactor.ErrCanceled
 	ErrEngine           = reactor.ErrEngine
+	// ErrReactorThread: a call that waits for the reactor (AddRemotePeer,
+	// RemoveRemotePeer, Wait and WaitNotifs when they would block, a
+	// PostRead waiting for room, Deregister) made from a Logger handler,
+	// which runs on the reactor's thread.
+	ErrReactorThread = reactor.ErrReactorThread
 	// ErrConfig reports a Config that New cannot use, and a peer that
 	// AddRemotePeer will not read under this Config (see Config.Direct).
 	ErrConfig = reactor.ErrConfig
@@ -55,7 +60,7 @@ var (
 func isOurs(err error) bool {
 	for _, s := range [...]error{ErrUnknownPeer, ErrIndexMismatch, ErrIndexRange, ErrBadHandle, ErrBadMetadata,
 		ErrBadDescriptor, ErrBadNotif, ErrClosed, ErrBusy, ErrRemoteDisconnect, ErrTimeout, ErrCanceled,
-		ErrEngine, ErrConfig, ErrNoBackend} {
+		ErrEngine, ErrConfig, ErrNoBackend, ErrReactorThread} {
 		if errors.Is(err, s) {
 			return true
 		}
@@ -122,7 +127,8 @@ type Config struct {
 	// the reactor unless Reactor.Logger is already set, which is then used
 	// as given (without the "agent" attribute unless it has one). Records
 	// are written on the reactor's thread (see reactor.Options.Logger); a
-	// handler may call the Transport's methods, but not Deregister.
+	// handler may call the Transport's methods, but those that wait for
+	// that thread return ErrReactorThread there (see it).
 	Logger *slog.Logger
 
 	// Direct chooses whether READs of peers on this host bypass the
@@ -634,6 +640,9 @@ func (t *Transport) AgentName() string { return t.cfg.AgentName }
 // MemDescriptor return nil; Stats, PeerStats and ReactorCPU keep
 // reporting the final figures.
 func (t *Transport) Deregister() error {
+	if t.r.OnThread() {
+		return ErrReactorThread // the teardown runs on that thread
+	}
 	if t.closed.Swap(true) {
 		// Returns once the first call has finished all of it (copy
 		// workers joined, region let go), not just the reactor: a caller

@@ -12,20 +12,24 @@ import (
 // The errors the reactor reports. The ecxfer package re-exports them under
 // the same names; they work with errors.Is.
 var (
-	ErrUnknownPeer       = errors.New("ecxfer: unknown peer")
-	ErrIndexMismatch     = errors.New("ecxfer: index lists differ in length")
-	ErrIndexRange        = errors.New("ecxfer: block index out of range")
-	ErrBadHandle         = errors.New("ecxfer: unknown, released or stale handle")
-	ErrBadMetadata       = errors.New("ecxfer: bad agent metadata")
-	ErrBadDescriptor     = errors.New("ecxfer: bad memory descriptor")
-	ErrBadNotif          = errors.New("ecxfer: notification too large")
-	ErrClosed            = errors.New("ecxfer: transport closed")
-	ErrBusy              = errors.New("ecxfer: too many transfers in flight")
-	ErrRemoteDisconnect  = errors.New("ecxfer: remote peer disconnected")
-	ErrTimeout           = errors.New("ecxfer: transfer timed out")
-	ErrCanceled          = errors.New("ecxfer: transfer canceled")
-	ErrEngine            = errors.New("ecxfer: transfer engine error")
-	ErrConfig            = errors.New("ecxfer: bad config")
+	ErrUnknownPeer      = errors.New("ecxfer: unknown peer")
+	ErrIndexMismatch    = errors.New("ecxfer: index lists differ in length")
+	ErrIndexRange       = errors.New("ecxfer: block index out of range")
+	ErrBadHandle        = errors.New("ecxfer: unknown, released or stale handle")
+	ErrBadMetadata      = errors.New("ecxfer: bad agent metadata")
+	ErrBadDescriptor    = errors.New("ecxfer: bad memory descriptor")
+	ErrBadNotif         = errors.New("ecxfer: notification too large")
+	ErrClosed           = errors.New("ecxfer: transport closed")
+	ErrBusy             = errors.New("ecxfer: too many transfers in flight")
+	ErrRemoteDisconnect = errors.New("ecxfer: remote peer disconnected")
+	ErrTimeout          = errors.New("ecxfer: transfer timed out")
+	ErrCanceled         = errors.New("ecxfer: transfer canceled")
+	ErrEngine           = errors.New("ecxfer: transfer engine error")
+	ErrConfig           = errors.New("ecxfer: bad config")
+	// ErrReactorThread: a call that would wait for the reactor's thread
+	// was made on that thread (from a Logger handler): it would wait for
+	// itself.
+	ErrReactorThread     = errors.New("ecxfer: called on the reactor's own thread (an event handler), which it would wait for")
 	errUnsupportedOption = errors.New("reactor: unsupported option")
 )
 

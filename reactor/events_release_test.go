@@ -4,6 +4,7 @@ import (
 	"context"
 	"log/slog"
 	"runtime"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -108,5 +109,94 @@ func TestEventHandlerMayRelease(t *testing.T) {
 	require.Equal(t, StateErr, st)
 	require.ErrorIs(t, err, ErrEngine)
 	require.NoError(t, r.Release(h1))
+	require.NoError(t, r.Close())
+}
+
+// callingHandler runs, once for each event named in calls, that event's
+// calls from the handler of its first record, and sends what they returned.
+type callingHandler struct {
+	calls map[string]func() []error
+	fired sync.Map
+	got   chan []error
+}
+
+func (x *callingHandler) Enabled(context.Context, slog.Level) bool { return true }
+func (x *callingHandler) WithAttrs([]slog.Attr) slog.Handler       { return x }
+func (x *callingHandler) WithGroup(string) slog.Handler            { return x }
+func (x *callingHandler) Handle(_ context.Context, rec slog.Record) error {
+	if fn := x.calls[rec.Message]; fn != nil {
+		if _, done := x.fired.LoadOrStore(rec.Message, true); !done {
+			x.got <- fn()
+		}
+	}
+	return nil
+}
+
+// From a handler (the reactor's own thread), the calls that would wait for
+// that thread return ErrReactorThread at once instead of waiting for
+// themselves: RemovePeer and AddPeer (control operations), WaitNotifs with
+// nothing there, Close, and Wait of a READ in flight. The reactor goes
+// on, and Close from another goroutine works. They used to hang the
+// reactor for good.
+func TestHandlerCallsThatWouldWaitForTheThread(t *testing.T) {
+	leakcheck.Check(t)
+	prod, prodEng := startLoopback(t, "prod", 16, Options{})
+	var md []byte
+	require.NoError(t, prod.do(func() error {
+		var err error
+		md, err = prodEng.LocalMetadata()
+		return err
+	}))
+	descs := prod.loc.Load().descs
+	var r *Reactor
+	var inFlight atomic.Uint64
+	x := &callingHandler{got: make(chan []error, 2)}
+	x.calls = map[string]func() []error{
+		EventPeerAdded: func() []error {
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			_, addErr := r.AddPeer(md, descs)
+			_, notifErr := r.WaitNotifs(ctx)
+			return []error{r.RemovePeer("anyone"), addErr, notifErr, r.Close()}
+		},
+		EventEngineError: func() []error {
+			return []error{r.Wait(context.Background(), inFlight.Load())}
+		},
+	}
+	la, err := loopback.New(uniqueName("cons"))
+	require.NoError(t, err)
+	r, err = Start(la, Options{Logger: slog.New(x)}, blockSetup(64, 16))
+	if err != nil {
+		_ = la.Close()
+		t.Fatal(err)
+	}
+	pname, err := r.AddPeer(md, descs)
+	require.NoError(t, err)
+	expect := func(n int) {
+		t.Helper()
+		select {
+		case errs := <-x.got:
+			require.Len(t, errs, n)
+			for i, err := range errs {
+				require.ErrorIs(t, err, ErrReactorThread, "call %d", i)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatal("the handler's calls never returned: the reactor waits for itself")
+		}
+	}
+	expect(4)
+
+	la.SetDelay(time.Hour)
+	h, err := r.Post(pname, []int{0}, []int{0}, nil)
+	require.NoError(t, err)
+	inFlight.Store(h)
+	require.Eventually(t, func() bool { return r.inflight.Load() == 1 }, 5*time.Second, 100*time.Microsecond)
+	la.SetDelay(50 * time.Millisecond)
+	la.FailNext(1, nixl.ErrBackend)
+	h2, err := r.Post(pname, []int{1}, []int{1}, nil)
+	require.NoError(t, err)
+	expect(1)
+	require.NoError(t, r.Release(h))
+	require.NoError(t, r.Release(h2))
 	require.NoError(t, r.Close())
 }

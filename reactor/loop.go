@@ -963,6 +963,9 @@ func (r *Reactor) publishPeer(name string, p *Peer) {
 // Close stops the reactor: every in-flight transfer is released, every peer
 // dropped, the agent closed, the thread retired. It is idempotent.
 func (r *Reactor) Close() error {
+	if r.onLoop() {
+		return ErrReactorThread
+	}
 	if r.closing.Swap(true) {
 		<-r.done
 		return nil

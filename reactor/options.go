@@ -142,8 +142,10 @@ type Options struct {
 	// loop when something noteworthy happens; events noticed elsewhere (by
 	// a caller taking a step of the loop's work, or the copy worker that
 	// finished a READ) are handed to the thread, which writes them on its
-	// next turn. A handler may call the reactor's methods (Release of a
-	// READ in flight does not wait there); it must not call Close.
+	// next turn. A handler may call the reactor's methods: Release of a
+	// READ in flight does not wait there, and those that would wait for
+	// the thread (AddPeer, RemovePeer, Close, Wait and WaitNotifs when they
+	// would block, a Post waiting for room) return ErrReactorThread.
 	Logger *slog.Logger
 }
 

@@ -365,6 +365,9 @@ func (r *Reactor) writeWake() {
 // do runs fn on the reactor thread and returns its result, or ErrClosed
 // once the reactor has stopped.
 func (r *Reactor) do(fn func() error) error {
+	if r.onLoop() {
+		return ErrReactorThread
+	}
 	op := &ctrlOp{fn: fn, done: make(chan error, 1)}
 	for !r.ctrl.TryPush(op) {
 		select {
@@ -401,6 +404,11 @@ func (r *Reactor) SetTimeout(d time.Duration) {
 // error. It never waits for data; it waits for room only with
 // Options.WaitWhenBusy.
 func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (uint64, error) {
+	if r.closing.Load() && r.onLoop() {
+		// Its teardown is under way on this very thread: a Post would
+		// wait for the loop to end (see below).
+		return 0, ErrClosed
+	}
 	p, loc, err := r.checkPost(peer, localIdx, remoteIdx, notif)
 	if err != nil {
 		return 0, err
@@ -625,6 +633,9 @@ func (r *Reactor) waitForRoom(tries int) error {
 	if r.closing.Load() {
 		return ErrClosed
 	}
+	if tries == 0 && r.onLoop() {
+		return ErrReactorThread // only the thread makes room
+	}
 	if tries < roomYields {
 		runtime.Gosched()
 		testhook.Run(&testhook.RoomWait)
@@ -786,6 +797,10 @@ func (r *Reactor) Release(h uint64) error {
 // goroutine is locked to it, so no other goroutine runs there).
 func (r *Reactor) onLoop() bool { return int32(unix.Gettid()) == r.tid.Load() }
 
+// OnThread reports whether the caller runs on the reactor's own thread:
+// in an event handler (Options.Logger).
+func (r *Reactor) OnThread() bool { return r.onLoop() }
+
 // awaitStopped returns once the released READ h no longer holds
 // the slot: a direct READ's copy writes its local blocks until it stops,
 // and the slot is freed only then (endJob, onCancel). The chunks already
@@ -849,6 +864,9 @@ func (r *Reactor) Wait(ctx context.Context, h uint64) error {
 			}
 		}
 		runtime.Gosched()
+	}
+	if r.onLoop() {
+		return ErrReactorThread // nothing would end the READ meanwhile
 	}
 	r.st.waitBlocks.Add(1)
 	// This caller stops stepping in: a reactor thread napping for it
@@ -957,6 +975,13 @@ func ValidName(name string) bool {
 func (r *Reactor) WaitNotifs(ctx context.Context) (map[string][][]byte, error) {
 	if ctx == nil {
 		ctx = context.Background()
+	}
+	if r.onLoop() {
+		// Nothing arrives while the thread is here: what has, or nothing.
+		if m := r.Notifs(); len(m) > 0 {
+			return m, nil
+		}
+		return map[string][][]byte{}, ErrReactorThread
 	}
 	w := r.addWaiter(false)
 	defer r.dropWaiter(w)
