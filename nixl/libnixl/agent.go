@@ -139,9 +139,12 @@ type Agent struct {
 	// notifications the shim dropped (too long, or no memory), as it
 	// last said
 	shimDropped uint64
-	one         [1]*C.ecxnixl_req
-	oneSt       [1]int32
-	rangeBuf    []descriptors.Range
+	// addrFormat is ownAddrFormat's answer, once addrFormatRead
+	addrFormat     int
+	addrFormatRead bool
+	one            [1]*C.ecxnixl_req
+	oneSt          [1]int32
+	rangeBuf       []descriptors.Range
 }
 
 var _ nixl.Agent = (*Agent)(nil)

@@ -510,3 +510,76 @@ func TestAgentOversizedNotifDroppedByShim(t *testing.T) {
 	require.Equal(t, base+3, prod.a.DroppedNotifs())
 	require.Len(t, pm.notifs[prod.a][cname], 4, "the READ's notification was not delivered")
 }
+
+// A peer NIXL invalidated on its own (as it does when a transfer finds the
+// peer disconnected) is marked gone by the first request that NIXL then
+// answers NOT_FOUND: loading its metadata again is refused with
+// ErrNotAllowed and its name, so the caller invalidates it and loads it
+// anew, after which READs work. Before, the same blob loaded again
+// "succeeded" and changed nothing, and every READ kept failing.
+func TestAgentPeerInvalidatedByNIXLIsGone(t *testing.T) {
+	leakcheck.Check(t)
+	needNIXL(t)
+	prod := newSide(t, testName("gone-prod"), 4096, 8)
+	cons := newSide(t, testName("gone-cons"), 4096, 8)
+	pname, rdl := cons.connect(t, prod)
+	pm := newPump(cons.a, prod.a)
+	require.NoError(t, cons.a.forget(pname, true)) // NIXL forgets it; the agent still knows it
+	id, err := cons.a.MakeXfer(nixl.Read, cons.local, []int{0}, rdl, []int{0}, nil)
+	require.NoError(t, err)
+	err = cons.a.PostXfer(id)
+	if err == nil {
+		pm.until(t, "the READ", pm.done(id))
+		err = pm.comps[id]
+	}
+	require.ErrorIs(t, err, nixl.ErrRemoteDisconnect)
+	require.NoError(t, cons.a.ReleaseXfer(id))
+	md, err := prod.a.LocalMetadata()
+	require.NoError(t, err)
+	name, err := cons.a.LoadRemoteMetadata(md)
+	require.ErrorIs(t, err, nixl.ErrNotAllowed, "the same blob again: the peer is gone")
+	require.Equal(t, pname, name)
+	require.NoError(t, cons.a.ReleaseDlist(rdl))
+	require.NoError(t, cons.a.InvalidateRemoteMetadata(pname))
+	pname2, rdl2 := cons.connect(t, prod)
+	require.Equal(t, pname, pname2)
+	rng := rand.New(rand.NewSource(5))
+	rng.Read(prod.buf)
+	id, err = cons.a.MakeXfer(nixl.Read, cons.local, []int{1}, rdl2, []int{2}, nil)
+	require.NoError(t, err)
+	require.NoError(t, cons.a.PostXfer(id))
+	pm.until(t, "the READ after the reload", pm.done(id))
+	require.NoError(t, pm.comps[id])
+	require.Equal(t, prod.block(2), cons.block(1))
+	require.NoError(t, cons.a.ReleaseXfer(id))
+}
+
+// Metadata whose UCX worker address is of another format than this
+// UCX's (garbage, or another UCX) is refused with ErrInvalidParam before
+// NIXL sees it: UCX asserts on such an address, which aborted the
+// process inside LoadRemoteMetadata.
+func TestAgentWorkerAddressOfAnotherFormat(t *testing.T) {
+	leakcheck.Check(t)
+	needNIXL(t)
+	prod := newSide(t, testName("fmt-prod"), 4096, 8)
+	cons := newSide(t, testName("fmt-cons"), 4096, 8)
+	md, err := prod.a.LocalMetadata()
+	require.NoError(t, err)
+	r := &mdReader{b: md, off: len(mdMagic)}
+	_, err = r.record("Agent")
+	require.NoError(t, err)
+	conns, err := r.count("Conns")
+	require.NoError(t, err)
+	require.NotZero(t, conns)
+	_, err = r.record("t")
+	require.NoError(t, err)
+	at := r.off + len("c") + 8 // the address's first byte
+	bad := bytes.Clone(md)
+	bad[at] ^= 0x0f
+	_, err = cons.a.LoadRemoteMetadata(bad)
+	require.ErrorIs(t, err, nixl.ErrInvalidParam)
+	require.ErrorContains(t, err, "format")
+	name, err := cons.a.LoadRemoteMetadata(md) // the real one still loads
+	require.NoError(t, err)
+	require.Equal(t, prod.a.Name(), name)
+}

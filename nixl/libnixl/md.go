@@ -39,8 +39,9 @@ const basicDescSize = 24
 const dramSeg = 0
 
 type mdReader struct {
-	b   []byte
-	off int
+	b          []byte
+	off        int
+	addrFormat int // see peerMD
 }
 
 // errTruncated reports a record running past the end of the blob.
@@ -86,13 +87,17 @@ type peerMD struct {
 	name    string
 	regions []nixl.Span // DRAM regions; nil when the layout was not known
 	known   bool        // the whole blob followed the known layout
+	// addrFormat is the format version of the first connection record's
+	// UCX worker address (the low nibble of its first byte), -1 when it
+	// has none or the layout was not known.
+	addrFormat int
 }
 
 // parseMD reads a metadata blob. It fails with ErrInvalidParam when the
 // blob has no magic or name, or when a record before the first one of an
 // unknown layout runs past its end.
 func parseMD(b []byte) (peerMD, error) {
-	var md peerMD
+	md := peerMD{addrFormat: -1}
 	if !bytes.HasPrefix(b, []byte(mdMagic)) {
 		return md, nixl.Errorf(nixl.ErrInvalidParam, "libnixl: not NIXL metadata (no magic)")
 	}
@@ -118,7 +123,7 @@ func parseMD(b []byte) (peerMD, error) {
 	regions, err := r.rest()
 	switch err {
 	case nil:
-		md.regions, md.known = regions, true
+		md.regions, md.known, md.addrFormat = regions, true, r.addrFormat
 	case errLayout:
 		// Another NIXL version: NIXL itself judges the rest.
 	default:
@@ -136,12 +141,17 @@ func (r *mdReader) rest() ([]nixl.Span, error) {
 	if conns > 64 {
 		return nil, errLayout
 	}
+	r.addrFormat = -1
 	for i := uint64(0); i < conns; i++ {
 		if _, err := r.record("t"); err != nil {
 			return nil, err
 		}
-		if _, err := r.record("c"); err != nil {
+		c, err := r.record("c")
+		if err != nil {
 			return nil, err
+		}
+		if i == 0 && len(c) > 0 {
+			r.addrFormat = int(c[0] & 0x0f)
 		}
 	}
 	sec, err := r.record("")

@@ -41,16 +41,29 @@ func (a *Agent) LocalMetadata() ([]byte, error) {
 	}
 }
 
+// ownAddrFormat is the format version of this agent's own UCX worker
+// address, read from its metadata once (-1 if it cannot be told).
+func (a *Agent) ownAddrFormat() int {
+	if !a.addrFormatRead {
+		a.addrFormatRead, a.addrFormat = true, -1
+		if md, err := a.LocalMetadata(); err == nil {
+			if pm, err := parseMD(md); err == nil {
+				a.addrFormat = pm.addrFormat
+			}
+		}
+	}
+	return a.addrFormat
+}
+
 // LoadRemoteMetadata implements nixl.Agent. The peer's name is read from
 // the blob first, so a changed blob under a loaded name is refused with
 // ErrNotAllowed and that name, as the contract asks (NIXL itself refuses it
 // without naming the peer). A peer NIXL reported gone is refused the same
 // way, whatever the blob, so the caller invalidates it and loads it anew.
 // NIXL's C API (1.5) reports a peer's disconnect as a backend error, not
-// as REMOTE_DISCONNECT, so today no peer is ever marked gone: READs of a
-// dead peer fail with ErrEngine, and loading its metadata again succeeds
-// and changes nothing; the caller removes the peer (invalidates it) and
-// adds the new one, as the reactor does for a restarted producer.
+// as REMOTE_DISCONNECT: the READ that found it fails with ErrEngine; NIXL
+// then invalidates the peer itself, the next request to it ends NOT_FOUND
+// (ErrRemoteDisconnect), and that marks it gone (markGone).
 func (a *Agent) LoadRemoteMetadata(md []byte) (string, error) {
 	if a.closed {
 		return "", errClosed
@@ -61,6 +74,12 @@ func (a *Agent) LoadRemoteMetadata(md []byte) (string, error) {
 	}
 	if pm.name == a.name {
 		return "", nixl.Errorf(nixl.ErrInvalidParam, "libnixl: metadata names this agent (%q)", a.name)
+	}
+	if own := a.ownAddrFormat(); pm.addrFormat >= 0 && own >= 0 && pm.addrFormat != own {
+		// UCX asserts (aborts the process) on a worker address of another
+		// format; this one is garbage, or from a UCX this one cannot read.
+		return "", nixl.Errorf(nixl.ErrInvalidParam, "libnixl: %q's UCX worker address is of format %d, this UCX's of %d",
+			pm.name, pm.addrFormat, own)
 	}
 	if d := a.draining[pm.name]; d != nil {
 		if err := a.drain(d, drainWait); err != nil {

@@ -184,9 +184,7 @@ func (a *Agent) post(x *xfer) error {
 	st := C.ecx_dl_post(a.lib.c, a.c, op, x.local.c, li, x.remote.c, ri, C.size_t(len(x.lidx)),
 		notif, C.size_t(len(x.notif)), &req)
 	if st < 0 {
-		if nixl.Status(st) == nixl.ErrRemoteDisconnect {
-			p.Dead = nixl.Errorf(nixl.ErrRemoteDisconnect, "libnixl: peer %q disconnected", p.name)
-		}
+		a.markGone(p, int32(st))
 		return xferPostErr(int32(st), id)
 	}
 	x.req = req
@@ -198,6 +196,25 @@ func (a *Agent) post(x *xfer) error {
 	a.reqs = append(a.reqs, req)
 	p.inflight[x.id] = x
 	return nil
+}
+
+// markGone marks p gone when a request to it ended with code
+// REMOTE_DISCONNECT, or NOT_FOUND: NIXL invalidates a peer itself when a
+// transfer finds it disconnected (its C API reports that one as a backend
+// error), and from then on reports every request to it as NOT_FOUND. A
+// peer gone is refused by LoadRemoteMetadata, whatever the blob, so that
+// the caller invalidates it and loads it anew; before, loading the same
+// blob again changed nothing, and every READ of it failed.
+func (a *Agent) markGone(p *peer, code int32) {
+	if p.Dead != nil {
+		return
+	}
+	switch nixl.Status(code) {
+	case nixl.ErrRemoteDisconnect:
+		p.Dead = nixl.Errorf(nixl.ErrRemoteDisconnect, "libnixl: peer %q disconnected", p.name)
+	case nixl.ErrNotFound:
+		p.Dead = nixl.Errorf(nixl.ErrRemoteDisconnect, "libnixl: peer %q is no longer known to NIXL (invalidated after a disconnect)", p.name)
+	}
 }
 
 func xferPostErr(code int32, id nixl.XferID) error {
@@ -386,12 +403,7 @@ func (a *Agent) finish(x *xfer, code int32) {
 	delete(x.remote.Peer.inflight, x.id)
 	x.state = enginekit.Done
 	x.err = xferErr(code, x.id)
-	if nixl.Status(code) == nixl.ErrRemoteDisconnect {
-		p := x.remote.Peer
-		if p.Dead == nil {
-			p.Dead = x.err
-		}
-	}
+	a.markGone(x.remote.Peer, code)
 	a.pending.Push(x.id, x.gen, x.err)
 	if n := a.pending.Len(); n > 1024 && n > 2*len(a.xfers) {
 		// A caller that checks XferStatus and never polls completions
