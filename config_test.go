@@ -233,3 +233,31 @@ func TestNewRefusesTooManyBlocks(t *testing.T) {
 	require.ErrorIs(t, err, ErrConfig)
 	require.ErrorContains(t, err, "longest block list")
 }
+
+// A Transport dropped without Deregister is torn down once the garbage
+// collector finds it unreachable: its reactor thread stops, and its copy
+// workers, engine, descriptors and lifeword go (leakcheck). They used to
+// stay for the life of the process, the lifeword telling same-host
+// consumers the region was still served.
+func TestTransportDroppedWithoutDeregister(t *testing.T) {
+	leakcheck.Check(t)
+	for _, backend := range []string{"ucx", "loopback"} {
+		var done <-chan struct{}
+		func() {
+			tr, err := New(Config{AgentName: uniqueName("dropped"), Backend: backend, BlockSize: 4096, NumBlocks: 16,
+				Direct: DirectOn})
+			require.NoError(t, err)
+			require.NotEmpty(t, tr.AgentMetadata())
+			done = tr.r.Done()
+		}()
+		require.Eventually(t, func() bool {
+			runtime.GC()
+			select {
+			case <-done:
+				return true
+			default:
+				return false
+			}
+		}, 20*time.Second, 10*time.Millisecond, "%s: the dropped transport's reactor still runs", backend)
+	}
+}

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"runtime"
 	"sync/atomic"
 	"time"
 
@@ -253,6 +254,9 @@ type Transport struct {
 	// notify is the notification socket until the reactor takes it.
 	notify *reactor.NotifySocket
 	life   *lifeword.Holder // this process's lifeword for same-host consumers, or nil
+	// orphan tears the transport down if it is dropped without
+	// Deregister; Deregister stops it.
+	orphan runtime.Cleanup
 }
 
 var _ DataTransport = (*Transport)(nil)
@@ -311,7 +315,33 @@ func New(cfg Config) (_ *Transport, err error) {
 		r.SetTimeout(cfg.XferTimeout)
 	}
 	t.cfg = cfg
+	// A Transport dropped without Deregister would leave its reactor
+	// thread, copy workers, engine, descriptors and lifeword (which tells
+	// same-host consumers it is alive) behind for good: the cleanup tears
+	// them down once it is unreachable. It holds what it closes, not t.
+	t.orphan = runtime.AddCleanup(t, func(o *orphaned) { go o.close() },
+		&orphaned{r: r, pool: t.pool, notify: t.notify, life: t.life})
 	return t, nil
+}
+
+// orphaned is what a Transport's cleanup closes (see New), in
+// Deregister's order.
+type orphaned struct {
+	r      *reactor.Reactor
+	pool   *copypool.Pool
+	notify *reactor.NotifySocket
+	life   *lifeword.Holder
+}
+
+func (o *orphaned) close() {
+	if o.life != nil {
+		_ = o.life.Stop()
+	}
+	_ = o.r.Close()
+	if o.pool != nil {
+		o.pool.Close()
+	}
+	o.notify.Close()
 }
 
 func checkConfig(cfg *Config) error {
@@ -638,7 +668,11 @@ func (t *Transport) AgentName() string { return t.cfg.AgentName }
 // NewNotifs and WaitNotifs still hand out notifications that arrived
 // before, then WaitNotifs returns ErrClosed; AgentMetadata and
 // MemDescriptor return nil; Stats, PeerStats and ReactorCPU keep
-// reporting the final figures.
+// reporting the final figures. A Transport dropped without Deregister is
+// torn down the same way some time after the garbage collector finds it
+// unreachable (do not count on when: a caller's Config.Region must stay
+// mapped until then, so call Deregister), and the region Region returned
+// is unmapped then: a slice of it does not keep the Transport alive.
 func (t *Transport) Deregister() error {
 	if t.r.OnThread() {
 		return ErrReactorThread // the teardown runs on that thread
@@ -651,6 +685,7 @@ func (t *Transport) Deregister() error {
 		return nil
 	}
 	defer close(t.deregistered)
+	t.orphan.Stop()
 	// The lifeword first: a same-host consumer's direct READ that ends
 	// from here on fails, before the region goes or changes hands.
 	t.stopLife()
