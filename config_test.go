@@ -3,6 +3,7 @@ package ecxfer
 import (
 	"bytes"
 	"errors"
+	"os"
 	"runtime"
 	"sync/atomic"
 	"testing"
@@ -260,4 +261,26 @@ func TestTransportDroppedWithoutDeregister(t *testing.T) {
 			}
 		}, 20*time.Second, 10*time.Millisecond, "%s: the dropped transport's reactor still runs", backend)
 	}
+}
+
+// With too few descriptors left, New refuses to start a UCX engine
+// (ErrEngine, EMFILE) instead of letting UCX 1.13 abort the process in an
+// assertion as it did when one of its own descriptors could not be opened.
+func TestNewWithFewDescriptorsLeft(t *testing.T) {
+	leakcheck.Check(t)
+	var lim unix.Rlimit
+	require.NoError(t, unix.Getrlimit(unix.RLIMIT_NOFILE, &lim))
+	ents, err := os.ReadDir("/proc/self/fd")
+	require.NoError(t, err)
+	low := lim
+	low.Cur = uint64(len(ents)) + 8
+	require.NoError(t, unix.Setrlimit(unix.RLIMIT_NOFILE, &low))
+	tr, err := New(Config{AgentName: uniqueName("fds"), BlockSize: 4096, NumBlocks: 16})
+	require.NoError(t, unix.Setrlimit(unix.RLIMIT_NOFILE, &lim))
+	if tr != nil {
+		_ = tr.Deregister()
+	}
+	require.ErrorIs(t, err, ErrEngine)
+	require.ErrorIs(t, err, unix.EMFILE)
+	require.ErrorContains(t, err, "descriptors in use")
 }
