@@ -2,7 +2,9 @@ package ucx
 
 import (
 	"bytes"
+	"encoding/binary"
 	"fmt"
+	"math/bits"
 	"sort"
 	"unicode/utf8"
 
@@ -314,6 +316,9 @@ func decodeRegions(b mdReader) ([]region, error) {
 		if r.Rkey, err = b.bin(what+" rkey", 1, maxRkeyLen); err != nil {
 			return nil, err
 		}
+		if err := checkRkey(r.Rkey); err != nil {
+			return nil, fmt.Errorf("%s rkey: %w", what, err)
+		}
 	}
 	idx := make([]int, n)
 	for i := range idx {
@@ -340,3 +345,53 @@ func (a *Agent) MetadataProcess(md []byte) (pid, start uint64, ok bool) {
 }
 
 var _ nixl.ProcessNamer = (*Agent)(nil)
+
+// The layout of a remote key as UCX 1.13 packs it (ucp_rkey_pack): a
+// little-endian 64-bit map of the packer's memory domains, the memory
+// type (one byte), then for each domain in the map a byte giving the size
+// of that domain's key and the key; then, only for memory UCX placed on a
+// system device, that device's id (one byte) and 3 bytes per device
+// distance. UCX unpacks it without a length.
+const (
+	rkeyHeader       = 9 // the domain map and the memory type
+	rkeyDistanceSize = 3
+	ucsMemTypeHost   = 0 // UCS_MEMORY_TYPE_HOST
+)
+
+// checkRkey checks that a packed remote key has UCX's layout and that its
+// domain map accounts for exactly its bytes: UCX parses the key from the
+// map alone and reads as far as the map says, so a key cut short, or one
+// whose map names domains its bytes do not hold, would have UCX read past
+// the end of it (a review's forged key, one byte of the map changed,
+// crashed the reader at its first READ). Host memory is all ecxfer reads.
+// What each domain's key says (segment ids, addresses) is UCX's to
+// parse; the shared-memory ones of a peer on this host are checked
+// against that peer's own mappings later (truth.go).
+func checkRkey(k []byte) error {
+	if len(k) < rkeyHeader {
+		return fmt.Errorf("%d bytes, shorter than its %d-byte header", len(k), rkeyHeader)
+	}
+	// No domain at all is a key of caller memory no domain registered
+	// (UCX_TLS=posix,sysv): UCX reads it with emulated gets.
+	mdMap := binary.LittleEndian.Uint64(k)
+	if k[8] != ucsMemTypeHost {
+		return fmt.Errorf("memory type %d, not host memory", k[8])
+	}
+	p := rkeyHeader
+	for m := mdMap; m != 0; m &= m - 1 {
+		if p >= len(k) {
+			return fmt.Errorf("%d bytes end inside the keys of the %d domains its map %#x names",
+				len(k), bits.OnesCount64(mdMap), mdMap)
+		}
+		p += 1 + int(k[p])
+	}
+	switch rest := len(k) - p; {
+	case rest < 0:
+		return fmt.Errorf("%d bytes end inside the keys of the %d domains its map %#x names",
+			len(k), bits.OnesCount64(mdMap), mdMap)
+	case rest > 0 && (rest-1)%rkeyDistanceSize != 0:
+		return fmt.Errorf("%d bytes after the keys of the %d domains its map %#x names: not a device id and distances",
+			rest, bits.OnesCount64(mdMap), mdMap)
+	}
+	return nil
+}

@@ -2,6 +2,7 @@ package ucx
 
 import (
 	"bytes"
+	"encoding/hex"
 	"testing"
 
 	"github.com/cespare/xxhash/v2"
@@ -21,10 +22,19 @@ func sampleMetadata() *metadata {
 		UCX:    1<<16 | 13,
 		Worker: bytes.Repeat([]byte{0x11, 0x22, 0x33}, 50),
 		Region: []region{
-			{Addr: 0x7f0000000000, Len: 5 << 20, Rkey: []byte{1, 2, 3, 4, 5}},
-			{Addr: 0x7f1000000000, Len: 4096, Rkey: []byte{9}},
+			{Addr: 0x7f0000000000, Len: 5 << 20, Rkey: hexBytes("17000000000000000000000c28804a030010f201e67f000000")},
+			{Addr: 0x7f1000000000, Len: 4096, Rkey: hexBytes("01000000000000000000")},
 		},
 	}
+}
+
+// hexBytes decodes a hex literal of a test.
+func hexBytes(s string) []byte {
+	b, err := hex.DecodeString(s)
+	if err != nil {
+		panic(err)
+	}
+	return b
 }
 
 // envelope builds a blob around an arbitrary body with a correct checksum,

@@ -2,6 +2,7 @@ package ucx
 
 /*
 #include <stdlib.h>
+#include <string.h>
 #include "ecx.h"
 */
 import "C"
@@ -43,8 +44,10 @@ func (a *Agent) LocalMetadata() ([]byte, error) {
 
 // LoadRemoteMetadata implements nixl.Agent; ErrNotAllowed (other metadata
 // under a loaded name) comes with that name. The blob is decoded and
-// validated in Go (structure, limits, checksum, UCX version and address
-// format) before any of its bytes reach UCX. Then, for a peer on this
+// validated in Go (structure, limits, checksum, UCX version, the address's
+// format version and each packed key's layout: checkRkey) before any of
+// its bytes reach UCX; what the address and keys say inside is UCX's to
+// parse, and UCX trusts it. Then, for a peer on this
 // host, its pidfd is opened; then it is connected.
 func (a *Agent) LoadRemoteMetadata(md []byte) (string, error) {
 	if a.closed {
@@ -392,10 +395,22 @@ func (a *Agent) closePidfd(p *peer) {
 	p.pidfd = -1
 }
 
+// rkeyPad is how many zero bytes follow the copy of a packed rkey handed
+// to UCX: one domain's key is at most 255 bytes (its size is a byte).
+const rkeyPad = 256
+
 // unpack unpacks the rkey of p's region i.
 func (a *Agent) unpack(p *peer, i int, packed []byte) error {
 	rk := unsafe.Slice(p.rkeys, len(p.regions))
-	buf := C.CBytes(packed)
+	// checkRkey saw that the map accounts for the key's bytes, but a
+	// domain's unpacker reads its own size of key, whatever the size
+	// byte said: the copy UCX reads is followed by zeros, as many as the
+	// largest size a size byte can give, so it never reads past it.
+	buf := C.calloc(C.size_t(len(packed)+rkeyPad), 1)
+	if buf == nil {
+		return fmt.Errorf("%w: ucx: peer %q region %d: no memory for its rkey", nixl.ErrBackend, p.name, i)
+	}
+	C.memcpy(buf, unsafe.Pointer(unsafe.SliceData(packed)), C.size_t(len(packed)))
 	st := C.ecx_rkey_unpack(p.ep, buf, &rk[i])
 	C.free(buf)
 	if st != 0 {
