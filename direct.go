@@ -78,9 +78,17 @@ func (t *Transport) startDirect() error {
 	return nil
 }
 
-// stopLife retires the lifeword: same-host consumers' direct READs of this
-// transport's region fail from then on (it is called first thing in
-// Deregister), though the process lives on.
+// retireLife retires the lifeword: same-host consumers' direct READs of
+// this transport's region fail from then on (it is called first thing in
+// Deregister), though the process lives on. Its descriptor stays open
+// until stopLife.
+func (t *Transport) retireLife() {
+	if t.life != nil {
+		_ = t.life.Retire()
+	}
+}
+
+// stopLife retires the lifeword and closes its descriptor.
 func (t *Transport) stopLife() {
 	if t.life != nil {
 		_ = t.life.Stop()

@@ -335,13 +335,16 @@ type orphaned struct {
 
 func (o *orphaned) close() {
 	if o.life != nil {
-		_ = o.life.Stop()
+		_ = o.life.Retire()
 	}
 	_ = o.r.Close()
 	if o.pool != nil {
 		o.pool.Close()
 	}
 	o.notify.Close()
+	if o.life != nil {
+		_ = o.life.Stop()
+	}
 }
 
 func checkConfig(cfg *Config) error {
@@ -687,8 +690,13 @@ func (t *Transport) Deregister() error {
 	defer close(t.deregistered)
 	t.orphan.Stop()
 	// The lifeword first: a same-host consumer's direct READ that ends
-	// from here on fails, before the region goes or changes hands.
-	t.stopLife()
+	// from here on fails, before the region goes or changes hands. Its
+	// descriptor stays open until the engine has closed (closePool): a
+	// consumer that adds this producer meanwhile still finds the word,
+	// retired, where a closed descriptor would have left it polling a
+	// pidfd that never fires, its READs DONE from a region no longer
+	// this transport's (TestAddDuringProducerDeregister).
+	t.retireLife()
 	err := t.r.Close()
 	t.closePool()
 	t.region.Store(nil)

@@ -125,13 +125,14 @@ func stateOf(w uint32) State {
 
 // Holder keeps a word alive for this process.
 type Holder struct {
-	id   uint32
-	fd   int
-	mem  []byte
-	tid  int
-	done chan error
-	once sync.Once
-	err  error
+	id        uint32
+	fd        int
+	mem       []byte
+	tid       int
+	done      chan error
+	once      sync.Once // Retire
+	closeOnce sync.Once // Stop
+	err       error
 }
 
 // Hold creates the word and the thread that holds it. The word says Alive
@@ -238,21 +239,34 @@ func (h *Holder) TID() int { return h.tid }
 // State is what the word says now (Alive until Stop).
 func (h *Holder) State() State { return stateOf(atomic.LoadUint32(h.u32(offWord))) }
 
-// Stop writes Retired into the word, gives the thread back and closes the
-// memfd here (readers keep their mappings). It returns once the thread has
-// let go. Idempotent; the error says if the thread's robust list could not
-// be put back (the thread then ends with its goroutine).
-func (h *Holder) Stop() error {
+// Retire writes Retired into the word and gives the thread back; the
+// memfd stays open, so a consumer that looks the descriptor up from now on
+// (Watch) still finds the word and learns the holder retired, until Stop.
+// It returns once the thread has let go. Idempotent; the error says if the
+// thread's robust list could not be put back (the thread then ends with
+// its goroutine).
+func (h *Holder) Retire() error {
 	h.once.Do(func() {
 		stop := h.u32(offStop)
 		atomic.StoreUint32(stop, 1)
 		_, _, _ = unix.Syscall6(unix.SYS_FUTEX, uintptr(unsafe.Pointer(stop)), futexWake, 1, 0, 0, 0)
 		h.err = <-h.done
+	})
+	return h.err
+}
+
+// Stop retires the word (Retire) and closes the memfd here (readers keep
+// their mappings): a Watch after it finds no word under the descriptor,
+// or another holder's. Call it once nothing can make a consumer look the
+// word up any more. Idempotent; its error is Retire's.
+func (h *Holder) Stop() error {
+	err := h.Retire()
+	h.closeOnce.Do(func() {
 		_ = unix.Munmap(h.mem)
 		h.mem = nil
 		_ = unix.Close(h.fd)
 	})
-	return h.err
+	return err
 }
 
 // Watcher reads another process's word.

@@ -239,6 +239,24 @@ func TestHoldInProcess(t *testing.T) {
 	require.Len(t, tids, 8, "each word is held by a thread of its own")
 }
 
+// TestRetireKeepsTheDescriptor: after Retire a consumer that looks the
+// word up for the first time finds it, retired; after Stop the descriptor
+// is gone and the look-up fails.
+func TestRetireKeepsTheDescriptor(t *testing.T) {
+	leakcheck.Check(t)
+	h, err := Hold()
+	require.NoError(t, err)
+	require.NoError(t, h.Retire())
+	require.NoError(t, h.Retire(), "Retire is idempotent")
+	w, err := Watch(os.Getpid(), h.FD(), h.ID())
+	require.NoError(t, err, "the retired word is still there to watch")
+	require.Equal(t, Retired, w.State())
+	w.Close()
+	require.NoError(t, h.Stop())
+	_, err = Watch(os.Getpid(), h.FD(), h.ID())
+	require.Error(t, err, "Stop closed the descriptor")
+}
+
 // TestStopRestoresRobustList: the thread a holder used has its previous
 // robust list back (glibc's, in a cgo program) once Stop returns. Checked
 // from the outside: get_robust_list of that thread id.
