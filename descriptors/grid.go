@@ -36,12 +36,15 @@ func (g Grid) Addr(i int) uint64 { return g.Base + uint64(i)*g.Len }
 
 // ValidateGrid is ValidateIndices for two lists that are Grids: it
 // accepts and rejects exactly what ValidateIndices does for the Lists the
-// Grids describe, with the same errors.
+// Grids describe, with the same errors. The Grids are GridOf's: one built
+// by hand with a negative N is taken for an empty List, and one that
+// runs past the top of the address space describes no List at all.
 func ValidateGrid(local, remote Grid, localIdx, remoteIdx []int) error {
 	if len(localIdx) != len(remoteIdx) {
 		return fmt.Errorf("%w: %d local, %d remote", ErrIndexMismatch, len(localIdx), len(remoteIdx))
 	}
-	ln, rn := uint(local.N), uint(remote.N)
+	// A Grid of no List (N < 0) is taken for an empty one.
+	ln, rn := uint(max(local.N, 0)), uint(max(remote.N, 0))
 	for i, li := range localIdx {
 		if uint(li) >= ln || uint(remoteIdx[i]) >= rn {
 			return gridRangeErr(local, remote, localIdx, remoteIdx, i)
@@ -56,8 +59,9 @@ func ValidateGrid(local, remote Grid, localIdx, remoteIdx []int) error {
 }
 
 func gridRangeErr(local, remote Grid, localIdx, remoteIdx []int, i int) error {
-	if li := localIdx[i]; uint(li) >= uint(local.N) {
-		return fmt.Errorf("%w: local index %d at position %d (list has %d)", ErrIndexRange, li, i, local.N)
+	ln, rn := max(local.N, 0), max(remote.N, 0)
+	if li := localIdx[i]; uint(li) >= uint(ln) {
+		return fmt.Errorf("%w: local index %d at position %d (list has %d)", ErrIndexRange, li, i, ln)
 	}
-	return fmt.Errorf("%w: remote index %d at position %d (list has %d)", ErrIndexRange, remoteIdx[i], i, remote.N)
+	return fmt.Errorf("%w: remote index %d at position %d (list has %d)", ErrIndexRange, remoteIdx[i], i, rn)
 }

@@ -36,6 +36,20 @@ func TestGridOf(t *testing.T) {
 
 // ValidateGrid must answer exactly as ValidateIndices does on the lists the
 // grids describe: the reactor takes one or the other by the lists' shape.
+// TestValidateGridNegativeN: a hand-made Grid with a negative N is an
+// empty List: every index is out of range, as ValidateIndices says for an
+// empty List. It used to accept any index.
+func TestValidateGridNegativeN(t *testing.T) {
+	g := Grid{Base: 0x1000, Len: 0x100, N: -1}
+	ok := Grid{Base: 0x9000, Len: 0x100, N: 16}
+	for _, idx := range []int{0, 5, 1 << 40} {
+		err := ValidateGrid(g, ok, []int{idx}, []int{0})
+		require.ErrorIs(t, err, ErrIndexRange)
+		require.Equal(t, ValidateIndices(nil, BuildBlockDescs(0x9000, 16, 0x100, 0), []int{idx}, []int{0}).Error(), err.Error())
+		require.ErrorIs(t, ValidateGrid(ok, g, []int{0}, []int{idx}), ErrIndexRange)
+	}
+}
+
 func TestValidateGridMatchesValidateIndices(t *testing.T) {
 	rng := rand.New(rand.NewPCG(1, 2))
 	pick := func(n int) int {

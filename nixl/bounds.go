@@ -20,11 +20,14 @@ func (s Span) end() (uint64, bool) {
 
 // SpanIndex of the spans an agent may touch, sorted for lookups.
 type SpanIndex struct {
-	spans []Span // sorted by Addr
+	spans []Span   // sorted by Addr
+	reach []uint64 // reach[i]: the furthest end of spans[0..i]
 }
 
 // NewSpanIndex builds an index over spans (copied). Zero-length or
-// overflowing spans are rejected with ErrInvalidParam.
+// overflowing spans are rejected with ErrInvalidParam. Spans may overlap
+// (an agent's own registrations of one buffer twice); a range inside any
+// one of them is contained.
 func NewSpanIndex(spans []Span) (SpanIndex, error) {
 	s := append([]Span(nil), spans...)
 	for _, sp := range s {
@@ -33,7 +36,15 @@ func NewSpanIndex(spans []Span) (SpanIndex, error) {
 		}
 	}
 	sort.Slice(s, func(i, j int) bool { return s[i].Addr < s[j].Addr })
-	return SpanIndex{spans: s}, nil
+	reach := make([]uint64, len(s))
+	for i, sp := range s {
+		e, _ := sp.end()
+		reach[i] = e
+		if i > 0 {
+			reach[i] = max(e, reach[i-1])
+		}
+	}
+	return SpanIndex{spans: s, reach: reach}, nil
 }
 
 // Contains reports whether [addr, addr+n) lies inside one span.
@@ -42,13 +53,14 @@ func (x SpanIndex) Contains(addr, n uint64) bool {
 	if end < addr {
 		return false
 	}
-	// Last span starting at or before addr.
+	// Every span up to the last one starting at or before addr starts
+	// at or before it: one of them holds the range if the furthest of
+	// their ends is at or past its end.
 	i := sort.Search(len(x.spans), func(i int) bool { return x.spans[i].Addr > addr }) - 1
 	if i < 0 {
 		return false
 	}
-	se, _ := x.spans[i].end()
-	return end <= se
+	return end <= x.reach[i]
 }
 
 // CheckList returns ErrInvalidParam, naming the first offender, unless every

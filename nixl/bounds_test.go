@@ -81,6 +81,35 @@ func TestSpanIndexContains(t *testing.T) {
 	}
 }
 
+// TestSpanIndexOverlapping: a range inside one of two overlapping spans
+// is contained, whichever of them starts later; it used to be refused
+// when the span starting nearest below it was the shorter one.
+func TestSpanIndexOverlapping(t *testing.T) {
+	x, err := NewSpanIndex([]Span{{0, 1000}, {500, 10}, {2000, 100}, {2000, 50}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tests := []struct {
+		addr, n uint64
+		want    bool
+	}{
+		{500, 10, true},   // inside both
+		{500, 11, true},   // past the short one, inside the long one
+		{600, 100, true},  // past the short one's start and end
+		{990, 10, true},   // the long one's last bytes
+		{990, 11, false},  // past both
+		{1000, 1, false},  // the gap
+		{2000, 100, true}, // the longer of two at the same address
+		{2040, 60, true},
+		{2050, 51, false},
+	}
+	for _, tc := range tests {
+		if got := x.Contains(tc.addr, tc.n); got != tc.want {
+			t.Errorf("Contains(%d, %d) = %v, want %v", tc.addr, tc.n, got, tc.want)
+		}
+	}
+}
+
 func TestSpanIndexCheckList(t *testing.T) {
 	x, err := NewSpanIndex([]Span{{0x1000, 0x1000}})
 	if err != nil {

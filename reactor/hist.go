@@ -94,14 +94,20 @@ func (s HistSnapshot) CountBelow(d time.Duration) uint64 {
 func (s HistSnapshot) Count() uint64 { return s.total }
 
 // Quantile returns the lower bound of the bucket holding quantile q
-// (0 < q <= 1), or 0 when nothing was counted.
+// (0 < q <= 1), or 0 when nothing was counted. A q above 1 is the
+// largest latency counted; one at or below 0, or NaN, the smallest.
 func (s HistSnapshot) Quantile(q float64) time.Duration {
 	if s.total == 0 {
 		return 0
 	}
-	rank := uint64(q*float64(s.total) + 0.5)
-	if rank < 1 {
+	var rank uint64
+	switch {
+	case !(q > 0): // NaN too
 		rank = 1
+	case q >= 1:
+		rank = s.total
+	default:
+		rank = max(uint64(q*float64(s.total)+0.5), 1)
 	}
 	var seen uint64
 	for i, c := range s.counts {

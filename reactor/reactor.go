@@ -221,6 +221,9 @@ type Setup func(a nixl.Agent) (descriptors.List, nixl.DlistID, error)
 // Close closes it. When Start fails the reactor thread has exited and
 // the agent has not been closed: the caller still owns it.
 func Start(agent nixl.Agent, opts Options, setup Setup) (*Reactor, error) {
+	if agent == nil {
+		return nil, errors.New("reactor: no agent")
+	}
 	o, err := opts.withDefaults()
 	if err != nil {
 		return nil, err
@@ -392,7 +395,7 @@ func (r *Reactor) do(fn func() error) error {
 }
 
 // SetTimeout sets the age after which an in-flight transfer ends in
-// ErrTimeout; 0 disables it. A change applies at once to every transfer in
+// ErrTimeout; 0 or a negative d disables it. A change applies at once to every transfer in
 // flight, each measured from its post.
 func (r *Reactor) SetTimeout(d time.Duration) {
 	r.timeout.Store(int64(d))

@@ -1,8 +1,10 @@
 package reactor
 
 import (
+	"math"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 )
@@ -154,6 +156,16 @@ func TestHistogram(t *testing.T) {
 	p99 := int64(s.Quantile(0.99))
 	require.InDelta(t, 990_000, p99, 990_000*0.13)
 	require.LessOrEqual(t, p50, p99)
+	// Out of range: the largest latency counted above 1, the smallest
+	// at or below 0 and for NaN; no longer the top bucket (17 minutes).
+	lo, hi := s.Quantile(0.0001), s.Quantile(1)
+	require.Less(t, hi, 2*time.Millisecond)
+	for _, q := range []float64{2, math.Inf(1)} {
+		require.Equal(t, hi, s.Quantile(q), "q %v", q)
+	}
+	for _, q := range []float64{0, -1, math.Inf(-1), math.NaN()} {
+		require.Equal(t, lo, s.Quantile(q), "q %v", q)
+	}
 
 	// Bucket bounds are monotonic and every value falls in its bucket.
 	for _, v := range []int64{0, 1, 7, 8, 9, 15, 16, 17, 1000, 1 << 20, 1<<40 - 1, 1 << 50, -5} {

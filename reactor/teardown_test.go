@@ -6,6 +6,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/ecxfer/ecxfer/internal/leakcheck"
 )
 
 // A notification the engine received before Close is handed out by Notifs
@@ -46,4 +48,14 @@ func TestNotifReceivedBeforeCloseIsKept(t *testing.T) {
 	got := prod.Notifs()
 	require.Equal(t, [][]byte{[]byte("hello")}, got[p.cons.agent.Name()], "a notification received before Close was dropped")
 	require.Equal(t, uint64(1), prod.Stats().NotifsReceived)
+}
+
+// TestStartWithoutAgent: Start with no agent is an error, and leaves no
+// descriptor behind; it used to open its eventfd and epoll set and then
+// panic on the agent.
+func TestStartWithoutAgent(t *testing.T) {
+	leakcheck.Check(t)
+	r, err := Start(nil, Options{}, noSetup)
+	require.Error(t, err)
+	require.Nil(t, r)
 }

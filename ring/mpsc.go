@@ -113,6 +113,9 @@ func (q *MPSC[T]) TryPush(v T) bool {
 // finished writing it. The emptied slots are set to T's zero value so the
 // ring keeps no references alive. Only the consumer goroutine may call Drain.
 func (q *MPSC[T]) Drain(dst []T) int {
+	if len(q.slots) == 0 {
+		return 0 // a zero MPSC (not from NewMPSC): nothing was ever pushed
+	}
 	var zero T
 	pos := q.head.Load() // only this goroutine writes head
 	n := 0

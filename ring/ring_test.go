@@ -137,6 +137,22 @@ func TestDrainEdges(t *testing.T) {
 	}
 }
 
+// TestZeroMPSC: an MPSC not made by NewMPSC takes nothing and drains
+// nothing; its Drain used to panic.
+func TestZeroMPSC(t *testing.T) {
+	var q MPSC[int]
+	if q.TryPush(1) {
+		t.Fatal("TryPush into a zero MPSC succeeded")
+	}
+	dst := []int{-1, -1}
+	if n := q.Drain(dst); n != 0 || dst[0] != -1 {
+		t.Fatalf("Drain of a zero MPSC = %d %v", n, dst)
+	}
+	if q.Len() != 0 || q.Cap() != 0 {
+		t.Fatalf("zero MPSC: Len %d Cap %d", q.Len(), q.Cap())
+	}
+}
+
 // TestWrapAroundSequential runs small rings (down to one slot) through
 // thousands of laps with uneven push and drain sizes and checks every value
 // comes out in order.
