@@ -88,7 +88,11 @@ func parseSysVPages(b []byte, page uint64) uint64 {
 			continue // the header
 		}
 		if n, err := strconv.ParseUint(fs[3], 10, 64); err == nil {
-			total += n/page + min(n%page, 1)
+			pages := n/page + min(n%page, 1)
+			if total+pages < total {
+				return math.MaxUint64 // more than anything fits in
+			}
+			total += pages
 		}
 	}
 	return total

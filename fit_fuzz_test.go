@@ -3,6 +3,7 @@ package ecxfer
 import (
 	"fmt"
 	"math"
+	"math/big"
 	"os"
 	"strings"
 	"testing"
@@ -29,12 +30,12 @@ func procSeeds(f *testing.F) {
 func FuzzFitParsers(f *testing.F) {
 	procSeeds(f)
 	f.Fuzz(func(t *testing.T, b []byte) {
-		_ = parseSysVPages(b, 4096)
-		if parseSysVPages(b, 0) != 0 {
-			t.Fatal("pages of 0 bytes")
+		if got, want := parseSysVPages(b, 4096), sysvPagesRef(b, 4096); got != want {
+			t.Fatalf("System V pages %d, want %d", got, want)
 		}
-		if v, ok := parseMeminfo(b, "MemAvailable"); ok && !strings.Contains(string(b), "MemAvailable:") {
-			t.Fatalf("MemAvailable %d from text without it", v)
+		v, ok := parseMeminfo(b, "MemAvailable")
+		if want, wantOK := meminfoRef(b, "MemAvailable"); v != want || ok != wantOK {
+			t.Fatalf("MemAvailable %d %v, want %d %v", v, ok, want, wantOK)
 		}
 		v2, v1 := parseCgroupMounts(b)
 		for _, m := range []string{v2, v1} {
@@ -49,10 +50,63 @@ func FuzzFitParsers(f *testing.F) {
 				t.Fatalf("cgroup dir %+v", d)
 			}
 		}
-		if len(parseCgroupDirs(b, "", "")) != 0 {
-			t.Fatal("cgroup dirs without a mounted hierarchy")
-		}
 	})
+}
+
+// sysvPagesRef is parseSysVPages written another way: the size column
+// of every line after the header, in big numbers, rounded up to pages;
+// a sum past 64 bits is the largest uint64.
+func sysvPagesRef(b []byte, page uint64) uint64 {
+	total := new(big.Int)
+	pg := new(big.Int).SetUint64(page)
+	for i, line := range strings.Split(string(b), "\n") {
+		fs := strings.Fields(line)
+		if i == 0 || len(fs) < 4 {
+			continue
+		}
+		n, ok := new(big.Int).SetString(fs[3], 10)
+		if !ok || n.Sign() < 0 || n.BitLen() > 64 || strings.HasPrefix(fs[3], "+") {
+			continue
+		}
+		q, r := new(big.Int).QuoRem(n, pg, new(big.Int))
+		if r.Sign() != 0 {
+			q.Add(q, big.NewInt(1))
+		}
+		total.Add(total, q)
+	}
+	if total.BitLen() > 64 {
+		return math.MaxUint64
+	}
+	return total.Uint64()
+}
+
+// meminfoRef is parseMeminfo written another way: the first line whose
+// text before its first colon is field; its first word a decimal number
+// of at most 64 bits, times 1,024 if the second word is kB (and the
+// product fits).
+func meminfoRef(b []byte, field string) (uint64, bool) {
+	for _, line := range strings.Split(string(b), "\n") {
+		i := strings.IndexByte(line, ':')
+		if i < 0 || line[:i] != field {
+			continue
+		}
+		fs := strings.Fields(line[i+1:])
+		if len(fs) == 0 {
+			return 0, false
+		}
+		n, ok := new(big.Int).SetString(fs[0], 10)
+		if !ok || n.Sign() < 0 || strings.HasPrefix(fs[0], "+") || strings.HasPrefix(fs[0], "-") {
+			return 0, false
+		}
+		if len(fs) > 1 && fs[1] == "kB" {
+			n.Lsh(n, 10)
+		}
+		if n.BitLen() > 64 {
+			return 0, false
+		}
+		return n.Uint64(), true
+	}
+	return 0, false
 }
 
 // The parsers on known text: sizes, units and limits as the kernel
@@ -76,6 +130,12 @@ func TestFitParsers(t *testing.T) {
 		"         0          2   600                  4097   10    10      1\n")
 	if got := parseSysVPages(shm, 4096); got != 3 {
 		t.Fatalf("sysv pages %d, want 3", got)
+	}
+	// Sizes whose pages add up past 64 bits: the sum saturates instead of
+	// wrapping to a small number that would pass the fit check.
+	huge := []byte("key shmid perms size\n0 1 600 18446744073709551615\n0 2 600 18446744073709551615\n")
+	if got := parseSysVPages(huge, 1); got != math.MaxUint64 {
+		t.Errorf("pages of two 2^64-1 byte segments: %d", got)
 	}
 	mounts := []byte("29 1 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw\n" +
 		"30 1 0:27 /sub /elsewhere rw - cgroup2 cgroup2 rw\n" +

@@ -2,6 +2,7 @@ package shmview
 
 import (
 	"bytes"
+	"errors"
 	"strings"
 	"testing"
 )
@@ -15,6 +16,9 @@ func FuzzDecodeAdvert(f *testing.F) {
 	f.Fuzz(func(t *testing.T, b []byte) {
 		got, err := DecodeAdvert(b)
 		if err != nil {
+			if !errors.Is(err, ErrBadAdvert) {
+				t.Fatalf("refused with %v, not ErrBadAdvert", err)
+			}
 			return
 		}
 		// What decodes re-encodes to the same bytes and validates.
@@ -69,6 +73,21 @@ func FuzzParseMapsLine(f *testing.F) {
 		if m.hi <= m.lo {
 			t.Fatalf("accepted empty range %+v", m)
 		}
-		_, _ = findIn(strings.NewReader(line+"\n"), m.lo, m.hi)
+		if strings.ContainsAny(line, "\r\n") || len(line) >= 1<<20 {
+			return // not one line of a listing
+		}
+		// A listing of that one line backs its own range exactly when
+		// the mapping is one a consumer may open.
+		b, err := findIn(strings.NewReader(line+"\n"), m.lo, m.hi)
+		if serr := shareable(m); serr != nil {
+			if !errors.Is(err, ErrNoFile) {
+				t.Fatalf("unshareable mapping %+v (%v) found: %+v, %v", m, serr, b, err)
+			}
+			return
+		}
+		want := Backing{Path: m.path, Offset: m.offset, Dev: m.dev, Ino: m.ino, SysV: isSysV(m)}
+		if err != nil || b != want {
+			t.Fatalf("mapping %+v: found %+v, %v; want %+v", m, b, err, want)
+		}
 	})
 }
