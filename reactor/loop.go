@@ -375,10 +375,20 @@ func (r *Reactor) takeNotifs() bool {
 
 // dropOversized removes from notifTmp the notifications longer than
 // MaxNotif, whatever limit their sender was configured with, counts them
-// and logs the first from each sender. It returns how many it dropped.
+// and logs the first from each sender; and those whose sender the engine
+// names with a name no agent can have (ValidName: empty, longer than 256
+// bytes, or not printable ASCII), which it counts. It returns how many it
+// dropped.
 func (r *Reactor) dropOversized() int {
 	dropped := 0
 	for sender, msgs := range r.notifTmp {
+		if !ValidName(sender) {
+			dropped += len(msgs)
+			r.st.notifsBadSender.Add(uint64(len(msgs)))
+			clear(msgs)
+			delete(r.notifTmp, sender)
+			continue
+		}
 		keep := msgs[:0]
 		for _, m := range msgs {
 			if len(m) <= r.opts.MaxNotif {

@@ -181,6 +181,9 @@ func decodeNotifDgram(b []byte, key *notifKey, deliver func(sender string, msg [
 		return 0, errNotifDgram
 	}
 	sender := string(b[2 : 2+n])
+	if !ValidName(sender) {
+		return 0, errNotifDgram // no agent has that name
+	}
 	for rest := body; len(rest) > 0; {
 		m := binary.LittleEndian.Uint32(rest)
 		deliver(sender, rest[4:4+m])

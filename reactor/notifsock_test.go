@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -28,8 +29,8 @@ func FuzzNotifDgram(f *testing.F) {
 	f.Fuzz(func(t *testing.T, b []byte) {
 		var re []byte
 		n, err := decodeNotifDgram(b, &testKey, func(sender string, msg []byte) {
-			if sender == "" {
-				t.Fatal("decoded an empty sender")
+			if !ValidName(sender) {
+				t.Fatalf("decoded sender %q, a name no agent can have", sender)
 			}
 			if re == nil {
 				re = appendNotifDgram(nil, &testKey, sender, msg)
@@ -54,7 +55,10 @@ func TestNotifDgramRejects(t *testing.T) {
 	good := appendNotifMsg(appendNotifDgram(nil, &testKey, "c", []byte("one")), []byte("two"))
 	keyed := func(b ...byte) []byte { return append(testKey[:len(testKey):len(testKey)], b...) }
 	for _, b := range [][]byte{keyed(), keyed(1), keyed(0, 0, 'x'), keyed(3, 0, 'a', 'b'), keyed(1, 0, 'a'),
-		good[:len(good)-1], append(append([]byte(nil), good...), 1)} {
+		good[:len(good)-1], append(append([]byte(nil), good...), 1),
+		// Senders no agent can be: the datagram is refused whole.
+		appendNotifDgram(nil, &testKey, "a b", []byte("one")), appendNotifDgram(nil, &testKey, "a\x00", []byte("one")),
+		appendNotifDgram(nil, &testKey, "caf\xc3\xa9", []byte("one")), appendNotifDgram(nil, &testKey, strings.Repeat("x", 257), []byte("one"))} {
 		if _, err := decodeNotifDgram(b, &testKey, none); !errors.Is(err, errNotifDgram) {
 			t.Errorf("%q: %v", b, err)
 		}

@@ -16,6 +16,7 @@ type counters struct {
 	gathers                        [9]atomic.Uint64 // nixl.GatherCounts, in its order
 	notifsUndeliveredByEngine      atomic.Uint64
 	notifsOversized                atomic.Uint64
+	notifsBadSender                atomic.Uint64
 	engineErrors                   atomic.Uint64
 	loops, parks                   atomic.Uint64
 	callerSteps, naps              atomic.Uint64
@@ -45,6 +46,10 @@ type Stats struct {
 	// NotifsOversized counts notifications dropped on receipt for being
 	// longer than Options.MaxNotif (never handed to the application).
 	NotifsOversized uint64
+	// NotifsBadSender counts notifications dropped on receipt because the
+	// engine named their sender with a name no agent can have (empty,
+	// longer than 256 bytes, or not printable ASCII without spaces).
+	NotifsBadSender uint64
 	EngineErrors    uint64 // engine calls that failed
 	// LiveHandles counts handles not yet released, and released ones
 	// whose READ was in flight until the loop has ended it (a release
@@ -158,6 +163,7 @@ func (r *Reactor) Stats() Stats {
 		Gathers:               r.st.gatherCounts(),
 		NotifsUndelivered:     undelivered,
 		NotifsOversized:       r.st.notifsOversized.Load(),
+		NotifsBadSender:       r.st.notifsBadSender.Load(),
 	}
 	if d := r.dir; d != nil {
 		st.InlineReads, st.DirectReads = inline, direct

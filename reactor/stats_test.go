@@ -456,3 +456,52 @@ func TestPeerCountersKeptWhenRestarted(t *testing.T) {
 	require.Equal(t, before.ReadsFailed+1, after.ReadsFailed, "the READ the restart failed counts under its name")
 	require.Equal(t, before.BytesRead+before.BytesRead/3, after.BytesRead)
 }
+
+// namingAgent is a loopback agent whose engine hands over, once, the
+// notifications in extra under the sender names it gives: what a peer
+// that claims any name it likes makes an engine report.
+type namingAgent struct {
+	*loopback.Agent
+	mu    sync.Mutex
+	extra map[string][][]byte
+}
+
+func (a *namingAgent) GetNotifs(dst map[string][][]byte) int {
+	n := a.Agent.GetNotifs(dst)
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for k, v := range a.extra {
+		dst[k] = append(dst[k], v...)
+		n += len(v)
+	}
+	a.extra = nil
+	return n
+}
+
+// Notifications whose sender the engine names with a name no agent can
+// have are dropped on receipt and counted; those of a valid sender in
+// the same batch are handed out.
+func TestNotifsFromBadSenderNamesDropped(t *testing.T) {
+	leakcheck.Check(t)
+	la, err := loopback.New("stats-badname")
+	require.NoError(t, err)
+	a := &namingAgent{Agent: la, extra: map[string][][]byte{
+		"":                       {[]byte("a")},
+		"has space":              {[]byte("b"), []byte("c")},
+		"nul\x00":                {[]byte("d")},
+		"caf\xc3\xa9":            {[]byte("e")},
+		strings.Repeat("x", 257): {[]byte("f")},
+		"prefill-0":              {[]byte("sess:hash")},
+	}}
+	r, err := Start(a, Options{}, noSetup)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, r.Close()) }()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	got, err := r.WaitNotifs(ctx)
+	require.NoError(t, err)
+	require.Equal(t, map[string][][]byte{"prefill-0": {[]byte("sess:hash")}}, got)
+	s := r.Stats()
+	require.Equal(t, uint64(6), s.NotifsBadSender)
+	require.Equal(t, uint64(1), s.NotifsReceived)
+}
