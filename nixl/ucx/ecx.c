@@ -1995,6 +1995,74 @@ static uint32_t chunk_len(uint64_t bytes, uint32_t size, uint32_t j)
     return (uint32_t)(bytes - at < size ? bytes - at : size);
 }
 
+/* Reads a request's header (ECX_GREQ_HDR bytes at h) and checks it and
+ * its ranges (length bytes at rp): UCS_OK to serve it, else the status it
+ * is refused with. */
+static int gather_req_read(const ecx_ctx_t *c, const unsigned char *h, const unsigned char *rp,
+                           size_t length, uint64_t *id, uint64_t *base, uint32_t *n,
+                           uint32_t *size, uint64_t *bytes)
+{
+    *id = get_le64(h);
+    *base = get_le64(h + 8);
+    *n = get_le32(h + 16);
+    *size = get_le32(h + 20);
+    *bytes = get_le64(h + 24);
+    if (*size == 0) {
+        *size = ECX_GATHER_CHUNK;
+    }
+    /* The big size only with big segments: in UCX's 64 KiB ones such an
+     * answer would go on its zero-copy path (see gather_answer). */
+    if (length != (size_t)*n * 16 ||
+        (*size != ECX_GATHER_CHUNK && (*size != ECX_GATHER_CHUNK_BIG || !c->big_segs))) {
+        return UCS_ERR_INVALID_PARAM;
+    }
+    return gather_check(c, rp, *n, *bytes);
+}
+
+/* The chunks of a checked request of bytes bytes in chunks of size:
+ * returns how many, with in *copied the bytes of those that lie in more
+ * than one piece of the owner's memory (they are copied into the answers'
+ * buffer) and, with zc, in *zc how many lie in one (sent from where they
+ * are). */
+static uint32_t answer_plan(const unsigned char *rp, uint64_t bytes, uint32_t size,
+                            uint64_t *copied, uint32_t *zc)
+{
+    uint32_t nch = (uint32_t)((bytes + size - 1) / size), j;
+    ecx_gcur_t k;
+    k.rp = rp;
+    k.i = 0;
+    k.off = 0;
+    *copied = 0;
+    if (zc != NULL) {
+        *zc = 0;
+    }
+    for (j = 0; j < nch; j++) {
+        if (gcur_take(&k, chunk_len(bytes, size, j), NULL) > 1) {
+            *copied += chunk_len(bytes, size, j);
+        } else if (zc != NULL) {
+            (*zc)++;
+        }
+    }
+    return nch;
+}
+
+int ecx_gather_req_plan(const ecx_ctx_t *c, const void *header, size_t header_length,
+                        const void *ranges, size_t length, uint32_t *nch, uint64_t *copied,
+                        uint32_t *zc)
+{
+    uint64_t id, base, bytes;
+    uint32_t n, size;
+    int st;
+    if (header_length != ECX_GREQ_HDR) {
+        return ECX_GREQ_DROPPED;
+    }
+    st = gather_req_read(c, header, ranges, length, &id, &base, &n, &size, &bytes);
+    if (st == UCS_OK) {
+        *nch = answer_plan(ranges, bytes, size, copied, zc);
+    }
+    return st;
+}
+
 /* A request: checked against this agent's registered memory, then
  * answered from inside the handler, in chunks of the size it names. A
  * chunk whose bytes lie in one piece
@@ -2038,20 +2106,7 @@ static ucs_status_t gather_req_cb(void *arg, const void *header, size_t header_l
         c->gstats.dropped++;
         return UCS_OK;
     }
-    id = get_le64(h);
-    base = get_le64(h + 8);
-    n = get_le32(h + 16);
-    size = get_le32(h + 20);
-    bytes = get_le64(h + 24);
-    if (size == 0) {
-        size = ECX_GATHER_CHUNK;
-    }
-    /* The big size only with big segments: in UCX's 64 KiB ones such an
-     * answer would go on its zero-copy path (see gather_answer). */
-    st = length != (size_t)n * 16 ||
-                 (size != ECX_GATHER_CHUNK && (size != ECX_GATHER_CHUNK_BIG || !c->big_segs))
-             ? UCS_ERR_INVALID_PARAM
-             : gather_check(c, rp, n, bytes);
+    st = gather_req_read(c, h, rp, length, &id, &base, &n, &size, &bytes);
     if (st != UCS_OK) {
         c->gstats.refused++;
         gather_refuse(c, ep, id, base, st);
@@ -2074,15 +2129,7 @@ static ucs_status_t gather_req_cb(void *arg, const void *header, size_t header_l
         return UCS_OK;
     }
     /* The room the buffer needs for the chunks that are copied. */
-    nch = (uint32_t)((bytes + size - 1) / size);
-    k.rp = rp;
-    k.i = 0;
-    k.off = 0;
-    for (j = 0; j < nch; j++) {
-        if (gcur_take(&k, chunk_len(bytes, size, j), NULL) > 1) {
-            copied += chunk_len(bytes, size, j);
-        }
-    }
+    nch = answer_plan(rp, bytes, size, &copied, NULL);
     b = gbuf_new(c, ep, (size_t)nch * ECX_GDATA_HDR + copied, bytes, copied);
     if (b == NULL) {
         c->gstats.dropped++;
@@ -2090,6 +2137,7 @@ static ucs_status_t gather_req_cb(void *arg, const void *header, size_t header_l
     }
     hdrs = (unsigned char *)b->data;
     body = b->data + (size_t)nch * ECX_GDATA_HDR;
+    k.rp = rp;
     k.i = 0;
     k.off = 0;
     for (j = 0; j < nch; j++) {

@@ -313,6 +313,15 @@ int ecx_region_busy(const ecx_ctx_t *c, uint64_t addr, uint64_t len);
  * address and length pairs, as the request carries them) asking for bytes
  * in all: 0 to serve it, else the status it is refused with. */
 int ecx_gather_check(const ecx_ctx_t *c, const void *ranges, uint32_t n, uint64_t bytes);
+/* Tests: what the owner's handler makes of a gather request (header and
+ * ranges as they arrive): ECX_GREQ_DROPPED for a header it drops unread,
+ * else 0 with the number of answer chunks, the bytes copied into the
+ * answers' buffer and the chunks sent from registered memory, or the
+ * status it is refused with. */
+#define ECX_GREQ_DROPPED 1
+int ecx_gather_req_plan(const ecx_ctx_t *c, const void *header, size_t header_length,
+                        const void *ranges, size_t length, uint32_t *nch, uint64_t *copied,
+                        uint32_t *zc);
 /* Tests: hands an answer to the reader's handler as if it had arrived. */
 void ecx_gather_inject(ecx_ctx_t *c, const void *header, size_t header_length,
                        const void *data, size_t length);

@@ -65,6 +65,28 @@ func (a *Agent) gatherCheck(ranges []byte, n uint32, bytes uint64) int {
 	return int(C.ecx_gather_check(a.c, unsafe.Pointer(&ranges[0]), C.uint32_t(n), C.uint64_t(bytes)))
 }
 
+// gatherReqPlan is what the owner's handler makes of a request whose
+// header and ranges arrive as given (ecx_gather_req_plan): dropped unread
+// (a header of the wrong size), or its status (0 to serve it) and, when
+// served, its answer chunks, the bytes it copies into the answers' buffer
+// and the chunks it sends from registered memory.
+func (a *Agent) gatherReqPlan(header, ranges []byte) (dropped bool, st int, nch uint32, copied uint64, zc uint32) {
+	var h, r unsafe.Pointer
+	if len(header) > 0 {
+		h = unsafe.Pointer(&header[0])
+	}
+	if len(ranges) > 0 {
+		r = unsafe.Pointer(&ranges[0])
+	}
+	var cn, cz C.uint32_t
+	var cc C.uint64_t
+	got := C.ecx_gather_req_plan(a.c, h, C.size_t(len(header)), r, C.size_t(len(ranges)), &cn, &cc, &cz)
+	if got == C.ECX_GREQ_DROPPED {
+		return true, 0, 0, 0, 0
+	}
+	return false, int(got), uint32(cn), uint64(cc), uint32(cz)
+}
+
 // gatherInject hands an answer to the consumer's handler as if it had
 // arrived (tests and fuzzing: a hostile producer's answers).
 func (a *Agent) gatherInject(header, data []byte) {

@@ -105,6 +105,116 @@ func FuzzGatherCheck(f *testing.F) {
 	})
 }
 
+// planModel is how the protocol cuts a served request's bytes (ranges
+// checked, adding up to bytes) into answers of size bytes: the chunks, the
+// bytes of those lying in more than one piece of the owner's memory
+// (ranges that follow each other there are one piece), and how many lie
+// in one.
+func planModel(ranges []byte, bytes uint64, size uint32) (nch uint32, copied uint64, zc uint32) {
+	type piece struct{ addr, len uint64 }
+	var all []piece
+	for i := 0; i+16 <= len(ranges); i += 16 {
+		all = append(all, piece{binary.LittleEndian.Uint64(ranges[i:]), binary.LittleEndian.Uint64(ranges[i+8:])})
+	}
+	ri, off := 0, uint64(0)
+	for at := uint64(0); at < bytes; at += uint64(size) {
+		n := min(uint64(size), bytes-at)
+		nch++
+		pieces, end := 0, uint64(0)
+		for left := n; left > 0; {
+			p := all[ri]
+			take := min(p.len-off, left)
+			if pieces == 0 || p.addr+off != end {
+				pieces++
+			}
+			end = p.addr + off + take
+			left -= take
+			if off += take; off == p.len {
+				ri, off = ri+1, 0
+			}
+		}
+		if pieces > 1 {
+			copied += n
+		} else {
+			zc++
+		}
+	}
+	return nch, copied, zc
+}
+
+// FuzzGatherRequest: the owner's handler reads a request's header and
+// ranges (from the network) as the protocol states: a header of the wrong
+// size is dropped; a ranges length that is not the header's count of
+// pairs, a chunk size other than 60 KiB (or 0 for it), or 252 KiB without
+// LargeTCPSegments, is refused, as are ranges the check refuses; a served
+// request's answers cover its bytes in the chunks the protocol cuts.
+func FuzzGatherRequest(f *testing.F) {
+	owners := map[bool]*Agent{}
+	regions := map[bool][][2]uint64{}
+	for _, big := range []bool{false, true} {
+		a, err := New(Config{Name: "owner", LargeTCPSegments: big})
+		require.NoError(f, err)
+		f.Cleanup(func() { _ = a.Close() })
+		for _, n := range []int{1 << 20, 3 << 12} {
+			b := mmapBuf(f, n)
+			_, err := a.RegisterMem(b, nixl.DRAM, 0)
+			require.NoError(f, err)
+			regions[big] = append(regions[big], [2]uint64{addrOf(b), uint64(n)})
+		}
+		owners[big] = a
+	}
+	hdr := func(n, size uint32, bytes uint64) []byte {
+		h := make([]byte, 32)
+		binary.LittleEndian.PutUint64(h, 7)
+		binary.LittleEndian.PutUint64(h[8:], 1<<20)
+		binary.LittleEndian.PutUint32(h[16:], n)
+		binary.LittleEndian.PutUint32(h[20:], size)
+		binary.LittleEndian.PutUint64(h[24:], bytes)
+		return h
+	}
+	f.Add(hdr(1, 0, 4096), gatherReq(0, 4096), false)
+	f.Add(hdr(2, gatherChunk, 200<<10), gatherReq(0, 100<<10, 200<<10, 100<<10), false)
+	f.Add(hdr(3, 252<<10, 300<<10), gatherReq(0, 100<<10, 100<<10, 100<<10, 300<<10, 100<<10), true)
+	f.Add(hdr(1, 252<<10, 4096), gatherReq(0, 4096), false)
+	f.Add(hdr(2, 0, 4096), gatherReq(0, 4096), false)
+	f.Add(hdr(1, 0, 4096)[:31], gatherReq(0, 4096), false)
+	f.Add(hdr(1, 12345, 4096), gatherReq(0, 4096), false)
+	f.Fuzz(func(t *testing.T, header, ranges []byte, big bool) {
+		a, regs := owners[big], regions[big]
+		// Range addresses are offsets into the first region when they
+		// fall inside twice its size, so that served requests come up.
+		r := append([]byte(nil), ranges...)
+		for i := 0; i+16 <= len(r); i += 16 {
+			if v := binary.LittleEndian.Uint64(r[i:]); v < 2<<20 {
+				binary.LittleEndian.PutUint64(r[i:], regs[0][0]+v)
+			}
+		}
+		dropped, st, nch, copied, zc := a.gatherReqPlan(header, r)
+		if len(header) != 32 {
+			require.True(t, dropped, "a %d-byte header", len(header))
+			return
+		}
+		require.False(t, dropped)
+		n := binary.LittleEndian.Uint32(header[16:])
+		size := binary.LittleEndian.Uint32(header[20:])
+		bytes := binary.LittleEndian.Uint64(header[24:])
+		if size == 0 {
+			size = gatherChunk
+		}
+		want := ucsInvalidParam
+		if uint64(len(r)) == uint64(n)*16 && (size == gatherChunk || (size == 252<<10 && big)) {
+			want = checkModel(regs, r, n, bytes)
+		}
+		require.Equal(t, want, st, "request of %d ranges, %d bytes in chunks of %d", n, bytes, size)
+		if st != ucsOK {
+			return
+		}
+		wn, wc, wz := planModel(r, bytes, size)
+		require.Equal(t, [3]uint64{uint64(wn), wc, uint64(wz)}, [3]uint64{uint64(nch), copied, uint64(zc)},
+			"chunks, bytes copied, chunks sent in place")
+	})
+}
+
 // FuzzGatherAnswers: whatever a producer answers (a hostile or broken
 // one), the consumer's handler writes nothing outside the local blocks of
 // the READ the answer names, and nothing into them but answer bytes; the
@@ -209,4 +319,36 @@ func newGatherPairTB(f *testing.F, bs, nb int, cfg Config) *gatherPair {
 	require.NoError(f, waitXfer(f, g.cons, id, 10*time.Second, g.prod))
 	require.NoError(f, g.cons.ReleaseXfer(id))
 	return g
+}
+
+// TestGatherRequestPlan: a request FuzzGatherRequest's seeds make, with
+// the owner's answer worked out by hand: 300 KiB in three ranges, the
+// first two following each other in memory, in 252 KiB chunks: the first
+// chunk holds two pieces and is copied, the second is sent in place.
+func TestGatherRequestPlan(t *testing.T) {
+	a, err := New(Config{Name: "owner", LargeTCPSegments: true})
+	require.NoError(t, err)
+	defer func() { require.NoError(t, a.Close()) }()
+	b := mmapBuf(t, 1<<20)
+	_, err = a.RegisterMem(b, nixl.DRAM, 0)
+	require.NoError(t, err)
+	base := addrOf(b)
+	h := make([]byte, 32)
+	binary.LittleEndian.PutUint32(h[16:], 3)
+	binary.LittleEndian.PutUint32(h[20:], 252<<10)
+	binary.LittleEndian.PutUint64(h[24:], 300<<10)
+	r := gatherReq(base, 100<<10, base+100<<10, 100<<10, base+300<<10, 100<<10)
+	dropped, st, nch, copied, zc := a.gatherReqPlan(h, r)
+	require.False(t, dropped)
+	require.Equal(t, ucsOK, st)
+	require.Equal(t, uint32(2), nch)
+	require.Equal(t, uint64(252<<10), copied)
+	require.Equal(t, uint32(1), zc)
+	// Past the region's end: refused for its address.
+	r = gatherReq(base, 100<<10, base+100<<10, 100<<10, base+(1<<20)-50<<10, 100<<10)
+	_, st, _, _, _ = a.gatherReqPlan(h, r)
+	require.Equal(t, ucsInvalidAddr, st)
+	// One byte short of its count of ranges: refused.
+	_, st, _, _, _ = a.gatherReqPlan(h, r[:len(r)-1])
+	require.Equal(t, ucsInvalidParam, st)
 }
