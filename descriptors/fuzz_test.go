@@ -101,6 +101,43 @@ func FuzzDecode(f *testing.F) {
 	})
 }
 
+// FuzzDecodeMax: with a small limit, DecodeMax accepts what Decode
+// accepts when it holds at most max descriptors, the same list, and
+// refuses the rest with ErrTooMany (and ErrMalformed) when Decode accepts
+// them, with Decode's error otherwise: the limit is checked against the
+// declared count, before the elements are read.
+func FuzzDecodeMax(f *testing.F) {
+	for _, s := range []string{"90", "91 93 01 01 01", "92 93 01 01 01 93 02 01 00", "93 93 01 01 01",
+		"dc 00 02 93 01 01 01 93 02 01 00", "dd 00 00 00 05", "92 93 01 01 01"} {
+		f.Add(mustHex(s), uint8(1))
+	}
+	f.Fuzz(func(t *testing.T, in []byte, max uint8) {
+		limit := int(max%8) + 1
+		l, err := DecodeMax(in, limit)
+		full, ferr := Decode(in)
+		switch {
+		case err == nil:
+			if ferr != nil || !slices.Equal(l, full) || len(l) > limit {
+				t.Fatalf("DecodeMax(%d) = %v; Decode = %v, %v", limit, l, full, ferr)
+			}
+		case errors.Is(err, ErrTooMany):
+			if !errors.Is(err, ErrMalformed) || l != nil {
+				t.Fatalf("ErrTooMany %v without ErrMalformed, or with a list", err)
+			}
+			if ferr == nil && len(full) <= limit {
+				t.Fatalf("refused %d descriptors, limit %d: %v", len(full), limit, err)
+			}
+		default:
+			if ferr == nil && len(full) <= limit {
+				t.Fatalf("DecodeMax(%d) refused %v that Decode accepts: %v", limit, full, err)
+			}
+			if !errors.Is(err, ErrMalformed) {
+				t.Fatalf("error %v does not wrap ErrMalformed", err)
+			}
+		}
+	})
+}
+
 // fuzzList reads descriptors from data, 24 bytes each (addr, len, dev,
 // little endian); a short tail is ignored.
 func fuzzList(data []byte) List {

@@ -86,6 +86,50 @@ func FuzzDecode(f *testing.F) {
 	})
 }
 
+// FuzzRecv: a stream of frames (from a peer process) is read message by
+// message as the framing states: a 4-byte big-endian length, at most
+// MaxFrame, then a body Decode takes; a clean end between frames is
+// io.EOF, anything else ErrFrame, and reading stops at the first error.
+func FuzzRecv(f *testing.F) {
+	var buf bytes.Buffer
+	c := New(&buf, &buf)
+	_ = c.Send(Message{Kind: "hello", Name: "n"})
+	_ = c.Send(Message{Kind: "go", Ints: map[string]int64{"a": 1}})
+	f.Add(bytes.Clone(buf.Bytes()))
+	f.Add([]byte{0, 0, 0})
+	f.Add([]byte{0xff, 0xff, 0xff, 0xff})
+	f.Add([]byte{0, 0, 0, 1, 0x80})
+	f.Fuzz(func(t *testing.T, stream []byte) {
+		c := New(bytes.NewReader(stream), io.Discard)
+		rest := stream
+		for {
+			m, err := c.Recv()
+			// What the framing says of the stream's next bytes.
+			switch {
+			case len(rest) == 0:
+				require.ErrorIs(t, err, io.EOF)
+				return
+			case len(rest) < 4:
+				require.ErrorIs(t, err, ErrFrame, "truncated header")
+				return
+			}
+			n := binary.BigEndian.Uint32(rest)
+			if n > MaxFrame || uint64(len(rest)-4) < uint64(n) {
+				require.ErrorIs(t, err, ErrFrame, "frame of %d bytes, %d left", n, len(rest)-4)
+				return
+			}
+			want, werr := Decode(rest[4 : 4+n])
+			if werr != nil {
+				require.ErrorIs(t, err, ErrFrame)
+				return
+			}
+			require.NoError(t, err)
+			require.Equal(t, want, m)
+			rest = rest[4+n:]
+		}
+	})
+}
+
 func TestStartPiped(t *testing.T) {
 	leakcheck.Check(t)
 	cmd := exec.Command("cat")
