@@ -2,12 +2,14 @@ package ucx
 
 import (
 	"bytes"
+	"os"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
 	"github.com/ecxfer/ecxfer/descriptors"
+	"github.com/ecxfer/ecxfer/internal/procinfo"
 	"github.com/ecxfer/ecxfer/nixl"
 )
 
@@ -125,4 +127,23 @@ func FuzzDecodeBody(f *testing.F) {
 		require.NoError(t, err)
 		require.Equal(t, m, m2)
 	})
+}
+
+// MetadataProcess reads the pid and start time out of metadata without
+// loading it, and says no for anything that does not decode.
+func TestMetadataProcess(t *testing.T) {
+	a := newTestAgent(t, Config{Name: "mp"})
+	md, err := a.LocalMetadata()
+	require.NoError(t, err)
+	pid, start, ok := a.MetadataProcess(md)
+	require.True(t, ok)
+	require.Equal(t, uint64(os.Getpid()), pid)
+	want, err := procinfo.StartTime(os.Getpid())
+	require.NoError(t, err)
+	require.Equal(t, want, start)
+	for _, bad := range [][]byte{nil, {0x90}, md[:len(md)/2], append(bytes.Clone(md), 0)} {
+		_, _, ok := a.MetadataProcess(bad)
+		require.False(t, ok, "%x", bad)
+	}
+	require.Empty(t, a.peers, "nothing is loaded")
 }
