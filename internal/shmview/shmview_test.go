@@ -304,6 +304,55 @@ func TestOpenSharedFileAtOffset(t *testing.T) {
 	}
 }
 
+// TestOpenRefusesWindowPastFileEnd: a producer may map its file past the
+// file's end (mmap allows it; the pages past it fault) and advertise the
+// whole mapping. The producer does map that file at that offset, so only
+// the file's size tells: Open refuses the window, rather than a consumer
+// mapping pages that fault when copied from.
+func TestOpenRefusesWindowPastFileEnd(t *testing.T) {
+	leakcheck.Check(t)
+	path := filepath.Join("/dev/shm", fmt.Sprintf("ecxfer_shmview_short_%d", os.Getpid()))
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_TRUNC, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.Remove(path)
+	defer f.Close()
+	if err := f.Truncate(4096); err != nil {
+		t.Fatal(err)
+	}
+	mem, err := unix.Mmap(int(f.Fd()), 0, 4*4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(mem)
+	a, err := FileAdvert(mem)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := a.mappedBy(); err != nil {
+		t.Fatalf("the producer maps the file at the window: %v", err)
+	}
+	v, err := Open(&a)
+	if err == nil {
+		v.Close()
+		t.Fatal("opened a window past the file's end")
+	}
+	if !errors.Is(err, ErrIdentity) || !strings.Contains(err.Error(), "window ends at") {
+		t.Fatalf("refused with %v, want the file's size", err)
+	}
+	// The part inside the file opens.
+	in, err := FileAdvert(mem[:4096])
+	if err != nil {
+		t.Fatal(err)
+	}
+	v, err = Open(&in)
+	if err != nil {
+		t.Fatal(err)
+	}
+	v.Close()
+}
+
 func TestOpenRefuses(t *testing.T) {
 	leakcheck.Check(t)
 	r, err := Alloc("test", 8192)
