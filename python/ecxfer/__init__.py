@@ -27,7 +27,19 @@ from .errors import (
     UnknownPeerError,
     XferTimeoutError,
 )
-from .transport import EcxferDataTransport
+
+
+def __getattr__(name):
+    # PEP 562: the transport module, and with it vLLM's DataTransport
+    # (its base class when vLLM is there), is imported on first use, not
+    # with the package: vLLM imports the package to load the plugin
+    # (ecxfer.vllm_plugin) in every process, and with ECXFER_VLLM unset
+    # the plugin must leave vLLM's modules alone.
+    if name == "EcxferDataTransport":
+        from .transport import EcxferDataTransport
+
+        return EcxferDataTransport
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "EcxferDataTransport",
@@ -51,3 +63,7 @@ __all__ = [
     "UnknownPeerError",
     "XferTimeoutError",
 ]
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -109,13 +109,19 @@ def library_path() -> str:
 
 
 def load() -> ctypes.CDLL:
+    global _mapped
     path = library_path()
     try:
         lib = ctypes.CDLL(path)
     except OSError as e:
         raise ImportError(
-            f"ecxfer: cannot load {path}: {e} (build it with `make python`, or install the wheel: pip install ./python)"
+            f"ecxfer: cannot load {path}: {e} (build it with `make python`, or install the wheel: "
+            "pip install ./python; a library it names as missing, such as libucp.so.0, comes with "
+            "UCX: apt-get install libucx0)"
         ) from e
+    # Mapped, its Go runtime started, whatever the checks below say: a
+    # child forked from here on must not load it again (_forked_child).
+    _mapped = True
     # The version first: a library of another version may lack entries.
     try:
         ver = lib.ecx_abi_version
@@ -220,6 +226,7 @@ def calls(lib: ctypes.CDLL, path: str):
 
 _load_lock = threading.Lock()
 _loading = False  # a thread is loading the library (under _load_lock)
+_mapped = False  # the library was mapped here, even if load() then refused it
 _after_fork = []  # callables run in a child forked after the library was loaded
 
 
@@ -283,10 +290,12 @@ def _forked_child() -> None:
     # have (one loading the library): the child's first load would wait
     # on it forever.
     _load_lock = threading.Lock()
-    if not loaded() and not _loading:
+    if not loaded() and not _loading and not _mapped:
         return  # nothing inherited: the child loads its own copy on first use
-    # Loaded, or being loaded when the parent forked: Go's runtime may be
-    # up (or starting) in the parent and is not in the child.
+    # Loaded, being loaded when the parent forked, or mapped and then
+    # refused (another ABI version, a missing entry): Go's runtime may be
+    # up (or starting) in the parent and is not in the child, and loading
+    # the library again would hand back the parent's copy.
     globals()["lib"] = _Forked()
     for f in _after_fork:
         f()

@@ -342,12 +342,30 @@ def _free_handed(p: ctypes.c_void_p) -> None:
         _lib_.ecx_free(p)
 
 
+class _RepeatedKey(Exception):
+    pass
+
+
+def _no_repeats(pairs: list) -> dict:
+    """json's object hook that refuses a key given twice (json.loads keeps
+    the last one, and the library's own check of repeated options would
+    never see the first)."""
+    d = {}
+    for k, v in pairs:
+        if k in d:
+            raise _RepeatedKey(k)
+        d[k] = v
+    return d
+
+
 def _options_from_env() -> dict:
     raw = os.environ.get("ECXFER_OPTIONS", "").strip()
     if not raw:
         return {}
     try:
-        opts = json.loads(raw)
+        opts = json.loads(raw, object_pairs_hook=_no_repeats)
+    except _RepeatedKey as e:
+        raise ConfigError(f"ecxfer: bad config: ECXFER_OPTIONS gives {e.args[0]!r} twice") from None
     except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
         raise ConfigError(f"ecxfer: bad config: ECXFER_OPTIONS is not JSON: {e}") from None
     if not isinstance(opts, dict):
@@ -539,6 +557,8 @@ class EcxferDataTransport(_Base):
                 self._peers.pop(key, None)
                 rc = _lib_.ecx_remove_peer(self._t, name, len(name))
             if rc != 0:
+                if self._t == 0:
+                    raise ClosedError("ecxfer: transport deregistered")
                 raise from_code(rc)
         except Exception:
             logger.warning("ecxfer: remove_remote_peer(%s) failed", _short_repr(agent_name), exc_info=True)
@@ -575,6 +595,8 @@ class EcxferDataTransport(_Base):
             n, m = len(local_indices), len(remote_indices)
         except TypeError as e:
             raise BadArgumentTypeError(f"ecxfer: block indices are a sized sequence of ints: {e}") from None
+        except OverflowError as e:  # a range of more than 2**63 items
+            raise IndexRangeError(f"ecxfer: more block indices than any region has blocks: {e}") from None
         if n != m:
             raise IndexMismatchError(f"EC: local/remote block count mismatch ({n} vs {m})")
         try:
@@ -649,6 +671,8 @@ class EcxferDataTransport(_Base):
                     raise BadHandleError(f"ecxfer: not a handle: {handle!r}")
                 rc = _lib_.ecx_release(self._t, handle)
             if rc != 0:
+                if self._t == 0:
+                    raise ClosedError("ecxfer: transport deregistered")
                 raise from_code(rc)
         except Exception:
             logger.warning("ecxfer: release_xfer_handle(%s) failed", _short_repr(handle), exc_info=True)
@@ -676,8 +700,13 @@ class EcxferDataTransport(_Base):
                 self._peers.clear()
                 if t == 0:
                     return
-                self._finalizer.detach()
+                # The finalizer goes only once the library has torn the
+                # transport down: should a signal handler raise before
+                # that, the finalizer still does it when the object goes
+                # (deregistering an id twice is harmless; ids are never
+                # reused).
                 rc = _lib_.ecx_deregister(t)
+                self._finalizer.detach()
                 if rc != 0:
                     raise from_code(rc)
         except Exception:
@@ -692,6 +721,8 @@ class EcxferDataTransport(_Base):
         if type(handle) is not int or handle <= 0 or handle >= 1 << 64:
             return BadHandleError(f"ecxfer: not a handle: {handle!r}")
         st = _check(self._t, handle)
+        if st < 0 and self._t == 0:
+            return ClosedError("ecxfer: transport deregistered")
         return None if st >= 0 else from_code(st)
 
     def wait(self, handle: int, timeout: float | None = None) -> str:
@@ -796,27 +827,33 @@ class EcxferDataTransport(_Base):
             if held:
                 return held
         p = ctypes.c_void_p()
+        got = None
         try:
             n = _lib_.ecx_notifs(self._t, timeout_ns, ctypes.byref(p))
+            if n > 0:
+                got = decode_notifs(ctypes.string_at(p.value, n))
+                return got
         except BaseException:
             # A signal handler raised as the call returned (wait_notifs
-            # waits in slices so that handlers run): the library has
-            # handed the notifications over, at p, and the length with
-            # the lost return value. Keep them for the next call.
+            # waits in slices so that handlers run), or while what it
+            # handed over was copied or decoded: the notifications are at
+            # p (the encoding delimits itself; the length may be lost with
+            # the return value). Keep them for the next call.
             if p.value:
-                got = _notifs_at(p.value)
-                _lib_.ecx_free(p)
+                if got is None:
+                    got = _notifs_at(p.value)
                 with self._held_mu:
                     self._held = _merge_notifs(self._held, got)
             raise
+        finally:
+            if p.value:
+                _lib_.ecx_free(p)
         if n < 0:
             err = from_code(n)
             if isinstance(err, ClosedError):
                 return {}
             raise err
-        if n == 0:
-            return {}
-        return decode_notifs(_lib.take_bytes(p, n))
+        return {}
 
 
 _U32 = struct.Struct("<I")

@@ -117,10 +117,16 @@ def read_from(child) -> int:
         steps += 1
         state = t.check_xfer_state(h)
     dt = time.perf_counter() - t0
-    t.release_xfer_handle(h)
+    err = t.xfer_error(h) if state != "DONE" else None
     ok = all(mm[k * BLOCK_SIZE : (k + 1) * BLOCK_SIZE] == block_bytes(i) for k, i in enumerate(ENCODING))
+    t.release_xfer_handle(h)
     print(f"consumer: READ of {len(local)} blocks from {peer!r}: {state} after {steps} steps, "
-          f"{dt * 1e3:.2f} ms; bytes {'verified' if ok else 'WRONG'}")
+          f"{dt * 1e3:.2f} ms; bytes {'verified' if ok else 'WRONG'}" + (f" ({err})" if err else ""))
+    if state != "DONE":
+        # A failed READ sends no notification: the producer is not
+        # waited for (consumer() stops it).
+        t.deregister()
+        return 1
     note = json.loads(child.stdout.readline())
     print(f"producer: notification from {note['notif_from']!r}: {note['msg']!r} (step {note['step']}): "
           "those blocks may be reused")

@@ -210,8 +210,16 @@ def test_never_raising_methods(pair, caplog):
     assert len([r for r in caplog.records if r.name == "ecxfer"]) == 5
     cons.deregister()
     cons.deregister()
-    cons.remove_remote_peer(peer)
-    cons.release_xfer_handle(h)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ecxfer"):
+        cons.remove_remote_peer(peer)
+        cons.release_xfer_handle(h)
+    logged = [r.exc_info[1] for r in caplog.records if r.name == "ecxfer"]
+    assert len(logged) == 2 and all(
+        isinstance(e, ecxfer.ClosedError) and str(e) == "ecxfer: transport deregistered" for e in logged
+    ), logged
+    err = cons.xfer_error(h)
+    assert isinstance(err, ecxfer.ClosedError) and str(err) == "ecxfer: transport deregistered", err
     assert cons.check_xfer_state(h) == "ERR"
     assert cons.get_new_notifs() == {}
     assert cons.closed

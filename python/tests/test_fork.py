@@ -174,6 +174,37 @@ print("@@ " + json.dumps(out))
 '''
 
 
+# The library is mapped and then refused (here: this package expects
+# another ABI version), so it is not loaded; the parent's next load, with
+# the right version, works. A child forked after the refusal used to load
+# "its own copy", which dlopen hands back as the parent's, its Go runtime
+# without threads, and hang in its first call: it gets ForkedError.
+FORK_AFTER_REFUSED_LOAD = PRELUDE + r'''
+real = _lib.ABI_VERSION
+_lib.ABI_VERSION = real + 1000
+try:
+    _lib.get()
+except ImportError as e:
+    out["refused"] = str(e)
+_lib.ABI_VERSION = real
+out["loaded"] = _lib.loaded()
+out["mapped"] = mapped()
+
+def child():
+    try:
+        transport("child-0")
+    except ecxfer.ForkedError:
+        return "ForkedError"
+    return "made a transport"
+
+out["child"] = run_child(child, deadline=20)
+t = transport("parent-0")
+out["parent_state"] = roundtrip(t)
+t.deregister()
+print("@@ " + json.dumps(out))
+'''
+
+
 def run(script, *args):
     env = child_env({"ECXFER_VLLM": ""})
     env["PYTHONPATH"] = os.pathsep.join([STUB, str(PYDIR), str(HELPERS)])
@@ -220,3 +251,11 @@ def test_fork_while_another_thread_loads():
         seen.add(res)
         assert out["parent_state"] == "DONE"
     assert "ForkedError" in seen
+
+
+def test_fork_after_a_refused_load():
+    out = run(FORK_AFTER_REFUSED_LOAD)
+    assert "ABI version" in out["refused"]
+    assert out["loaded"] is False and out["mapped"] is True
+    assert out["child"] == [0, "ForkedError"], out["child"]
+    assert out["parent_state"] == "DONE"

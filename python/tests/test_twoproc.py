@@ -168,3 +168,22 @@ def test_engine_refuses_shm_region(peers, monkeypatch):
         if on is not None:
             on.deregister()
         reg.close()
+
+def test_example_failed_read_ends():
+    """A READ of the example that ends ERR (a timeout of a microsecond
+    over tcp) ends the example at once, with the error and exit status
+    1, and leaves no region file: it used to wait forever for the
+    notification a failed READ never sends."""
+    import glob
+    import subprocess
+
+    ex = str(HELPERS.parent / "examples" / "vllm_pair.py")
+    before = set(glob.glob("/dev/shm/vllm_ec_*.mmap"))
+    env = child_env()
+    env["ECXFER_OPTIONS"] = '{"direct": "off", "xfer_timeout_s": 0.000001}'
+    env["UCX_TLS"] = "tcp"
+    r = subprocess.run([sys.executable, ex], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "ERR after" in r.stdout and "timed out" in r.stdout, r.stdout
+    left = set(glob.glob("/dev/shm/vllm_ec_*.mmap")) - before
+    assert not left, f"the example left {left}"
