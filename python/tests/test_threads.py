@@ -101,7 +101,8 @@ def test_add_remove_add_on_three_threads(monkeypatch):
     """An add, a remove and an add of one peer on three threads, the first
     add held right after its library call (where its id goes into the
     transport's table): the remove and the second add wait for it, and the
-    peer ends known under the id the library gave last. Without the lock
+    peer ends known under the id the library gave last (or, the remove
+    running last, unknown to both). Without the lock
     they ran in between, and the first add then wrote its id, one the
     library no longer knew, over the second's: post_read raised
     UnknownPeerError until the next add."""
