@@ -1435,7 +1435,9 @@ func (r *Reactor) notifSocket() bool {
 		return work // a caller is draining it (drainNotifSocket)
 	}
 	got, bad, keyless := ns.recv(r.deliverNotif)
+	over := ns.takeOversized()
 	ns.recvMu.Unlock()
+	r.logOversizedNotifs(over)
 	r.notifSockErrors(bad, keyless)
 	if got > 0 {
 		r.ended = true // wake WaitNotifs
@@ -1445,6 +1447,14 @@ func (r *Reactor) notifSocket() bool {
 }
 
 var errNotifGone = errors.New("reactor: the peer's notification socket is gone")
+
+// logOversizedNotifs logs the oversized notifications a drain of the
+// socket dropped (logOversized: once per sender).
+func (r *Reactor) logOversizedNotifs(over []oversizedNotif) {
+	for _, o := range over {
+		r.logOversized(o.sender, o.n)
+	}
+}
 
 // notifSockErrors reports the datagrams the socket dropped as engine
 // errors.
@@ -1478,15 +1488,24 @@ func (r *Reactor) drainNotifSocket() {
 			ns.keylessByCaller.Add(int64(keyless))
 		}
 	}
+	over := ns.takeOversized()
 	ns.recvMu.Unlock()
+	r.logOversizedNotifs(over)
 }
 
 // deliverNotif hands a notification from the socket to NewNotifs, after
-// the same MaxNotif check as the engine's.
+// the same MaxNotif check as the engine's. The caller holds recvMu: an
+// oversized notification is logged once it has let go
+// (logOversizedNotifs), as a log handler may call NewNotifs, which takes
+// recvMu (it used to be logged here, and such a handler hung the reactor
+// thread for good).
 func (r *Reactor) deliverNotif(sender string, msg []byte) {
 	if len(msg) > r.opts.MaxNotif {
 		r.st.notifsOversized.Add(1)
-		r.logOversized(sender, len(msg))
+		if r.ev.log != nil {
+			ns := r.dir.ns
+			ns.oversized = append(ns.oversized, oversizedNotif{sender, len(msg)})
+		}
 		return
 	}
 	m := append([]byte(nil), msg...)

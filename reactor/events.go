@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/ecxfer/ecxfer/internal/testhook"
 )
 
 // Structured events. When Options.Logger is set, the reactor reports these,
@@ -150,10 +152,17 @@ func (r *Reactor) logOversized(sender string, n int) {
 // after those handed over before it.
 func (r *Reactor) logEvent(level slog.Level, event string, attrs ...slog.Attr) {
 	if !r.onLoop() && !r.loopEnded() {
+		testhook.Run(&testhook.BeforeDefer)
 		r.ev.deferMu.Lock()
 		r.ev.deferred = append(r.ev.deferred, deferredRecord{level, event, slices.Clone(attrs)})
 		r.ev.hasDeferred.Store(true)
 		r.ev.deferMu.Unlock()
+		if r.loopEnded() {
+			// The thread stopped meanwhile, perhaps after its last
+			// flush: nobody else would write the record.
+			r.flushDeferred()
+			return
+		}
 		r.writeWake() // events are rare: wake the thread whatever it is doing
 		return
 	}
@@ -174,7 +183,7 @@ func (r *Reactor) loopEnded() bool {
 }
 
 // flushDeferred writes the records handed to the reactor thread. Reactor
-// thread only.
+// thread only, or anyone once the thread has stopped.
 func (r *Reactor) flushDeferred() {
 	if !r.ev.hasDeferred.Load() {
 		return

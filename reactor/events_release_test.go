@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/ecxfer/ecxfer/internal/leakcheck"
+	"github.com/ecxfer/ecxfer/internal/testhook"
 	"github.com/ecxfer/ecxfer/nixl"
 	"github.com/ecxfer/ecxfer/nixl/loopback"
 )
@@ -199,4 +200,40 @@ func TestHandlerCallsThatWouldWaitForTheThread(t *testing.T) {
 	require.NoError(t, r.Release(h))
 	require.NoError(t, r.Release(h2))
 	require.NoError(t, r.Close())
+}
+
+// namesHandler records the messages of the records it gets.
+type namesHandler struct {
+	mu    sync.Mutex
+	names []string
+}
+
+func (x *namesHandler) Enabled(context.Context, slog.Level) bool { return true }
+func (x *namesHandler) WithAttrs([]slog.Attr) slog.Handler       { return x }
+func (x *namesHandler) WithGroup(string) slog.Handler            { return x }
+func (x *namesHandler) Handle(_ context.Context, rec slog.Record) error {
+	x.mu.Lock()
+	x.names = append(x.names, rec.Message)
+	x.mu.Unlock()
+	return nil
+}
+
+// A record noticed off the reactor thread, handed over just as the thread
+// stops (after its last flush of handed-over records): its caller writes
+// it. It used to be appended to a list nobody would read again.
+func TestRecordHandedOverAsTheThreadStops(t *testing.T) {
+	leakcheck.Check(t)
+	x := &namesHandler{}
+	la, err := loopback.New(uniqueName("late"))
+	require.NoError(t, err)
+	r, err := Start(la, Options{Logger: slog.New(x)}, noSetup)
+	require.NoError(t, err)
+	stop := func() { require.NoError(t, r.Close()) } // the thread stops here
+	testhook.BeforeDefer.Store(&stop)
+	defer testhook.BeforeDefer.Store(nil)
+	r.logEvent(slog.LevelWarn, "test.late")
+	require.True(t, r.loopEnded())
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	require.Contains(t, x.names, "test.late")
 }

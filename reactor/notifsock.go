@@ -214,6 +214,23 @@ type notifSock struct {
 	blocked     []*Peer        // flush's scratch: peers that refused an entry
 	spare       [][]byte       // datagram buffers of sent backlog entries, for reuse
 	lastRecv    int64
+	// oversized holds the notifications a drain dropped for MaxNotif,
+	// under recvMu, to be logged once recvMu is let go (takeOversized): a
+	// log handler may call NewNotifs, which takes recvMu.
+	oversized []oversizedNotif
+}
+
+type oversizedNotif struct {
+	sender string
+	n      int
+}
+
+// takeOversized returns what oversized held and empties it. The caller
+// holds recvMu.
+func (ns *notifSock) takeOversized() []oversizedNotif {
+	o := ns.oversized
+	ns.oversized = nil
+	return o
 }
 
 // maxSpare bounds the buffers kept for the backlog's reuse.

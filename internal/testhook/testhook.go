@@ -40,6 +40,10 @@ var PushRefused atomic.Pointer[func()]
 // free the slots of the transfers it ended.
 var BeforeSweep atomic.Pointer[func()]
 
+// BeforeDefer runs when an event record noticed off the reactor thread,
+// the thread not yet stopped, is about to be handed to it.
+var BeforeDefer atomic.Pointer[func()]
+
 // Count makes hook h count its runs until stop is called.
 func Count(h *atomic.Pointer[func()]) (n *atomic.Int64, stop func()) {
 	n = new(atomic.Int64)
