@@ -802,6 +802,18 @@ func (r *Reactor) addPeer(md []byte, descs descriptors.List, d *Direct) (_ strin
 	}
 	name, err := r.agent.LoadRemoteMetadata(md)
 	restarted, failed := false, 0
+	// dropped: the restarted peer dropped before its new metadata is
+	// loaded (engines that cannot stage), still published; if this call
+	// fails from here on, it goes, and says so.
+	var dropped *Peer
+	defer func() {
+		if err != nil && dropped != nil {
+			r.publishPeer(dropped.Name, nil)
+			r.unwatchPeer(dropped)
+			r.logPeer(EventPeerRemoved, dropped.Name, slog.Int("reads_canceled", failed),
+				slog.String("why", "restarted, and its new metadata was refused"))
+		}
+	}()
 	// stage: the restarted peer, loaded beside the old one, which keeps
 	// working until the new one is ready (engines that can).
 	var stage nixl.StagedPeer
@@ -816,9 +828,16 @@ func (r *Reactor) addPeer(md []byte, descs descriptors.List, d *Direct) (_ strin
 			restarted = true
 		} else {
 			if old != nil {
-				failed = r.dropPeer(old, codeRemoteDisconnect)
+				// Dropped, but left published (its READs fail as it is
+				// gone) until the new one replaces it: a scrape meanwhile
+				// must not see the name vanish and give its per-peer
+				// series' place to another peer. Should the new one not
+				// load, it goes then (below).
+				failed = r.dropPeerAs(old, codeRemoteDisconnect, false)
 				kept = old.pc
 				restarted = true
+				dropped = old
+				testhook.Run(&testhook.RestartDropped)
 			} else if ierr := r.agent.InvalidateRemoteMetadata(name); ierr != nil {
 				return "", fmt.Errorf("%w: replacing %q: %v", ErrBadMetadata, name, ierr)
 			}
@@ -832,6 +851,9 @@ func (r *Reactor) addPeer(md []byte, descs descriptors.List, d *Direct) (_ strin
 		return "", fmt.Errorf("%w: %v", ErrBadMetadata, err)
 	}
 	old := r.peer(name)
+	if old == dropped {
+		old = nil // dropped above: replaced as a new peer, with its counters (kept)
+	}
 	// undo forgets what this call loaded, leaving the peer as it was.
 	undo := func() {
 		switch {
@@ -901,6 +923,9 @@ func (r *Reactor) addPeer(md []byte, descs descriptors.List, d *Direct) (_ strin
 		r.dir.ns.adopt(p)
 	}
 	r.publishPeer(name, p)
+	if dropped != nil {
+		r.unwatchPeer(dropped) // replaced by p just now
+	}
 	r.watchPeer(p)
 	switch {
 	case restarted:
@@ -936,12 +961,21 @@ func (r *Reactor) RemovePeer(name string) error {
 // dropPeer forgets p, ending its reads in flight with code; it returns how
 // many there were.
 func (r *Reactor) dropPeer(p *Peer, code uint64) int {
+	return r.dropPeerAs(p, code, true)
+}
+
+// dropPeerAs is dropPeer; without unpublish p stays where callers and
+// PeerStats find it (gone: its READs fail with code), and watched, for
+// the caller to replace or unpublish.
+func (r *Reactor) dropPeerAs(p *Peer, code uint64, unpublish bool) int {
 	p.gone.Store(code)
 	n := r.failPeerReads(p, code)
 	_ = r.agent.ReleaseDlist(p.dlist)
 	_ = r.agent.InvalidateRemoteMetadata(p.Name)
-	r.publishPeer(p.Name, nil)
-	r.unwatchPeer(p)
+	if unpublish {
+		r.publishPeer(p.Name, nil)
+		r.unwatchPeer(p)
+	}
 	return n
 }
 

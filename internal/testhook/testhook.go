@@ -44,6 +44,11 @@ var BeforeSweep atomic.Pointer[func()]
 // the thread not yet stopped, is about to be handed to it.
 var BeforeDefer atomic.Pointer[func()]
 
+// RestartDropped runs on the reactor's loop when a restarted peer has
+// been dropped for its new metadata, on an engine that cannot load the
+// new beside the old, before the new is loaded.
+var RestartDropped atomic.Pointer[func()]
+
 // Count makes hook h count its runs until stop is called.
 func Count(h *atomic.Pointer[func()]) (n *atomic.Int64, stop func()) {
 	n = new(atomic.Int64)
