@@ -45,8 +45,11 @@ func Listen(addr string) (*Exporter, error) {
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", Handler(reg))
 	e := &Exporter{
-		ln:       ln,
-		srv:      &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second},
+		ln: ln,
+		// A scraper that goes away, or stops reading its answer, does
+		// not keep a connection (an fd and a goroutine) until Close.
+		srv: &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second,
+			WriteTimeout: 30 * time.Second, IdleTimeout: 2 * time.Minute},
 		Registry: reg,
 		done:     make(chan struct{}),
 		added:    map[*ecxfer.Transport]prometheus.Collector{},
