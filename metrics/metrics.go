@@ -52,7 +52,8 @@
 //	ecxfer_reads_direct_total           [counter]   READs of direct peers that copied every byte
 //	ecxfer_reads_inline_total           [counter]   of those, READs the caller copied inside PostRead
 //	ecxfer_copy_workers                 [gauge]     copy workers of the direct path (only with one)
-//	ecxfer_copy_busy_seconds_total      [counter]   time the copy workers spent copying, summed;
+//	ecxfer_copy_busy_seconds_total      [counter]   time the copy workers spent on READs (copies, and
+//	                                                the ends they publish), summed;
 //	                                                rate / ecxfer_copy_workers is their busy fraction
 //	ecxfer_reactor_loop_turns_total     [counter]   event loop turns
 //	ecxfer_reactor_parks_total          [counter]   times the reactor slept
@@ -182,7 +183,7 @@ func NewCollector(t *ecxfer.Transport, opts ...Option) prometheus.Collector {
 	c.readsDirect = d("ecxfer_reads_direct_total", "READs of direct peers that copied every byte.")
 	c.readsInline = d("ecxfer_reads_inline_total", "READs of direct peers the caller copied inside PostRead.")
 	c.copyWorkers = d("ecxfer_copy_workers", "Copy workers of the direct path.")
-	c.copyBusy = d("ecxfer_copy_busy_seconds_total", "Time the copy workers spent copying, summed over them; its rate over ecxfer_copy_workers is their busy fraction.")
+	c.copyBusy = d("ecxfer_copy_busy_seconds_total", "Time the copy workers spent on READs (copying, and publishing the ends of those whose last chunk they copied), summed over them; its rate over ecxfer_copy_workers is their busy fraction.")
 	c.gatherRequests = d("ecxfer_gather_requests_total", "Gathered READs' requests this producer received, by outcome: served, busy (refused while its answers in flight were at their bound; the consumer asks again), refused (malformed or outside its registered memory), dropped (not answered).", "outcome")
 	c.gatherAnswers = d("ecxfer_gather_answers_dropped_total", "Answers to this consumer's gathered READs it dropped, by reason: late (the READ was released), bad (it did not fit the READ, which failed).", "reason")
 	c.gatherSent = d("ecxfer_gather_answers_sent_total", "Answers (up to 60 KiB each) this producer sent to gathered READs, by how: zero_copy (straight out of its registered memory: their bytes lay in one piece of it) or copied (into a buffer first: they lay in several, as scattered blocks of 60 KiB or less do).", "how")
