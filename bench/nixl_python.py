@@ -9,9 +9,10 @@
 # itself again as the producer (--serve), which owns a 128 MiB region of
 # blocks and polls its notifications every millisecond (an engine step),
 # and swaps metadata with it over a pipe. Both agents are made the way
-# vLLM makes its NIXL agent: nixl_agent_config's defaults (progress thread
-# on, UCX backend) and, with --error-mode none, a UCX backend created with
-# ucx_error_handling_mode=none. Each READ is made, posted and polled to
+# vLLM makes its NIXL agent: nixl_agent_config(num_threads=1,
+# capture_telemetry=True) (progress thread on, UCX backend with one
+# transfer thread) and, with --error-mode none, a UCX backend created with
+# ucx_error_handling_mode=none and one thread. Each READ is made, posted and polled to
 # DONE through the Python API exactly as vLLM's NIXL transport does
 # (make_prepped_xfer, transfer, check_xfer_state until DONE,
 # release_xfer_handle). Latency READs carry no notification, image READs
@@ -47,10 +48,12 @@ def leave(code):
 
 
 def make_agent(name, error_mode):
+    # vLLM's NixlDataTransport: nixl_agent_config(num_threads=1 (its
+    # default), capture_telemetry=True), the UCX backend.
     if error_mode == "peer":
-        return nixl_agent(name, nixl_agent_config())  # vLLM's defaults
-    agent = nixl_agent(name, nixl_agent_config(backends=[]))
-    agent.create_backend("UCX", {"ucx_error_handling_mode": error_mode})
+        return nixl_agent(name, nixl_agent_config(num_threads=1, capture_telemetry=True))
+    agent = nixl_agent(name, nixl_agent_config(backends=[], capture_telemetry=True))
+    agent.create_backend("UCX", {"ucx_error_handling_mode": error_mode, "num_threads": "1"})
     return agent
 
 

@@ -313,7 +313,11 @@ func consumerChild(c *ctrl.Conn) error {
 		r.local[i] = i
 	}
 	for i := 0; i < 8; i++ { // connect and warm up, unmeasured
-		if _, err := r.read(nil); err != nil {
+		h, _, err := r.read(nil)
+		if err != nil {
+			return err
+		}
+		if err := t.ReleaseXferHandle(h); err != nil {
 			return err
 		}
 	}
@@ -349,20 +353,20 @@ type fleetReader struct {
 }
 
 // read READs fresh random blocks and returns when it saw the READ DONE
-// (CLOCK_MONOTONIC).
-func (r *fleetReader) read(notif []byte) (int64, error) {
+// (CLOCK_MONOTONIC), with its handle, not yet released.
+func (r *fleetReader) read(notif []byte) (ecxfer.Handle, int64, error) {
 	for i := range r.remote {
 		r.remote[i] = r.rng.Intn(r.nb)
 	}
 	h, err := r.t.PostRead(r.local, r.peer, r.remote, notif)
 	if err != nil {
-		return 0, err
+		return 0, 0, err
 	}
 	if err := r.t.Wait(context.Background(), h); err != nil {
-		return 0, err
+		_ = r.t.ReleaseXferHandle(h)
+		return 0, 0, err
 	}
-	at := monoNow()
-	return at, r.t.ReleaseXferHandle(h)
+	return h, monoNow(), nil
 }
 
 // measure READs for dur, each with a notification naming consumer id and
@@ -373,9 +377,24 @@ func (r *fleetReader) measure(dur time.Duration, id uint32, bs int, seed uint64)
 	var notif [8]byte
 	binary.LittleEndian.PutUint32(notif[:4], id)
 	start := time.Now()
+	region := r.t.Region()
 	for seq := uint32(0); time.Since(start) < dur; seq++ {
 		binary.LittleEndian.PutUint32(notif[4:], seq)
-		doneAt, err := r.read(notif[:])
+		check := seq%16 == 0
+		// The check's CPU time (clearing the blocks before the READ,
+		// checking them before its release, as the harness does: bytes
+		// that land only after DONE must not pass) comes out of the
+		// READs' time, as the harness takes it: its wall time would also
+		// take out time the thread waited for a core, which other
+		// consumers' READs had, and the more consumers, the more of it.
+		if check {
+			runtime.LockOSThread()
+			t0 := threadCPU()
+			clear(region[:len(r.local)*bs])
+			checking += threadCPU() - t0
+			runtime.UnlockOSThread()
+		}
+		h, doneAt, err := r.read(notif[:])
 		if err != nil {
 			return 0, 0, 0, nil, fmt.Errorf("READ %d: %w", seq, err)
 		}
@@ -384,23 +403,22 @@ func (r *fleetReader) measure(dur time.Duration, id uint32, bs int, seed uint64)
 			times = binary.LittleEndian.AppendUint64(times, uint64(doneAt))
 		}
 		reads++
-		if seq%16 == 0 {
-			// The check's CPU time comes out of the READs' time, as the
-			// harness takes it: its wall time would also take out time
-			// the thread waited for a core, which other consumers' READs
-			// had, and the more consumers, the more of it.
+		if check {
 			runtime.LockOSThread()
 			t0 := threadCPU()
-			region := r.t.Region()
 			for i, b := range r.remote {
-				if ok, off := pattern.Check(region[i*bs:(i+1)*bs], seed, b); !ok {
+				if ok, off := pattern.Check(region[r.local[i]*bs:(r.local[i]+1)*bs], seed, b); !ok {
 					runtime.UnlockOSThread()
+					_ = r.t.ReleaseXferHandle(h)
 					return 0, 0, 0, nil, fmt.Errorf("READ %d block %d: wrong byte at %d", seq, b, off)
 				}
 			}
 			verified++
 			checking += threadCPU() - t0
 			runtime.UnlockOSThread()
+		}
+		if err := r.t.ReleaseXferHandle(h); err != nil {
+			return 0, 0, 0, nil, fmt.Errorf("READ %d: release: %w", seq, err)
 		}
 	}
 	return reads, verified, checking, times, nil
