@@ -379,6 +379,11 @@ func TestWriteSVGWellFormed(t *testing.T) {
 	require.Contains(t, s, "log scale")
 	require.Contains(t, s, "reads per second")
 	require.Contains(t, s, ">reactor")
+	// The legend gives a p99 only where the table does: the fan-in rows'
+	// 100 samples, not the image rows' 3.
+	require.Contains(t, s, "reactor (p99 10.0 µs)")
+	require.Contains(t, s, "reactor (3 samples: no p99)")
+	require.NotContains(t, s, "p99 12000")
 	// No results at all is still a valid picture.
 	buf.Reset()
 	require.NoError(t, WriteSVG(&buf, &Report{}))

@@ -164,7 +164,11 @@ func writeCDF(w io.Writer, y0 int, title string, rows []*Result) {
 			fmt.Fprintf(w, "%.1f,%.1f ", xOf(us(d)), yOf(q))
 		}
 		fmt.Fprintln(w, `"/>`)
-		items = append(items, [2]string{fmt.Sprintf("%s (p99 %s µs)", r.Mode, fnum(r.P99us)), modeColor(r.Mode)})
+		label := fmt.Sprintf("%s (p99 %s µs)", r.Mode, fnum(r.P99us))
+		if !hasQuantile(r, 0.99) {
+			label = fmt.Sprintf("%s (%d samples: no p99)", r.Mode, r.Samples) // as the table's "-"
+		}
+		items = append(items, [2]string{label, modeColor(r.Mode)})
 	}
 	legend(w, items)
 	fmt.Fprintln(w, `</g>`)
@@ -217,8 +221,12 @@ func writeBars(w io.Writer, y0 int, title string, rows []*Result) {
 				}
 				h := r.ReadsPerSec / top * plotH
 				x := gx + bwid*float64(mi)
-				fmt.Fprintf(w, `<rect x="%.1f" y="%.1f" width="%.1f" height="%.1f" fill="%s"><title>%s %s: %s reads/s, %s GB/s, p99 %s µs</title></rect>`+"\n",
-					x, marginT+plotH-h, bwid-1, h, modeColor(m), esc(labels[k]), m, fcount(r.ReadsPerSec), fnum(r.GBPerSec), fnum(r.P99us))
+				p99 := "no p99"
+				if hasQuantile(r, 0.99) {
+					p99 = "p99 " + fnum(r.P99us) + " µs"
+				}
+				fmt.Fprintf(w, `<rect x="%.1f" y="%.1f" width="%.1f" height="%.1f" fill="%s"><title>%s %s: %s reads/s, %s GB/s, %s</title></rect>`+"\n",
+					x, marginT+plotH-h, bwid-1, h, modeColor(m), esc(labels[k]), m, fcount(r.ReadsPerSec), fnum(r.GBPerSec), p99)
 			}
 		}
 		fmt.Fprintf(w, `<text x="%.1f" y="%d" text-anchor="middle" font-size="10">%s</text>`+"\n", gx+gw*0.4, marginT+plotH+14, esc(labels[k]))
