@@ -2,6 +2,11 @@
 # commands a fresh Debian 12 machine (as root) needs.
 
 GO        ?= go
+# Builds stamp no version control information (a clone owned by another
+# user, or a machine without git, would fail them), and the Go on PATH is
+# used as it is, never a toolchain downloaded for a go.mod line.
+export GOFLAGS     ?= -buildvcs=false
+export GOTOOLCHAIN ?= local
 GOFMT     ?= $(shell $(GO) env GOROOT 2>/dev/null)/bin/gofmt
 PKGS      ?= ./...
 FUZZTIME  ?= 20000x
@@ -43,8 +48,11 @@ debs:
 	fi; \
 	echo "deps: installing$$missing"; \
 	export DEBIAN_FRONTEND=noninteractive; \
-	apt-get -o DPkg::Lock::Timeout=600 update -qq && \
-		apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends $$missing
+	i=0; until apt-get -o DPkg::Lock::Timeout=600 update -qq; do \
+		i=$$((i + 1)); [ $$i -lt 60 ] || exit 1; \
+		echo "deps: apt-get update failed (the package lists locked by the machine's own apt jobs?); again in 10 s"; sleep 10; \
+	done; \
+	apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends $$missing
 
 # The project's one Python virtual environment (.venv), for its Python
 # tools and tests: every file in VENV_REQS, pinned, from PyPI. It is
