@@ -3,11 +3,15 @@ API driven the way vLLM drives it, in one invocation.
 
 A consumer process READs from a producer process, both Python, over UCX on
 this host, with the harness's workloads: 1 block of 5,120 B; 880 blocks of
-5,120 B contiguous and scattered; 880 blocks of 32 KiB. For each it reports
+5,120 B contiguous and scattered; 880 blocks of 32 KiB; and 1 block again,
+one READ every 2 ms, as vLLM's scheduler makes them once per engine step
+(each call then comes to a process idle since the last). For each it reports
 p50/p99 post->DONE (post_read, then check_xfer_state in a loop until DONE,
 as vLLM's step loop would if it never slept) and the cost of one post_read
-and one check_xfer_state call. Every READ carries a "{session}:{mm_hash}"
-notification, which the producer drains. Each workload's READs cycle
+and one check_xfer_state call (on the 2 ms row, each check 2 ms after the
+last call too). Every READ carries a "{session}:{mm_hash}"
+notification, which the producer drains once per 1 ms step, as vLLM's
+does. Each workload's READs cycle
 through NSETS block sets spread over the producer's region (contiguous ones
 from moving offsets, scattered ones at random), the same sets for both
 implementations, and every set is verified byte for byte (every block
@@ -53,11 +57,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 WORKLOADS = [
-    # name, block size, blocks per READ, layout
-    ("1 block", 5120, 1, "-"),
-    ("880 contig", 5120, 880, "contig"),
-    ("880 scatter", 5120, 880, "scatter"),
-    ("880 x 32KiB", 32768, 880, "contig"),
+    # name, block size, blocks per READ, layout, pause between READs (s)
+    ("1 block", 5120, 1, "-", 0),
+    # One READ per engine step, as vLLM's scheduler posts them: each call
+    # comes to a process that has been idle since the last step.
+    ("1 block/2ms", 5120, 1, "-", 0.002),
+    ("880 contig", 5120, 880, "contig", 0),
+    ("880 scatter", 5120, 880, "scatter", 0),
+    ("880 x 32KiB", 32768, 880, "contig", 0),
 ]
 NUM_BLOCKS = {5120: 4096, 32768: 2048}
 NSETS = 32  # block sets a multi-block workload's READs cycle through
@@ -147,8 +154,9 @@ class EcxferSide:
         self.t.release_xfer_handle(h)
 
     def serve(self):
-        while True:
-            self.t.wait_notifs(1.0)
+        while True:  # vLLM's producer drains once per engine step
+            self.t.get_new_notifs()
+            time.sleep(0.001)
 
 
 class NixlSide:
@@ -273,7 +281,7 @@ def index_sets(name, bs, n, layout):
     return sets
 
 
-def run_workload(side, peer, bs, name, n, layout, duration, mode="poll"):
+def run_workload(side, peer, bs, name, n, layout, gap, duration, mode="poll"):
     sets = index_sets(name, bs, n, layout)
     region = side.region
     # Every set once, untimed: the destination cleared, then every block
@@ -316,6 +324,8 @@ def run_workload(side, peer, bs, name, n, layout, duration, mode="poll"):
         if st != "DONE":
             raise RuntimeError(f"READ ended {st}")
         side.release(h)
+        if gap:
+            time.sleep(gap)  # untimed: the rest of an engine step
         if k >= 5:  # warm-up
             post.append(t1 - t0)
             e2e.append(t2 - t0)
@@ -325,11 +335,21 @@ def run_workload(side, peer, bs, name, n, layout, duration, mode="poll"):
     h = side.post_read(local, peer, remote, b"sess-x:mm-x")
     while side.check(h) == "PROC":
         pass
-    reps = 20000
-    t0 = clock()
-    for _ in range(reps):
-        side.check(h)
-    check_ns = (clock() - t0) / reps
+    if gap:
+        # One call per step, as the READs were made: each after the pause.
+        costs = []
+        for _ in range(200):
+            time.sleep(gap)
+            t0 = clock()
+            side.check(h)
+            costs.append(clock() - t0)
+        check_ns = pct(costs, 0.5)
+    else:
+        reps = 20000
+        t0 = clock()
+        for _ in range(reps):
+            side.check(h)
+        check_ns = (clock() - t0) / reps
     side.release(h)
     row = {
         "reads": len(e2e),
@@ -340,7 +360,7 @@ def run_workload(side, peer, bs, name, n, layout, duration, mode="poll"):
         "check_us": check_ns / 1e3,
         "gbps": (n * bs * len(e2e)) / (sum(e2e) / 1e9) / 1e9,
     }
-    if isinstance(side, EcxferSide) and mode == "poll":
+    if isinstance(side, EcxferSide) and mode == "poll" and not gap:
         # What a caller passing one array pays, one passing lists built
         # long ago, whose ints a READ has pushed out of the cache, and one
         # passing fresh lists through the general path (struct.pack in
@@ -384,11 +404,11 @@ def consumer(impl, duration):
             side = SIDES[impl](f"{impl}-prefill-{bs}", region, nb, bs)
             side.region = region
             peer = side.add_peer(md, desc)
-            for name, wbs, n, layout in WORKLOADS:
+            for name, wbs, n, layout, gap in WORKLOADS:
                 if wbs == bs:
-                    results[name] = run_workload(side, peer, bs, name, n, layout, duration)
+                    results[name] = run_workload(side, peer, bs, name, n, layout, gap, duration)
                     if impl == "ecxfer":
-                        results[name + "/wait"] = run_workload(side, peer, bs, name, n, layout, duration, "wait")
+                        results[name + "/wait"] = run_workload(side, peer, bs, name, n, layout, gap, duration, "wait")
         finally:
             prod.stdin.close()
             prod.wait(30)
