@@ -123,7 +123,8 @@ type Config struct {
 	Reactor reactor.Options
 	// Logger receives structured events (the Event* constants: peers
 	// added, replaced, removed or dead, READs timed out, engine errors,
-	// the reactor's start and stop), never one per READ. Records carry an
+	// oversized notifications dropped, the reactor's start and stop),
+	// never one per READ. Records carry an
 	// "agent" attribute with AgentName. Nil means silent. It is handed to
 	// the reactor unless Reactor.Logger is already set, which is then used
 	// as given (without the "agent" attribute unless it has one). Records
@@ -560,9 +561,12 @@ func (t *Transport) PostRead(localIndices []int, agentName string, remoteIndices
 
 // NewNotifs returns the notifications received since the last call, keyed
 // by the sender's agent name. Each is handed out once. Never nil. With the
-// direct path on it also reads this transport's notification socket itself
-// (one non-blocking recvfrom), so a notification from a directly reading
-// peer is seen as soon as it arrives, not when the reactor next wakes.
+// direct path on it also drains this transport's notification socket
+// itself (non-blocking reads, at most 1,024 datagrams a call, one
+// recvfrom when it is empty; it waits for the socket's lock if the
+// reactor or another caller is draining it), so a notification from a
+// directly reading peer is seen as soon as it arrives, not when the
+// reactor next wakes.
 func (t *Transport) NewNotifs() map[string][][]byte {
 	return t.r.Notifs()
 }
@@ -620,7 +624,11 @@ func (t *Transport) CheckXferState(h Handle) (State, error) {
 // wire may still land later, in the ucx engine before any later READ into
 // the same blocks completes, engine or direct, and in the nixl engine
 // before a later READ into those blocks is posted: such READs are held
-// until then (README, "Failure behaviour").
+// until then (README, "Failure behaviour"). Called from a Logger handler,
+// on the reactor's thread, it does not wait (it would wait for itself): a
+// direct READ's copy may still be writing its blocks when it returns, and
+// the next loop turn releases an engine READ, before any READ posted
+// after it.
 func (t *Transport) ReleaseXferHandle(h Handle) error {
 	return t.r.Release(uint64(h))
 }

@@ -568,8 +568,10 @@ class EcxferDataTransport(_Base):
         local_indices blocks; notif_msg goes to the peer once the data has
         landed (none when empty). Returns the handle; never waits for data.
 
-        The index lists may be lists of ints or, cheaper, array('q') or
-        int64 numpy arrays, which are read in place; they are ordered and
+        The index lists may be lists or tuples of ints (read in C, without a
+        Python object per index), or array('q') or int64 numpy arrays,
+        which are read in place (not reliably faster than lists; README,
+        make bench-python); they are ordered and
         one-dimensional (a set, a dict or a 2-D array raises
         BadArgumentTypeError). Raises ValueError
         (IndexMismatchError, "mismatch") when the counts differ, KeyError
