@@ -579,6 +579,20 @@ func TestAgentWorkerAddressOfAnotherFormat(t *testing.T) {
 	_, err = cons.a.LoadRemoteMetadata(bad)
 	require.ErrorIs(t, err, nixl.ErrInvalidParam)
 	require.ErrorContains(t, err, "format")
+	// The same address in metadata whose layout after it is not this
+	// NIXL's (another release's): the address is checked all the same.
+	// (NIXL connects to the address before it reads the rest, and UCX
+	// aborted the process on it.)
+	ms := bytes.Index(bad, []byte("MemSection"))
+	require.Positive(t, ms)
+	other := bytes.Clone(bad)
+	other[ms+len("MemSection")-1] = 'X'
+	pm, err := parseMD(other)
+	require.NoError(t, err)
+	require.False(t, pm.known)
+	_, err = cons.a.LoadRemoteMetadata(other)
+	require.ErrorIs(t, err, nixl.ErrInvalidParam)
+	require.ErrorContains(t, err, "format")
 	name, err := cons.a.LoadRemoteMetadata(md) // the real one still loads
 	require.NoError(t, err)
 	require.Equal(t, prod.a.Name(), name)

@@ -89,7 +89,8 @@ type peerMD struct {
 	known   bool        // the whole blob followed the known layout
 	// addrFormat is the format version of the first connection record's
 	// UCX worker address (the low nibble of its first byte), -1 when it
-	// has none or the layout was not known.
+	// has none or the blob ends before it; read even when what follows
+	// it is of an unknown layout.
 	addrFormat int
 }
 
@@ -101,7 +102,7 @@ func parseMD(b []byte) (peerMD, error) {
 	if !bytes.HasPrefix(b, []byte(mdMagic)) {
 		return md, nixl.Errorf(nixl.ErrInvalidParam, "libnixl: not NIXL metadata (no magic)")
 	}
-	r := &mdReader{b: b, off: len(mdMagic)}
+	r := &mdReader{b: b, off: len(mdMagic), addrFormat: -1}
 	name, err := r.record("Agent")
 	if err != nil {
 		return md, nixl.Errorf(nixl.ErrInvalidParam, "libnixl: metadata has no agent name: %v", err)
@@ -125,7 +126,12 @@ func parseMD(b []byte) (peerMD, error) {
 	case nil:
 		md.regions, md.known, md.addrFormat = regions, true, r.addrFormat
 	case errLayout:
-		// Another NIXL version: NIXL itself judges the rest.
+		// Another NIXL version: NIXL itself judges the rest, but the
+		// first connection's address, if it got that far, is still
+		// checked (LoadRemoteMetadata): NIXL connects to it before it
+		// reads what follows, and UCX aborts the process on an address of
+		// a format it does not know.
+		md.addrFormat = r.addrFormat
 	default:
 		return md, err
 	}
