@@ -602,18 +602,51 @@ enqueue(ecxnixl_agent *a, const char *sender, const void *msg, size_t ml, size_t
     a->qlen++;
 }
 
-/* Moves everything in NIXL's notification map into the FIFO (see enqueue). */
+static int
+cmp_names(const void *x, const void *y) {
+    return strcmp(*(const char *const *)x, *(const char *const *)y);
+}
+
+/*
+ * Moves everything in NIXL's notification map into the FIFO (see enqueue).
+ *
+ * NIXL takes a notification's sender name from the notification itself,
+ * and its C API hands names back as C strings and looks entries up by
+ * them: the entry of a sender whose name holds a NUL ("prod\0x") comes
+ * back under the name cut at the NUL, and its lookup finds the entry of
+ * "prod", if there is one, or nothing. Such an entry's messages cannot be
+ * reached. So the names are sorted and each is taken once per batch (its
+ * lookup finds the entry of the name without a NUL, wherever its twins
+ * stand), and an entry whose name was taken already, or whose lookup
+ * fails, is counted as one notification dropped (at least one: its count
+ * cannot be read).
+ */
 static int32_t
 collect(ecxnixl_agent *a, size_t max_msg, size_t max_sender) {
     nixlcapi_status s = nixl_capi_get_notifs(a->agent, a->map, a->opt);
     size_t agents = 0;
     nixl_capi_notif_map_size(a->map, &agents);
+    const char **names = agents > 0 ? malloc(agents * sizeof *names) : NULL;
+    if (agents > 0 && names == NULL) {
+        a->dropped += agents; /* no memory: at least one each */
+        nixl_capi_notif_map_clear(a->map);
+        return status(s);
+    }
+    size_t n = 0;
     for (size_t i = 0; i < agents; i++) {
         const char *sender = NULL;
+        if (nixl_capi_notif_map_get_agent_at(a->map, i, &sender) == NIXLCAPI_OK && sender != NULL)
+            names[n++] = sender;
+    }
+    if (n > 1) qsort(names, n, sizeof *names, cmp_names);
+    for (size_t i = 0; i < n; i++) {
+        const char *sender = names[i];
         size_t count = 0;
-        if (nixl_capi_notif_map_get_agent_at(a->map, i, &sender) != NIXLCAPI_OK ||
-            nixl_capi_notif_map_get_notifs_size(a->map, sender, &count) != NIXLCAPI_OK)
+        if ((i > 0 && strcmp(sender, names[i - 1]) == 0) ||
+            nixl_capi_notif_map_get_notifs_size(a->map, sender, &count) != NIXLCAPI_OK) {
+            a->dropped++;
             continue;
+        }
         for (size_t j = 0; j < count; j++) {
             const void *msg = NULL;
             size_t ml = 0;
@@ -622,6 +655,7 @@ collect(ecxnixl_agent *a, size_t max_msg, size_t max_sender) {
             enqueue(a, sender, msg, ml, max_msg, max_sender);
         }
     }
+    free(names);
     nixl_capi_notif_map_clear(a->map);
     return status(s);
 }
