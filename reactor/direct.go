@@ -318,6 +318,10 @@ type direct struct {
 	lastPoll    int64
 	jobBuf      []*dirJob
 	notifBuf    []*notifRec
+	// overflow holds the notifications of inline READs that event
+	// handlers posted, on this thread, while notifQ was full; they go
+	// after what notifQ holds.
+	overflow []*notifRec
 
 	reads, inlineReads atomic.Uint64
 	// inlining counts the Posts copying inline right now: they write the
@@ -458,7 +462,12 @@ func (r *Reactor) postInline(h uint64, s *slot, p *Peer, localIdx, remoteIdx []i
 	d.inlining.Add(1)
 	if r.closing.Load() {
 		d.inlining.Add(-1)
-		<-r.done // the slot is this Post's to free, once the loop is gone
+		if !r.onLoop() {
+			// The slot is this Post's to free, once the loop is gone.
+			// (In an event handler, on the reactor thread, teardown has
+			// not begun: it runs there once the handler returns.)
+			<-r.done
+		}
 		r.tab.free(s, w)
 		return 0, ErrClosed
 	}
@@ -507,6 +516,13 @@ func (r *Reactor) postInline(h uint64, s *slot, p *Peer, localIdx, remoteIdx []i
 		rec.peer = p
 		rec.msg = append(rec.msg[:0], notif...)
 		for !d.notifQ.TryPush(rec) {
+			if r.onLoop() {
+				// An event handler's Post, on the reactor thread, which
+				// alone drains the queue: after what the queue holds,
+				// in order (sendInlineNotifs).
+				d.overflow = append(d.overflow, rec)
+				break
+			}
 			if r.closing.Load() {
 				// Teardown waits for this Post and no longer drains the
 				// queue: the notification goes with the transport, counted
@@ -1040,7 +1056,7 @@ func (r *Reactor) copyNap() {
 	default:
 	}
 	d := r.dir
-	if r.sub.Len() > 0 || r.cancel.Len() > 0 || r.ctrl.Len() > 0 || d.finished.Len() > 0 || d.notifQ.Len() > 0 {
+	if r.sub.Len() > 0 || r.cancel.Len() > 0 || r.ctrl.Len() > 0 || d.finished.Len() > 0 || d.notifQ.Len() > 0 || len(d.overflow) > 0 {
 		r.napping.Store(false)
 		return
 	}
@@ -1531,49 +1547,67 @@ func (r *Reactor) sendInlineNotifs() bool {
 	for {
 		n := d.notifQ.Drain(d.notifBuf)
 		if n == 0 {
-			return work
+			break
 		}
 		work = true
 		for i, rec := range d.notifBuf[:n] {
-			// The READ was DONE: its producer is told even if the peer was
-			// removed or replaced since, as long as the message goes over
-			// the socket, whose address names that very process. Through
-			// the engine it would go by name, which may already stand for
-			// a new incarnation; and a producer that exited has nobody to
-			// tell.
-			p := rec.peer
-			switch {
-			case p.gone.Load() == 0:
-				// It waited: counted sent, and undelivered if it cannot
-				// go (the producer closed its socket but lives on, or was
-				// not yet seen to have exited), as below.
-				r.st.notifsSent.Add(1)
-				if err := r.notify(p, rec.msg); err != nil {
-					d.ns.undelivered.Add(1)
-					r.engineError("notify", err)
-				}
-			case d.ns.canSend(p, rec.msg) && !p.direct.exitSeen.Load():
-				// Removed since, or its copies fault (it truncated its
-				// file): the process may still be there to tell.
-				r.st.notifsSent.Add(1)
-				if err := d.ns.send(p, rec.msg); err != nil {
-					d.ns.undelivered.Add(1) // counted sent, never went out
-					r.engineError("notify", err)
-				}
-			default:
-				// The producer exited, or (removed since) the notification
-				// cannot go over its socket and the engine would send it
-				// by a name that may stand for another process now.
-				r.st.notifsSent.Add(1)
-				d.ns.undelivered.Add(1)
-			}
-			// Sent, dropped, or now counted in the backlog (send and
-			// queue count it there before this).
-			p.notifsHeld.Add(-1)
-			d.putRec(rec)
+			r.sendInlineRec(rec)
 			d.notifBuf[i] = nil
 		}
 	}
+	// Then those event handlers posted while the queue was full (a
+	// handler called by the sends above may add more: taken in the next
+	// round).
+	for len(d.overflow) > 0 {
+		work = true
+		recs := d.overflow
+		d.overflow = nil
+		for _, rec := range recs {
+			r.sendInlineRec(rec)
+		}
+	}
+	return work
+}
+
+// sendInlineRec sends one queued notification of an inline READ and
+// recycles its record. Loop only.
+func (r *Reactor) sendInlineRec(rec *notifRec) {
+	d := r.dir
+	// The READ was DONE: its producer is told even if the peer was
+	// removed or replaced since, as long as the message goes over the
+	// socket, whose address names that very process. Through the engine
+	// it would go by name, which may already stand for a new incarnation;
+	// and a producer that exited has nobody to tell.
+	p := rec.peer
+	switch {
+	case p.gone.Load() == 0:
+		// It waited: counted sent, and undelivered if it cannot go (the
+		// producer closed its socket but lives on, or was not yet seen to
+		// have exited), as below.
+		r.st.notifsSent.Add(1)
+		if err := r.notify(p, rec.msg); err != nil {
+			d.ns.undelivered.Add(1)
+			r.engineError("notify", err)
+		}
+	case d.ns.canSend(p, rec.msg) && !p.direct.exitSeen.Load():
+		// Removed since, or its copies fault (it truncated its file): the
+		// process may still be there to tell.
+		r.st.notifsSent.Add(1)
+		if err := d.ns.send(p, rec.msg); err != nil {
+			d.ns.undelivered.Add(1) // counted sent, never went out
+			r.engineError("notify", err)
+		}
+	default:
+		// The producer exited, or (removed since) the notification cannot
+		// go over its socket and the engine would send it by a name that
+		// may stand for another process now.
+		r.st.notifsSent.Add(1)
+		d.ns.undelivered.Add(1)
+	}
+	// Sent, dropped, or now counted in the backlog (send and queue count
+	// it there before this).
+	p.notifsHeld.Add(-1)
+	d.putRec(rec)
 }
 
 // flushNotifs sends the queued notifications of inline READs and retries

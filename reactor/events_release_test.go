@@ -237,3 +237,72 @@ func TestRecordHandedOverAsTheThreadStops(t *testing.T) {
 	defer x.mu.Unlock()
 	require.Contains(t, x.names, "test.late")
 }
+
+// An event handler's Post, with Close begun by another goroutine after the
+// Post had checked its request: the READ is queued and the Post returns
+// its handle; the READ ends in the loop's turn (the engine takes it) or in
+// Close's teardown, which runs on the reactor thread once the handler has
+// returned. The Post used to wait for the loop
+// to end, on the loop's own thread: the reactor, and Close, hung for good.
+func TestHandlerPostDuringClose(t *testing.T) {
+	leakcheck.Check(t)
+	prod, prodEng := startLoopback(t, "prod", 16, Options{})
+	var md []byte
+	require.NoError(t, prod.do(func() error {
+		var err error
+		md, err = prodEng.LocalMetadata()
+		return err
+	}))
+	descs := prod.loc.Load().descs
+	var r *Reactor
+	closed := make(chan error, 1)
+	var posted atomic.Uint64
+	x := &callingHandler{got: make(chan []error, 1)}
+	x.calls = map[string]func() []error{
+		EventPeerAdded: func() []error {
+			closing := func() {
+				go func() { closed <- r.Close() }()
+				for !r.closing.Load() {
+					runtime.Gosched()
+				}
+			}
+			testhook.PostChecked.Store(&closing)
+			defer testhook.PostChecked.Store(nil)
+			h, err := r.Post(prodEng.Name(), []int{0}, []int{0}, []byte("n"))
+			posted.Store(h)
+			return []error{err}
+		},
+	}
+	la, err := loopback.New(uniqueName("cons"))
+	require.NoError(t, err)
+	r, err = Start(la, Options{Logger: slog.New(x)}, blockSetup(64, 16))
+	if err != nil {
+		_ = la.Close()
+		t.Fatal(err)
+	}
+	added := make(chan error, 1)
+	go func() {
+		_, err := r.AddPeer(md, descs)
+		added <- err
+	}()
+	select {
+	case errs := <-x.got:
+		require.NoError(t, errs[0], "the READ was queued before Close's teardown began")
+	case <-time.After(10 * time.Second):
+		t.Fatal("the handler's Post never returned: it waits for the reactor thread it runs on")
+	}
+	for _, ch := range []chan error{added, closed} {
+		select {
+		case <-ch:
+		case <-time.After(10 * time.Second):
+			t.Fatal("AddPeer or Close never returned")
+		}
+	}
+	require.NotZero(t, posted.Load())
+	_, err = r.State(posted.Load())
+	require.ErrorIs(t, err, ErrClosed)
+	st := r.Stats()
+	require.Equal(t, uint64(1), st.ReadsPosted)
+	// Ended once: by the engine in the turn that took it, or by teardown.
+	require.Equal(t, uint64(1), st.ReadsDone+st.ReadsFailed+st.ReadsCanceled)
+}

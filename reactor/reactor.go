@@ -181,6 +181,10 @@ type Reactor struct {
 	waitMu   sync.Mutex
 	waitList []*waiter
 	waiters  atomic.Int32
+	// notifWaiters counts the callers in WaitNotifs: a nap for callers
+	// that step in does not go on past napTurn while there are any
+	// (napOn), since only the thread's turns read the notification socket.
+	notifWaiters atomic.Int32
 
 	st  counters
 	ev  events
@@ -416,6 +420,7 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 	if err != nil {
 		return 0, err
 	}
+	testhook.Run(&testhook.PostChecked)
 	h, s, err := r.claim()
 	if err != nil {
 		return 0, err
@@ -483,9 +488,11 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 				// cancel entry is queued, and the reactor frees the slot
 				// and counts it canceled, so it counts as posted too.
 				r.st.posted.Add(1)
-				if r.closing.Load() {
+				if r.closing.Load() && !r.onLoop() {
 					// Unless the entry came after Close's teardown had
-					// taken the last ones (see endClosed).
+					// taken the last ones (see endClosed). (On the
+					// reactor thread, in an event handler, teardown has
+					// not begun: it runs there next and frees the slot.)
 					<-r.done
 					r.endClosed(s, queued)
 				}
@@ -497,6 +504,14 @@ func (r *Reactor) Post(peer string, localIdx, remoteIdx []int, notif []byte) (ui
 		// (A reactor thread napping for callers that step in: this one
 		// posts what is queued itself, unless another holds the engine.)
 		r.wake()
+	}
+	if r.closing.Load() && r.onLoop() {
+		// An event handler's Post, and Close began meanwhile: its
+		// teardown, which runs on this thread once the handler returns,
+		// has not begun, and will end this READ with ErrClosed (waiting
+		// for the loop to end here would wait for ever).
+		r.st.posted.Add(1)
+		return h, nil
 	}
 	if r.closing.Load() {
 		// Close has begun, and its teardown may have drained the ring
@@ -988,6 +1003,10 @@ func (r *Reactor) WaitNotifs(ctx context.Context) (map[string][][]byte, error) {
 	}
 	w := r.addWaiter(false)
 	defer r.dropWaiter(w)
+	// A thread napping while callers step in takes a turn, and reads
+	// the notification socket, every napTurn while this waits (napOn).
+	r.notifWaiters.Add(1)
+	defer r.notifWaiters.Add(-1)
 	for {
 		if m := r.Notifs(); len(m) > 0 {
 			return m, nil

@@ -49,6 +49,10 @@ var BeforeDefer atomic.Pointer[func()]
 // new beside the old, before the new is loaded.
 var RestartDropped atomic.Pointer[func()]
 
+// PostChecked runs when a Post has validated its request, before it
+// claims a slot.
+var PostChecked atomic.Pointer[func()]
+
 // Count makes hook h count its runs until stop is called.
 func Count(h *atomic.Pointer[func()]) (n *atomic.Int64, stop func()) {
 	n = new(atomic.Int64)
