@@ -276,7 +276,7 @@ func (r *Reactor) nap() {
 		r.napping.Store(false)
 		return
 	}
-	if d := r.dir; d != nil && (d.finished.Len() > 0 || d.notifQ.Len() > 0) {
+	if d := r.dir; d != nil && (d.finished.Len() > 0 || d.notifQ.Len() > 0 || len(d.overflow) > 0) {
 		r.napping.Store(false)
 		return
 	}
@@ -337,7 +337,13 @@ func (r *Reactor) napOn() bool {
 		return false
 	}
 	d := r.dir
-	return d == nil || (d.finished.Len() == 0 && d.notifQ.Len() == 0 && d.holding.Load() == 0)
+	if d != nil && d.ns.rfd >= 0 && r.notifWaiters.Load() > 0 {
+		// A caller blocks in WaitNotifs, and the notification socket is
+		// read by the thread's turns (and callers of Notifs), not by
+		// callers' steps: a turn every napTurn at least.
+		return false
+	}
+	return d == nil || (d.finished.Len() == 0 && d.notifQ.Len() == 0 && len(d.overflow) == 0 && d.holding.Load() == 0)
 }
 
 // sleepNapping gives up the token and blocks the reactor thread's

@@ -12,6 +12,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ecxfer/ecxfer/internal/leakcheck"
+	"github.com/ecxfer/ecxfer/internal/shmview"
 )
 
 // pollDone polls h with State until it leaves PROC, yielding between
@@ -580,4 +581,66 @@ func TestNapOnEndsForHeldDirectReads(t *testing.T) {
 	r.dir.holding.Store(1)
 	require.False(t, r.napOn(), "a held direct READ waiting for the thread")
 	r.dir.holding.Store(0)
+}
+
+// A caller that polls an engine READ in a loop has the reactor thread nap
+// for it, and napping on, it took no turn: the only turns that read the
+// direct path's notification socket. A notification that came over the
+// socket then waited, whatever blocked in WaitNotifs, until the caller
+// stopped polling (here: for ever). With a caller in WaitNotifs the nap
+// no longer goes on past napTurn.
+func TestWaitNotifsWhileCallersStepIn(t *testing.T) {
+	leakcheck.Check(t)
+	p := newPair(t, 16, Options{})
+	r := p.cons
+	region, err := unix.Mmap(-1, 0, 16*64, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, unix.Munmap(region)) }()
+	ns, err := ListenNotify(-1, 0)
+	require.NoError(t, err)
+	key, token := ns.Key, ns.Token
+	require.NoError(t, r.SetDirect(DirectOptions{Region: region, Notify: ns, Name: "cons"}))
+	p.consEng.SetDelay(time.Hour)
+	h, err := r.Post(p.pname, []int{3}, []int{5}, nil)
+	require.NoError(t, err)
+	stop := make(chan struct{})
+	polled := make(chan struct{})
+	go func() {
+		defer close(polled)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			_, _ = r.State(h)
+			runtime.Gosched()
+		}
+	}()
+	defer func() {
+		close(stop)
+		<-polled
+		require.NoError(t, r.Release(h))
+	}()
+	naps := r.st.naps.Load()
+	require.Eventually(t, func() bool { return r.st.naps.Load() > naps && r.napping.Load() },
+		5*time.Second, 100*time.Microsecond, "the thread naps for the polling caller")
+
+	go func() {
+		time.Sleep(20 * time.Millisecond) // WaitNotifs blocks by then
+		fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			panic(err)
+		}
+		defer unix.Close(fd)
+		b := appendNotifDgram(nil, &key, "someone", []byte("hello"))
+		if err := unix.Sendto(fd, b, 0, &unix.SockaddrUnix{Name: shmview.NotifyAddr(uint32(unix.Getpid()), token)}); err != nil {
+			panic(err)
+		}
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	m, err := r.WaitNotifs(ctx)
+	require.NoError(t, err, "the notification never reached WaitNotifs")
+	require.Equal(t, map[string][][]byte{"someone": {[]byte("hello")}}, m)
 }

@@ -143,7 +143,7 @@ func (r *Reactor) park(events []unix.EpollEvent, idle time.Duration) {
 	if r.sub.Len() > 0 || r.cancel.Len() > 0 || r.ctrl.Len() > 0 {
 		return
 	}
-	if d := r.dir; d != nil && (d.finished.Len() > 0 || d.notifQ.Len() > 0) {
+	if d := r.dir; d != nil && (d.finished.Len() > 0 || d.notifQ.Len() > 0 || len(d.overflow) > 0) {
 		return
 	}
 	if ok, err := r.agent.Arm(); err != nil || !ok {
