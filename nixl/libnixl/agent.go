@@ -139,6 +139,10 @@ type Agent struct {
 	// notifications the shim dropped (too long, or no memory), as it
 	// last said
 	shimDropped uint64
+	// lastNotif is when SendNotif last handed NIXL a notification: NIXL
+	// reports a send still in progress as done, so Close drives the
+	// worker a while after a recent one (notifFlush).
+	lastNotif time.Time
 	// addrFormat is ownAddrFormat's answer, once addrFormatRead
 	addrFormat     int
 	addrFormatRead bool
@@ -306,9 +310,22 @@ func (a *Agent) Arm() (bool, error) {
 // closeWait bounds how long Close waits for in-flight requests to finish.
 const closeWait = 2 * time.Second
 
+// notifFlush is how long Close drives NIXL's worker, before it closes the
+// connections, when a notification was sent within notifRecent: NIXL
+// answers a send UCX still has in progress as done, and keeps no handle
+// of it to wait for, and the connections' close cancels what is still
+// queued (every notification of a burst sent right before Close was lost,
+// "Request canceled"). A guess at an upper bound, not a wait for their
+// end, which NIXL does not report.
+const (
+	notifFlush  = 50 * time.Millisecond
+	notifRecent = time.Second
+)
+
 // Close implements nixl.Agent: in-flight requests are given closeWait to
-// finish, then requests, lists, peers and regions are released and the
-// NIXL agent is destroyed.
+// finish, the worker is driven for notifFlush after a notification sent
+// within notifRecent, then requests, lists, peers and regions are released
+// and the NIXL agent is destroyed.
 func (a *Agent) Close() error {
 	if a.closed {
 		return nil
@@ -329,6 +346,16 @@ func (a *Agent) Close() error {
 	for len(a.zombies) > 0 && time.Now().Before(deadline) {
 		a.reap()
 		if len(a.zombies) > 0 {
+			time.Sleep(50 * time.Microsecond)
+		}
+	}
+	if !a.lastNotif.IsZero() && time.Since(a.lastNotif) < notifRecent {
+		// Notifications sent recently may still wait in UCX: drive the
+		// worker (GetNotifs does; what it brings in goes with the agent).
+		scratch := map[string][][]byte{}
+		for end := time.Now().Add(notifFlush); time.Now().Before(end); {
+			a.getNotifs(scratch)
+			clear(scratch)
 			time.Sleep(50 * time.Microsecond)
 		}
 	}

@@ -7,6 +7,7 @@ package libnixl
 import "C"
 
 import (
+	"time"
 	"unsafe"
 
 	"github.com/ecxfer/ecxfer/nixl"
@@ -33,6 +34,9 @@ func (a *Agent) SendNotif(peerName string, msg []byte) error {
 		m = unsafe.Pointer(&msg[0])
 	}
 	st := C.ecx_dl_send_notif(a.lib.c, a.c, cname, C.size_t(len(peerName)), m, C.size_t(len(msg)))
+	if st == 0 {
+		a.lastNotif = time.Now()
+	}
 	return codeErr(int32(st), "sending a notification to %q", peerName)
 }
 
@@ -59,6 +63,12 @@ func (a *Agent) GetNotifs(dst map[string][][]byte) int {
 	if a.closed {
 		return 0
 	}
+	return a.getNotifs(dst)
+}
+
+// getNotifs is GetNotifs without the closed check (Close drives the
+// worker with it).
+func (a *Agent) getNotifs(dst map[string][][]byte) int {
 	// A buffer grown for one long record goes back to its first size once
 	// the record is out: a peer's single 100 MB notification would
 	// otherwise keep 100 MB of C memory for the agent's life.

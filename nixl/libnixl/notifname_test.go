@@ -2,6 +2,7 @@ package libnixl
 
 import (
 	"bufio"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -86,4 +87,57 @@ func TestNotifSenderNameWithNUL(t *testing.T) {
 	}
 	require.Equal(t, map[string][][]byte{sender: {[]byte("real-1")}}, got)
 	require.GreaterOrEqual(t, cons.a.DroppedNotifs(), uint64(1), "the entry under the name with a NUL is counted dropped")
+}
+
+// NIXL answers a notification that UCX still has queued as sent, and
+// Close closed the connections at once, which cancels what is queued: a
+// burst sent to a peer just connected, right before Close, was lost
+// whole ("Request canceled"). Close now drives the worker a while after a
+// recent send; every notification of a burst arrives.
+func TestCloseDeliversRecentNotifs(t *testing.T) {
+	leakcheck.Check(t)
+	needNIXL(t)
+	b, err := New(Config{Name: testName("flush-b")})
+	require.NoError(t, err)
+	a, err := New(Config{Name: testName("flush-a")})
+	require.NoError(t, err)
+	mdb, err := b.LocalMetadata()
+	require.NoError(t, err)
+	_, err = a.LoadRemoteMetadata(mdb)
+	require.NoError(t, err)
+	// b, in a process of its own in life, takes its notifications all
+	// along (its own goroutine: an agent is used from one at a time).
+	const n = 300
+	got := make(chan int, 1)
+	stop := make(chan struct{})
+	go func() {
+		m := map[string][][]byte{}
+		defer func() { got <- len(m[a.Name()]) }()
+		for {
+			b.GetNotifs(m)
+			if len(m[a.Name()]) >= n {
+				return
+			}
+			select {
+			case <-stop:
+				return
+			case <-time.After(100 * time.Microsecond):
+			}
+		}
+	}()
+	msg := make([]byte, 4000)
+	for i := range n {
+		copy(msg, fmt.Sprintf("%d", i))
+		require.NoError(t, a.SendNotif(b.Name(), msg), "notification %d", i)
+	}
+	require.NoError(t, a.Close())
+	var k int
+	select {
+	case k = <-got:
+	case <-time.After(10 * time.Second):
+		close(stop)
+		k = <-got
+	}
+	require.NoError(t, b.Close())
+	require.Equal(t, n, k, "notifications delivered of those sent before Close")
 }
