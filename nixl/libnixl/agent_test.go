@@ -240,7 +240,7 @@ func TestAgentHalfLoadedMetadata(t *testing.T) {
 	require.NoError(t, err)
 	require.False(t, pm.known, "md.go leaves this layout to NIXL")
 	_, err = cons.a.LoadRemoteMetadata(bad)
-	require.Error(t, err)
+	require.ErrorIs(t, err, nixl.ErrInvalidParam, "malformed, as the engine contract says")
 	name, err := cons.a.LoadRemoteMetadata(md)
 	require.NoError(t, err, "the good metadata after a refused one")
 	require.Equal(t, prod.a.Name(), name)

@@ -110,16 +110,21 @@ func (a *Agent) LoadRemoteMetadata(md []byte) (string, error) {
 	st := C.ecx_dl_load_md(a.lib.c, a.c, unsafe.Pointer(unsafe.SliceData(md)), C.size_t(len(md)),
 		(*C.char)(nbuf), nameCap, &nlen)
 	if st != 0 {
-		if nixl.Status(st) == nixl.ErrNotAllowed {
-			// NIXL holds other metadata under this name (loaded outside
-			// this Agent's bookkeeping): name it so the caller invalidates.
-			return pm.name, codeErr(int32(st), "peer %q is loaded with other metadata", pm.name)
-		}
+		// NIXL's C API reports every refusal but a bad parameter or an
+		// unknown name as a backend error (NOT_ALLOWED, MISMATCH and
+		// REMOTE_DISCONNECT included), so the reason cannot be told here.
 		// NIXL may have kept part of what it refused (its connection
 		// details are stored before the memory section is read), which
 		// would make it refuse this peer's next, good metadata. The name
 		// is not one of ours (those returned above), so drop it.
 		_ = a.forget(pm.name, false)
+		if !pm.known {
+			// Of a layout this package does not know, and NIXL would not
+			// load it either: malformed, as the contract calls it, or of
+			// a NIXL this one cannot read.
+			return "", nixl.Errorf(nixl.ErrInvalidParam, "libnixl: NIXL refused metadata of %q, of a layout this build does not know (%v)",
+				pm.name, codeErr(int32(st), "status"))
+		}
 		return "", codeErr(int32(st), "loading metadata of %q", pm.name)
 	}
 	if got := C.GoStringN((*C.char)(nbuf), C.int(min(int(nlen), nameCap))); got != pm.name {
