@@ -313,6 +313,9 @@ type direct struct {
 	heldTimeout int64
 	heldDue     int64
 	watched     []*Peer // direct peers with a live pidfd
+	// pidfdWoke: a park was woken by a watched peer's pidfd (pollPeers
+	// then polls every pidfd, whatever the lifewords say).
+	pidfdWoke bool
 	pollFDs     []unix.PollFd
 	polled      []*Peer // the peers of pollFDs, in order
 	lastPoll    int64
@@ -1337,10 +1340,20 @@ func (r *Reactor) pollPeers() bool {
 	// makes no system call here.
 	d.pollFDs, d.polled = d.pollFDs[:0], d.polled[:0]
 	var dead, retired []*Peer
+	// A pidfd that woke the thread is one whose process exited, whatever
+	// its word says: a word that stays alive (a foreign or broken
+	// producer's, never marked by the kernel) hid the exit, and the pidfd,
+	// readable from then on in the epoll set, kept the thread from ever
+	// parking again.
+	force := d.pidfdWoke
+	d.pidfdWoke = false
 	for _, p := range d.watched {
 		if w := p.direct.life; w != nil {
 			switch w.State() {
 			case lifeword.Alive:
+				if force {
+					break // poll its pidfd below
+				}
 				continue
 			case lifeword.Died:
 				dead = append(dead, p)

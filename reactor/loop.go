@@ -184,8 +184,12 @@ func (r *Reactor) park(events []unix.EpollEvent, idle time.Duration) {
 	// more system call each time. Left unread, it would wake the next
 	// park at once, which reads it then.
 	for _, ev := range events[:max(n, 0)] {
-		if ev.Fd == int32(r.wakeFD) {
+		switch {
+		case ev.Fd == int32(r.wakeFD):
 			r.drainWake()
+		case r.dir != nil && ev.Fd != int32(r.agent.EventFD()) && ev.Fd != int32(r.dir.ns.rfd):
+			// A watched peer's pidfd (the only other fds in the set).
+			r.dir.pidfdWoke = true
 		}
 	}
 }
