@@ -316,11 +316,11 @@ type direct struct {
 	// pidfdWoke: a park was woken by a watched peer's pidfd (pollPeers
 	// then polls every pidfd, whatever the lifewords say).
 	pidfdWoke bool
-	pollFDs     []unix.PollFd
-	polled      []*Peer // the peers of pollFDs, in order
-	lastPoll    int64
-	jobBuf      []*dirJob
-	notifBuf    []*notifRec
+	pollFDs   []unix.PollFd
+	polled    []*Peer // the peers of pollFDs, in order
+	lastPoll  int64
+	jobBuf    []*dirJob
+	notifBuf  []*notifRec
 	// overflow holds the notifications of inline READs that event
 	// handlers posted, on this thread, while notifQ was full; they go
 	// after what notifQ holds.
