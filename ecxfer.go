@@ -1,14 +1,19 @@
 package ecxfer
 
 import (
+	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"log/slog"
 	"os"
 	"runtime"
+	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/cespare/xxhash/v2"
 
 	"github.com/ecxfer/ecxfer/descriptors"
 	"github.com/ecxfer/ecxfer/internal/affinity"
@@ -258,6 +263,75 @@ type Transport struct {
 	// orphan tears the transport down if it is dropped without
 	// Deregister; Deregister stops it.
 	orphan runtime.Cleanup
+
+	// added remembers what each peer was last added with, so that adding
+	// the same metadata and block list again answers at once: the direct
+	// path would otherwise open the peer's region anew (map it, load its
+	// pages: 190 ms for 1 GiB) only for the reactor to find the peer known
+	// and close it again.
+	addedMu sync.Mutex
+	added   map[string]addedPeer // by name
+	addedBy map[uint64]string    // name by hash of metadata and block list
+}
+
+// addedPeer is what AddRemotePeer last added a peer with.
+type addedPeer struct {
+	hash         uint64
+	md, memDescs []byte
+}
+
+func addedHash(md, memDescs []byte) uint64 {
+	var d xxhash.Digest
+	var n [8]byte
+	binary.LittleEndian.PutUint64(n[:], uint64(len(md)))
+	_, _ = d.Write(n[:])
+	_, _ = d.Write(md)
+	_, _ = d.Write(memDescs)
+	return d.Sum64()
+}
+
+// knownPeer returns the name of a live peer added with exactly this
+// metadata and block list.
+func (t *Transport) knownPeer(md, memDescs []byte) (string, bool) {
+	h := addedHash(md, memDescs)
+	t.addedMu.Lock()
+	name, ok := t.addedBy[h]
+	a := t.added[name]
+	t.addedMu.Unlock()
+	if !ok || a.hash != h || !bytes.Equal(a.md, md) || !bytes.Equal(a.memDescs, memDescs) {
+		return "", false
+	}
+	// Still the published peer of that name, and alive: else the reactor
+	// decides (a dead peer's metadata is refused by some engines).
+	return name, t.r.PeerLive(name)
+}
+
+// rememberPeer records what name was added with; forgetPeer forgets it.
+func (t *Transport) rememberPeer(name string, md, memDescs []byte) {
+	h := addedHash(md, memDescs)
+	t.addedMu.Lock()
+	defer t.addedMu.Unlock()
+	if t.added == nil {
+		t.added, t.addedBy = map[string]addedPeer{}, map[uint64]string{}
+	}
+	t.forgetLocked(name)
+	t.added[name] = addedPeer{hash: h, md: bytes.Clone(md), memDescs: bytes.Clone(memDescs)}
+	t.addedBy[h] = name
+}
+
+func (t *Transport) forgetPeer(name string) {
+	t.addedMu.Lock()
+	t.forgetLocked(name)
+	t.addedMu.Unlock()
+}
+
+func (t *Transport) forgetLocked(name string) {
+	if old, ok := t.added[name]; ok {
+		if t.addedBy[old.hash] == name {
+			delete(t.addedBy, old.hash)
+		}
+		delete(t.added, name)
+	}
 }
 
 var _ DataTransport = (*Transport)(nil)
@@ -495,6 +569,9 @@ func (t *Transport) AddRemotePeer(metadata, memDescriptor []byte) (string, error
 	if len(metadata) == 0 {
 		return "", fmt.Errorf("%w: empty", ErrBadMetadata)
 	}
+	if name, ok := t.knownPeer(metadata, memDescriptor); ok {
+		return name, nil
+	}
 	md, d, err := t.directPeer(metadata, descs)
 	var why *directErr
 	if err != nil && !errors.As(err, &why) {
@@ -503,6 +580,9 @@ func (t *Transport) AddRemotePeer(metadata, memDescriptor []byte) (string, error
 	name, err := t.r.AddPeerDirect(md, descs, d)
 	if why != nil && errors.Is(err, ErrConfig) {
 		err = fmt.Errorf("%w (%v)", err, why)
+	}
+	if err == nil {
+		t.rememberPeer(name, metadata, memDescriptor)
 	}
 	return name, err
 }
@@ -536,6 +616,7 @@ func (t *Transport) RemoveRemotePeer(agentName string) error {
 	if t.closed.Load() {
 		return ErrClosed
 	}
+	t.forgetPeer(agentName)
 	return t.r.RemovePeer(agentName)
 }
 

@@ -83,6 +83,7 @@ type Direct struct {
 // advertised region, and faults in the pages of descs, the peer's blocks
 // (not the rest of the region). The advertised process must be alive.
 func OpenDirect(adv *shmview.Advert, descs descriptors.List) (*Direct, error) {
+	testhook.Run(&testhook.DirectOpened)
 	fd, err := unix.PidfdOpen(int(adv.PID), unix.PIDFD_NONBLOCK)
 	if err != nil {
 		return nil, fmt.Errorf("pidfd_open(%d): %w", adv.PID, err)

@@ -815,6 +815,13 @@ func (r *Reactor) Release(h uint64) error {
 // goroutine is locked to it, so no other goroutine runs there).
 func (r *Reactor) onLoop() bool { return int32(unix.Gettid()) == r.tid.Load() }
 
+// PeerLive reports whether a peer of that name is published and not
+// known to be gone.
+func (r *Reactor) PeerLive(name string) bool {
+	p := r.peer(name)
+	return p != nil && p.gone.Load() == 0
+}
+
 // OnThread reports whether the caller runs on the reactor's own thread:
 // in an event handler (Options.Logger).
 func (r *Reactor) OnThread() bool { return r.onLoop() }

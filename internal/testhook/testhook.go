@@ -49,6 +49,9 @@ var BeforeDefer atomic.Pointer[func()]
 // new beside the old, before the new is loaded.
 var RestartDropped atomic.Pointer[func()]
 
+// DirectOpened runs when OpenDirect begins to open a peer's region.
+var DirectOpened atomic.Pointer[func()]
+
 // PostChecked runs when a Post has validated its request, before it
 // claims a slot.
 var PostChecked atomic.Pointer[func()]
