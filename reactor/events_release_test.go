@@ -63,12 +63,7 @@ func TestEventHandlerMayRelease(t *testing.T) {
 		t.Fatal(err)
 	}
 	x.r.Store(r)
-	var md []byte
-	require.NoError(t, prod.do(func() error {
-		var err error
-		md, err = prodEng.LocalMetadata()
-		return err
-	}))
+	md := loopbackMD(t, prod, prodEng)
 	pname, err := r.AddPeer(md, prod.loc.Load().descs)
 	require.NoError(t, err)
 
@@ -142,12 +137,7 @@ func (x *callingHandler) Handle(_ context.Context, rec slog.Record) error {
 func TestHandlerCallsThatWouldWaitForTheThread(t *testing.T) {
 	leakcheck.Check(t)
 	prod, prodEng := startLoopback(t, "prod", 16, Options{})
-	var md []byte
-	require.NoError(t, prod.do(func() error {
-		var err error
-		md, err = prodEng.LocalMetadata()
-		return err
-	}))
+	md := loopbackMD(t, prod, prodEng)
 	descs := prod.loc.Load().descs
 	var r *Reactor
 	var inFlight atomic.Uint64
@@ -247,12 +237,7 @@ func TestRecordHandedOverAsTheThreadStops(t *testing.T) {
 func TestHandlerPostDuringClose(t *testing.T) {
 	leakcheck.Check(t)
 	prod, prodEng := startLoopback(t, "prod", 16, Options{})
-	var md []byte
-	require.NoError(t, prod.do(func() error {
-		var err error
-		md, err = prodEng.LocalMetadata()
-		return err
-	}))
+	md := loopbackMD(t, prod, prodEng)
 	descs := prod.loc.Load().descs
 	var r *Reactor
 	closed := make(chan error, 1)

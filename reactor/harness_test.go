@@ -61,14 +61,22 @@ func newPair(t testing.TB, nb int, consOpts Options) *testPair {
 	p := &testPair{prodBlocks: nb, remoteBlocks: nb}
 	p.prod, p.prodEng = startLoopback(t, "prod", nb, Options{})
 	p.cons, p.consEng = startLoopback(t, "cons", nb, consOpts)
-	var md []byte
-	require.NoError(t, p.prod.do(func() error {
-		var err error
-		md, err = p.prodEng.LocalMetadata()
-		return err
-	}))
+	md := loopbackMD(t, p.prod, p.prodEng)
 	name, err := p.cons.AddPeer(md, p.prod.loc.Load().descs)
 	require.NoError(t, err)
 	p.pname = name
 	return p
+}
+
+// loopbackMD is the metadata of prod, a loopback reactor, as a consumer
+// adds it.
+func loopbackMD(t testing.TB, prod *Reactor, eng *loopback.Agent) []byte {
+	t.Helper()
+	var md []byte
+	require.NoError(t, prod.do(func() error {
+		var err error
+		md, err = eng.LocalMetadata()
+		return err
+	}))
+	return md
 }

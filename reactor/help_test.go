@@ -563,15 +563,7 @@ func TestNapOnEndsAtTimeouts(t *testing.T) {
 // napTurns while its caller steps in.
 func TestNapOnEndsForHeldDirectReads(t *testing.T) {
 	leakcheck.Check(t)
-	p := newPair(t, 16, Options{})
-	r := p.cons
-	region, err := unix.Mmap(-1, 0, 16*64, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
-	require.NoError(t, err)
-	require.NoError(t, r.SetDirect(DirectOptions{Region: region}))
-	t.Cleanup(func() {
-		require.NoError(t, r.Close())
-		require.NoError(t, unix.Munmap(region))
-	})
+	r := directPair(t, DirectOptions{}).cons
 	require.Eventually(t, func() bool { return r.sleeping.Load() && r.engine.CompareAndSwap(false, true) },
 		5*time.Second, 100*time.Microsecond)
 	defer r.releaseEngine()
@@ -591,15 +583,11 @@ func TestNapOnEndsForHeldDirectReads(t *testing.T) {
 // no longer goes on past napTurn.
 func TestWaitNotifsWhileCallersStepIn(t *testing.T) {
 	leakcheck.Check(t)
-	p := newPair(t, 16, Options{})
-	r := p.cons
-	region, err := unix.Mmap(-1, 0, 16*64, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
-	require.NoError(t, err)
-	defer func() { require.NoError(t, unix.Munmap(region)) }()
 	ns, err := ListenNotify(-1, 0)
 	require.NoError(t, err)
 	key, token := ns.Key, ns.Token
-	require.NoError(t, r.SetDirect(DirectOptions{Region: region, Notify: ns, Name: "cons"}))
+	p := directPair(t, DirectOptions{Notify: ns, Name: "cons"})
+	r := p.cons
 	p.consEng.SetDelay(time.Hour)
 	h, err := r.Post(p.pname, []int{3}, []int{5}, nil)
 	require.NoError(t, err)
@@ -643,4 +631,21 @@ func TestWaitNotifsWhileCallersStepIn(t *testing.T) {
 	m, err := r.WaitNotifs(ctx)
 	require.NoError(t, err, "the notification never reached WaitNotifs")
 	require.Equal(t, map[string][][]byte{"someone": {[]byte("hello")}}, m)
+}
+
+// directPair is newPair with the direct path set on the consumer (o, over
+// an anonymous region of its own), closed and the region unmapped when
+// the test ends.
+func directPair(t *testing.T, o DirectOptions) *testPair {
+	t.Helper()
+	p := newPair(t, 16, Options{})
+	region, err := unix.Mmap(-1, 0, 16*64, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		require.NoError(t, p.cons.Close())
+		require.NoError(t, unix.Munmap(region))
+	})
+	o.Region = region
+	require.NoError(t, p.cons.SetDirect(o))
+	return p
 }

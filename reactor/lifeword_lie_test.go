@@ -47,12 +47,8 @@ func stackOf(t *testing.T, pid int) uint64 {
 // peer is declared dead, its pidfd leaves the set, and the thread parks.
 func TestLifewordThatLiesAlive(t *testing.T) {
 	leakcheck.Check(t)
-	p := newPair(t, 16, Options{})
+	p := directPair(t, DirectOptions{})
 	r := p.cons
-	region, err := unix.Mmap(-1, 0, 16*64, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
-	require.NoError(t, err)
-	defer func() { require.NoError(t, unix.Munmap(region)) }()
-	require.NoError(t, r.SetDirect(DirectOptions{Region: region}))
 
 	fd, err := unix.MemfdCreate("ecxfer-life", unix.MFD_ALLOW_SEALING|unix.MFD_CLOEXEC)
 	require.NoError(t, err)
@@ -89,11 +85,7 @@ func TestLifewordThatLiesAlive(t *testing.T) {
 	d, err := OpenDirect(&adv, nil)
 	require.NoError(t, err)
 	require.Equal(t, "lifeword", d.Liveness(), "the lying word is taken")
-	var md []byte
-	require.NoError(t, p.prod.do(func() error {
-		md, err = p.prodEng.LocalMetadata()
-		return err
-	}))
+	md := loopbackMD(t, p.prod, p.prodEng)
 	require.NoError(t, r.RemovePeer(p.pname))
 	_, err = r.AddPeerDirect(md, p.prod.loc.Load().descs, d)
 	require.NoError(t, err)

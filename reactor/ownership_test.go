@@ -216,12 +216,7 @@ func TestControlQueuedBehindClose(t *testing.T) {
 	leakcheck.Check(t)
 	p := newPair(t, 16, Options{})
 	r := p.cons
-	var md []byte
-	require.NoError(t, p.prod.do(func() error {
-		var err error
-		md, err = p.prodEng.LocalMetadata()
-		return err
-	}))
+	md := loopbackMD(t, p.prod, p.prodEng)
 	descs := p.prod.loc.Load().descs
 	require.NoError(t, r.RemovePeer(p.pname))
 	// Hold the loop in an operation until Close's and one more are queued

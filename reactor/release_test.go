@@ -46,12 +46,7 @@ func TestReleaseWaitsForTheEngineRelease(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = r.Close() })
-	var md []byte
-	require.NoError(t, prod.do(func() error {
-		var err error
-		md, err = prodEng.LocalMetadata()
-		return err
-	}))
+	md := loopbackMD(t, prod, prodEng)
 	pname, err := r.AddPeer(md, prod.loc.Load().descs)
 	require.NoError(t, err)
 	la.SetDelay(time.Hour) // READs stay in flight

@@ -198,12 +198,7 @@ func TestReleasedThenReplacedCountsCanceled(t *testing.T) {
 	h, err := r.Post(p.pname, []int{0}, []int{0}, nil)
 	require.NoError(t, err)
 	inFlight(t, r, 1)
-	var md []byte
-	require.NoError(t, p.prod.do(func() error {
-		var err error
-		md, err = p.prodEng.LocalMetadata()
-		return err
-	}))
+	md := loopbackMD(t, p.prod, p.prodEng)
 	descs := p.prod.loc.Load().descs[:8] // a new block list replaces the peer
 	require.NoError(t, r.do(func() error {
 		if err := r.Release(h); err != nil {
@@ -248,12 +243,7 @@ func TestPeerCountersKeptWhenReplaced(t *testing.T) {
 	h, err := r.Post(p.pname, []int{5}, []int{5}, nil)
 	require.NoError(t, err)
 	inFlight(t, r, 1)
-	var md []byte
-	require.NoError(t, p.prod.do(func() error {
-		var err error
-		md, err = p.prodEng.LocalMetadata()
-		return err
-	}))
+	md := loopbackMD(t, p.prod, p.prodEng)
 	descs := p.prod.loc.Load().descs[:8]
 	require.NoError(t, r.do(func() error {
 		_, err := r.addPeer(md, descs, nil)
@@ -434,12 +424,7 @@ func TestPeerCountersKeptWhenRestarted(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = prod2.Close() })
-	var md []byte
-	require.NoError(t, prod2.do(func() error {
-		var err error
-		md, err = a2.LocalMetadata()
-		return err
-	}))
+	md := loopbackMD(t, prod2, a2)
 	name, err := r.AddPeer(md, prod2.loc.Load().descs)
 	require.NoError(t, err)
 	require.Equal(t, p.pname, name)

@@ -156,12 +156,7 @@ func TestSetTimeoutWakesParkedLoop(t *testing.T) {
 	cons, err := Start(eng, Options{Idle: IdlePark, ParkTimeout: time.Minute}, blockSetup(64, 16))
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = cons.Close() })
-	var md []byte
-	require.NoError(t, prod.do(func() error {
-		var err error
-		md, err = prodEng.LocalMetadata()
-		return err
-	}))
+	md := loopbackMD(t, prod, prodEng)
 	pname, err := cons.AddPeer(md, prod.loc.Load().descs)
 	require.NoError(t, err)
 
