@@ -39,8 +39,10 @@
 //	ecxfer_notifications_dropped_total{reason}
 //	                                    [counter]   notifications dropped: on receipt, oversized
 //	                                                (longer than MaxNotif), bad_sender (the engine
-//	                                                named a sender no agent can be) or engine (the
-//	                                                engine could not hand them over); on the way out,
+//	                                                named a sender no agent can be), engine (the
+//	                                                engine could not hand them over) or untaken
+//	                                                (MaxHeldNotifBytes already waiting untaken);
+//	                                                on the way out,
 //	                                                undelivered (queued for a full producer
 //	                                                socket or, on the ucx engine over shared
 //	                                                memory, receive queue, then the producer
@@ -179,7 +181,7 @@ func NewCollector(t *ecxfer.Transport, opts ...Option) prometheus.Collector {
 	c.notifsSent = d("ecxfer_notifications_sent_total", "Notifications sent with finished READs.")
 	c.notifsReceived = d("ecxfer_notifications_received_total", "Notifications received from peers.")
 	c.engineErrors = d("ecxfer_engine_errors_total", "Engine calls that failed.")
-	c.notifsDropped = d("ecxfer_notifications_dropped_total", "Notifications dropped, by reason: on receipt (oversized, bad_sender, engine) or queued and never sent (undelivered).", "reason")
+	c.notifsDropped = d("ecxfer_notifications_dropped_total", "Notifications dropped, by reason: on receipt (oversized, bad_sender, engine, untaken) or queued and never sent (undelivered).", "reason")
 	c.readsDirect = d("ecxfer_reads_direct_total", "READs of direct peers that copied every byte.")
 	c.readsInline = d("ecxfer_reads_inline_total", "READs of direct peers the caller copied inside PostRead.")
 	c.copyWorkers = d("ecxfer_copy_workers", "Copy workers of the direct path.")
@@ -252,6 +254,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	counter(c.engineErrors, float64(s.EngineErrors))
 	counter(c.notifsDropped, float64(s.NotifsOversized), "oversized")
 	counter(c.notifsDropped, float64(s.NotifsBadSender), "bad_sender")
+	counter(c.notifsDropped, float64(s.NotifsUntaken), "untaken")
 	counter(c.notifsDropped, float64(s.NotifsDroppedByEngine), "engine")
 	counter(c.notifsDropped, float64(s.NotifsUndelivered), "undelivered")
 	g := s.Gathers

@@ -1538,11 +1538,18 @@ func (r *Reactor) deliverNotif(sender string, msg []byte) {
 		}
 		return
 	}
-	m := append([]byte(nil), msg...)
 	r.notifMu.Lock()
-	r.notifs[sender] = append(r.notifs[sender], m)
+	// Not copied when it would be dropped.
+	kept := r.notifHeld+len(msg) <= MaxHeldNotifBytes
+	if kept {
+		r.holdNotif(sender, append([]byte(nil), msg...))
+	} else {
+		r.st.notifsUntaken.Add(1)
+	}
 	r.notifMu.Unlock()
-	r.st.notifsReceived.Add(1)
+	if kept {
+		r.st.notifsReceived.Add(1)
+	}
 }
 
 // sendQueuedNotifs sends the notifications of inline READs that callers

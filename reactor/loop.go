@@ -365,13 +365,18 @@ func (r *Reactor) takeNotifs() bool {
 	if n == 0 {
 		return false
 	}
-	n -= r.dropOversized()
-	r.st.notifsReceived.Add(uint64(n))
+	n = 0
+	r.dropOversized()
 	r.notifMu.Lock()
 	for k, v := range r.notifTmp {
-		r.notifs[k] = append(r.notifs[k], v...)
+		for _, m := range v {
+			if r.holdNotif(k, m) {
+				n++
+			}
+		}
 	}
 	r.notifMu.Unlock()
+	r.st.notifsReceived.Add(uint64(n))
 	clear(r.notifTmp)
 	r.ended = true // wake WaitNotifs
 	return true

@@ -174,6 +174,9 @@ type Reactor struct {
 
 	notifMu sync.Mutex
 	notifs  map[string][][]byte
+	// notifHeld is the bytes of the messages in notifs (MaxHeldNotifBytes
+	// at most).
+	notifHeld int
 
 	// Callers blocked in Wait and WaitNotifs: each parks on a channel of
 	// its own, reused through waiterPool, and broadcast signals every
@@ -976,7 +979,28 @@ func (r *Reactor) Notifs() map[string][][]byte {
 	}
 	out := r.notifs
 	r.notifs = map[string][][]byte{}
+	r.notifHeld = 0
 	return out
+}
+
+// MaxHeldNotifBytes bounds the received notifications that wait for
+// Notifs or WaitNotifs, in bytes of their messages: a transport that never
+// takes them (or takes them too rarely for what arrives) drops the newest
+// beyond it, counted in Stats.NotifsUntaken, instead of growing without
+// bound. vLLM's notifications are about 100 bytes: 64 MiB holds 600,000.
+var MaxHeldNotifBytes = 64 << 20
+
+// holdNotif adds msg from sender to what waits for Notifs, or drops it
+// (counted) when MaxHeldNotifBytes would be passed. The caller holds
+// notifMu. It reports whether msg was kept.
+func (r *Reactor) holdNotif(sender string, msg []byte) bool {
+	if r.notifHeld+len(msg) > MaxHeldNotifBytes {
+		r.st.notifsUntaken.Add(1)
+		return false
+	}
+	r.notifHeld += len(msg)
+	r.notifs[sender] = append(r.notifs[sender], msg)
+	return true
 }
 
 // ValidName reports whether name can name an agent: 1 to 256 bytes of

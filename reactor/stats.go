@@ -16,6 +16,7 @@ type counters struct {
 	gathers                        [9]atomic.Uint64 // nixl.GatherCounts, in its order
 	notifsUndeliveredByEngine      atomic.Uint64
 	notifsOversized                atomic.Uint64
+	notifsUntaken                  atomic.Uint64
 	notifsBadSender                atomic.Uint64
 	engineErrors                   atomic.Uint64
 	loops, parks                   atomic.Uint64
@@ -50,7 +51,11 @@ type Stats struct {
 	// engine named their sender with a name no agent can have (empty,
 	// longer than 256 bytes, or not printable ASCII without spaces).
 	NotifsBadSender uint64
-	EngineErrors    uint64 // engine calls that failed
+	// NotifsUntaken counts notifications dropped on receipt because
+	// MaxHeldNotifBytes of received ones were waiting for NewNotifs or
+	// WaitNotifs already.
+	NotifsUntaken uint64
+	EngineErrors  uint64 // engine calls that failed
 	// LiveHandles counts handles not yet released, and released ones
 	// whose READ was in flight until the loop has ended it (a release
 	// of such a READ waits for that: a direct copy stops between chunks,
@@ -164,6 +169,7 @@ func (r *Reactor) Stats() Stats {
 		NotifsUndelivered:     undelivered,
 		NotifsOversized:       r.st.notifsOversized.Load(),
 		NotifsBadSender:       r.st.notifsBadSender.Load(),
+		NotifsUntaken:         r.st.notifsUntaken.Load(),
 	}
 	if d := r.dir; d != nil {
 		st.InlineReads, st.DirectReads = inline, direct

@@ -2,6 +2,7 @@ package reactor
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
 	"os"
 	"strconv"
@@ -12,9 +13,11 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/ecxfer/ecxfer/descriptors"
 	"github.com/ecxfer/ecxfer/internal/leakcheck"
+	"github.com/ecxfer/ecxfer/internal/shmview"
 	"github.com/ecxfer/ecxfer/nixl"
 	"github.com/ecxfer/ecxfer/nixl/loopback"
 )
@@ -489,4 +492,85 @@ func TestNotifsFromBadSenderNamesDropped(t *testing.T) {
 	s := r.Stats()
 	require.Equal(t, uint64(6), s.NotifsBadSender)
 	require.Equal(t, uint64(1), s.NotifsReceived)
+}
+
+// Received notifications nobody takes are held up to MaxHeldNotifBytes of
+// messages; the newest beyond it are dropped and counted (NotifsUntaken),
+// and once they are taken new ones are held again. They used to pile up
+// without bound (62 MiB after 1,000 READs with 64 KiB notifications, a
+// review measured). Over the engine and over the direct path's socket.
+func TestUntakenNotifsBounded(t *testing.T) {
+	leakcheck.Check(t)
+	saved := MaxHeldNotifBytes
+	MaxHeldNotifBytes = 1000
+	t.Cleanup(func() { MaxHeldNotifBytes = saved })
+	msg := func(i int) []byte { return []byte(fmt.Sprintf("%-100d", i)) }
+	count := func(m map[string][][]byte) (n int) {
+		for _, v := range m {
+			n += len(v)
+		}
+		return n
+	}
+
+	t.Run("engine", func(t *testing.T) {
+		p := newPair(t, 16, Options{})
+		post := func(from, to int) {
+			for i := from; i < to; i++ {
+				h, err := p.cons.Post(p.pname, []int{i % 16}, []int{i % 16}, msg(i))
+				require.NoError(t, err)
+				st, err := pollDone(t, p.cons, h)
+				require.NoError(t, err)
+				require.Equal(t, StateDone, st)
+				require.NoError(t, p.cons.Release(h))
+			}
+		}
+		post(0, 20)
+		require.Eventually(t, func() bool {
+			s := p.prod.Stats()
+			return s.NotifsReceived+s.NotifsUntaken == 20
+		}, 5*time.Second, time.Millisecond)
+		s := p.prod.Stats()
+		require.Equal(t, uint64(10), s.NotifsReceived, "1000 bytes of 100-byte messages held")
+		require.Equal(t, uint64(10), s.NotifsUntaken)
+		got := p.prod.Notifs()
+		require.Equal(t, 10, count(got))
+		require.Equal(t, msg(0), got[p.cons.agent.Name()][0], "the oldest are kept")
+		post(20, 25)
+		require.Eventually(t, func() bool { return p.prod.Stats().NotifsReceived == 15 }, 5*time.Second, time.Millisecond)
+		require.Equal(t, 5, count(p.prod.Notifs()))
+	})
+
+	t.Run("socket", func(t *testing.T) {
+		ns, err := ListenNotify(-1, 0)
+		require.NoError(t, err)
+		key, token := ns.Key, ns.Token
+		r := directPair(t, DirectOptions{Notify: ns, Name: "cons"}).cons
+		fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+		require.NoError(t, err)
+		defer unix.Close(fd)
+		to := &unix.SockaddrUnix{Name: shmview.NotifyAddr(uint32(unix.Getpid()), token)}
+		for i := range 20 {
+			b := appendNotifDgram(nil, &key, "someone", msg(i))
+			// The kernel queues 10 datagrams: the reactor reads them
+			// into what it holds meanwhile.
+			deadline := time.Now().Add(5 * time.Second)
+			for {
+				err := unix.Sendto(fd, b, unix.MSG_DONTWAIT, to)
+				if err != unix.EAGAIN || time.Now().After(deadline) {
+					require.NoError(t, err)
+					break
+				}
+				time.Sleep(time.Millisecond)
+			}
+		}
+		require.Eventually(t, func() bool {
+			r.drainNotifSocket()
+			s := r.Stats()
+			return s.NotifsReceived+s.NotifsUntaken == 20
+		}, 5*time.Second, time.Millisecond)
+		s := r.Stats()
+		require.Equal(t, uint64(10), s.NotifsReceived)
+		require.Equal(t, uint64(10), s.NotifsUntaken)
+		require.Equal(t, 10, count(r.Notifs()))
+	})
 }
